@@ -1,0 +1,35 @@
+# The two front-door commands: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch is pinned through this constraints file and installed first: any other torch spec
+# (including one pulled in by a dependency) would download the CUDA build.
+CONSTRAINTS := infra/constraints.txt
+TINY_MODELS := .cache/tiny-models
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
+	touch $(STAMP)
+
+$(TINY_MODELS)/generator/config.json: | $(STAMP)
+	$(PY) -m jobs.make_tiny_models --output $(TINY_MODELS)
+
+demo: install $(TINY_MODELS)/generator/config.json
+	rm -rf out/demo
+	$(PY) -m jobs.build_dataset --config configs/demo.yaml --output out/demo
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+bench: install $(TINY_MODELS)/generator/config.json
+	$(PY) -m benchmarks.engine_vs_generate --model $(TINY_MODELS)/generator
+
+clean:
+	rm -rf out .cache

@@ -1,0 +1,28 @@
+"""GeneratorActor: loads a causal LM once and serves the Generator protocol from pipeline.engines.hf."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.decoding.protocols import RowState
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.engines.hf import HFEngine
+
+
+class GeneratorActor:
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1):
+        torch.set_num_threads(max(1, num_threads))
+        self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype)
+
+    def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+             sampling: SamplingParams) -> None:
+        self.engine.open(session, prompts, num_samples, seeds, sampling)
+
+    def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
+        return self.engine.extend(session, until, keep)
+
+    def close(self, session: str) -> dict:
+        return self.engine.close(session)
+
+    def stats(self) -> dict:
+        return self.engine.stats()

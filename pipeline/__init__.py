@@ -1,0 +1,1 @@
+"""Distributed Best-of-N / speculative-rejection preference-data pipeline (library, Ray-free)."""

@@ -1,0 +1,249 @@
+"""Config schema: dataclasses, YAML load, ``--set dotted.key=value`` overrides, validation.
+
+No I/O beyond reading the YAML file itself. Every field is documented where it is declared.
+Unknown keys are rejected with a message that names the key, so a typo never silently
+falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from pipeline.decoding import STRATEGY_PARAMS
+
+
+class ConfigError(ValueError):
+    """A user error in the config: the message names the key."""
+
+
+@dataclass
+class ModelsConfig:
+    generator: str = ""
+    """Policy model: an HF model directory or hub id (AutoModelForCausalLM)."""
+    reward: str = ""
+    """Reward model: an HF model directory or hub id (AutoModelForSequenceClassification, 1 label)."""
+    draft: str | None = None
+    """Draft model for speculative methods (unused by best_of_n and sbon)."""
+    dtype: str = "float32"
+    """Torch dtype for all models: float32, bfloat16 or float16."""
+    device: str = "cpu"
+    """Torch device inside each actor: cpu, cuda, cuda:0, ..."""
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"models.dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class SamplingConfig:
+    num_samples: int = 8
+    """N: candidates sampled per prompt."""
+    max_new_tokens: int = 64
+    """Length cap of every response, in generated tokens."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 disables)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 disables)."""
+    chat_template: str = "auto"
+    """auto: wrap prompts in the tokenizer's chat template when it has one; never: raw text."""
+
+    def __post_init__(self):
+        if self.num_samples < 2:
+            raise ConfigError(f"sampling.num_samples: need at least 2 candidates for a pair, got {self.num_samples}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"sampling.temperature: must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"sampling.top_k: must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
+        if self.chat_template not in ("auto", "never"):
+            raise ConfigError(f"sampling.chat_template: expected auto or never, got {self.chat_template!r}")
+
+
+@dataclass
+class DataConfig:
+    prompts: str = ""
+    """Prompt input: JSONL, Parquet (file, directory or glob) or a saved HF dataset; local or s3://."""
+    output: str = ""
+    """Output directory or s3:// prefix for part-NNNNN.parquet, _manifest.json and _rejects/."""
+    prompt_column: str = "prompt"
+    """Column (JSONL key) that holds the prompt text."""
+    shard_size: int = 64
+    """Prompts per output shard; one part file per shard."""
+    overlength: str = "truncate"
+    """Prompts longer than max_prompt_tokens: truncate (keep the last tokens) or reject."""
+    max_prompt_tokens: int | None = None
+    """Prompt token limit; default: the generator's context length minus max_new_tokens."""
+    storage_options: dict = field(default_factory=dict)
+    """fsspec/s3fs options for s3:// URIs (endpoint_url, key, secret, ...); AWS_* env vars also work."""
+
+    def __post_init__(self):
+        if self.shard_size < 1:
+            raise ConfigError(f"data.shard_size: must be >= 1, got {self.shard_size}")
+        if self.overlength not in ("truncate", "reject"):
+            raise ConfigError(f"data.overlength: expected truncate or reject, got {self.overlength!r}")
+
+
+@dataclass
+class ActorResources:
+    num_cpus: float = 1
+    """CPUs reserved per actor (also its torch thread count)."""
+    num_gpus: float = 0
+    """GPUs (or a fraction) per actor."""
+
+
+@dataclass
+class RuntimeConfig:
+    generator_actors: int = 1
+    """Number of GeneratorActor replicas."""
+    reward_actors: int = 1
+    """Number of RewardActor replicas."""
+    generator: ActorResources = field(default_factory=ActorResources)
+    """Resources of each GeneratorActor."""
+    reward: ActorResources = field(default_factory=ActorResources)
+    """Resources of each RewardActor."""
+    prompts_per_batch: int = 4
+    """Prompts decoded together in one engine batch (rows = prompts_per_batch * num_samples)."""
+    batches_in_flight: int = 2
+    """Batches in flight per generator actor, so one generates while another is being scored."""
+    reward_batch_size: int = 32
+    """Sequences per reward-model forward pass."""
+    local: bool = False
+    """Run in-process without Ray (tests, debugging)."""
+
+    def __post_init__(self):
+        for key in ("generator_actors", "reward_actors", "prompts_per_batch", "batches_in_flight", "reward_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"runtime.{key}: must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "sbon"
+    """Decoding method: one of pipeline.decoding.STRATEGIES."""
+    params: Any = None
+    """The method's own parameters (its dataclass in pipeline.decoding); written flat in YAML."""
+
+    def __post_init__(self):
+        if self.name not in STRATEGY_PARAMS:
+            raise ConfigError(f"strategy.name: unknown strategy {self.name!r}; choose from {sorted(STRATEGY_PARAMS)}")
+        cls = STRATEGY_PARAMS[self.name]
+        if self.params is None or isinstance(self.params, dict):
+            self.params = _build(cls, self.params or {}, f"strategy")
+        elif not isinstance(self.params, cls):
+            raise ConfigError(f"strategy: parameters of type {type(self.params).__name__} do not belong to {self.name!r}")
+
+
+@dataclass
+class Config:
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    seed: int = 0
+    """Base seed: each candidate's sampler is seeded from (seed, prompt_id, sample index)."""
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        params = out["strategy"].pop("params") or {}
+        out["strategy"].update(params)
+        return out
+
+
+def _build(cls, raw: dict, where: str):
+    """Build dataclass ``cls`` from a mapping, recursing into nested dataclasses."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(names))})")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, f"{where}.{key}")
+        else:
+            kwargs[key] = _coerce(value, hint, f"{where}.{key}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _coerce(value, hint, where: str):
+    """Check (and lightly coerce int -> float) a scalar against its annotation."""
+    if value is None:
+        if type(None) in typing.get_args(hint) or hint is Any:
+            return None
+        raise ConfigError(f"{where}: may not be null")
+    allowed = typing.get_args(hint) or (hint,)
+    allowed = tuple(typing.get_origin(a) or a for a in allowed if a is not type(None))
+    if Any in allowed:
+        return value
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and bool not in allowed:
+        raise ConfigError(f"{where}: expected {_names(allowed)}, got a boolean")
+    if not isinstance(value, allowed):
+        raise ConfigError(f"{where}: expected {_names(allowed)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _names(types) -> str:
+    return " or ".join(t.__name__ for t in types)
+
+
+def config_from_dict(raw: dict) -> Config:
+    raw = dict(raw or {})
+    strategy = dict(raw.pop("strategy", None) or {})
+    name = strategy.pop("name", StrategyConfig.name)
+    if name not in STRATEGY_PARAMS:
+        raise ConfigError(f"strategy.name: unknown strategy {name!r}; choose from {sorted(STRATEGY_PARAMS)}")
+    params = _build(STRATEGY_PARAMS[name], strategy, "strategy")
+    cfg = _build(Config, raw, "config")
+    cfg.strategy = StrategyConfig(name=name, params=params)
+    return cfg
+
+
+def apply_override(raw: dict, dotted: str) -> None:
+    """Apply one ``dotted.key=value`` override to a raw (YAML) mapping; the value is parsed as YAML."""
+    if "=" not in dotted:
+        raise ConfigError(f"--set {dotted!r}: expected dotted.key=value")
+    key, text = dotted.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a mapping")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text != "" else ""
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Load YAML from ``path`` (or defaults), apply ``--set`` overrides in order, validate."""
+    raw: dict = {}
+    if path:
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw)

@@ -1,0 +1,108 @@
+"""Runs a decoding strategy for many prompts at once against generator and reward handles.
+
+Prompts are cut into batches (``prompts_per_batch`` prompts, decoded together as one engine
+batch). Each generator handle serves ``batches_in_flight`` batches at a time, so while one batch
+waits for the reward model at a decision token, another is decoding on the same generator: neither
+actor sits idle. A batch keeps its generator for its whole life (the KV cache lives there); reward
+calls are stateless and spread round-robin.
+
+Handles are anything that satisfies the Generator / Scorer protocols: Ray actor proxies in
+production (actors.RemoteProxy), plain in-process engines wrapped in ``Serialized`` in tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Any, Iterator
+
+from pipeline.decoding import STRATEGIES
+from pipeline.decoding.protocols import Generator, PromptInput, PromptResult, Scorer
+from pipeline.decoding.sampling import SamplingParams
+
+
+class Serialized:
+    """Lets several coordinator threads share one in-process engine, one call at a time,
+    the way a Ray actor serves its callers."""
+
+    def __init__(self, target: Any):
+        self._target = target
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str):
+        method = getattr(self._target, name)
+
+        def call(*args, **kwargs):
+            with self._lock:
+                return method(*args, **kwargs)
+
+        return call
+
+
+class _RoundRobin:
+    def __init__(self, scorers: list[Scorer]):
+        self._cycle = itertools.cycle(scorers)
+        self._lock = threading.Lock()
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        with self._lock:
+            scorer = next(self._cycle)
+        return scorer.score(prompts, responses)
+
+
+class Coordinator:
+    def __init__(self, strategy: str, params: Any, sampling: SamplingParams, num_samples: int, seed: int,
+                 generators: list[Generator], scorers: list[Scorer], prompts_per_batch: int = 4,
+                 batches_in_flight: int = 2):
+        if not generators or not scorers:
+            raise ValueError("need at least one generator and one scorer")
+        self.strategy_name = strategy
+        self.strategy = STRATEGIES[strategy]
+        self.params = params
+        self.sampling = sampling
+        self.num_samples = num_samples
+        self.seed = seed
+        self.generators = generators
+        self.scorer = _RoundRobin(scorers)
+        self.prompts_per_batch = prompts_per_batch
+        self.batches_in_flight = batches_in_flight
+
+    def _run_batch(self, batch: list[PromptInput], slots: queue.Queue) -> list[PromptResult]:
+        index = slots.get()
+        try:
+            results = self.strategy(batch, self.generators[index], self.scorer, self.params, self.sampling,
+                                    self.num_samples, self.seed)
+        finally:
+            slots.put(index)
+        if [r.prompt.prompt_id for r in results] != [p.prompt_id for p in batch]:
+            raise RuntimeError(f"{self.strategy_name}: results do not match the batch's prompts")
+        for r in results:
+            if len(r.candidates) != self.num_samples:
+                raise RuntimeError(f"{self.strategy_name}: prompt {r.prompt.prompt_id} has "
+                                   f"{len(r.candidates)} candidates, expected {self.num_samples}")
+        return results
+
+    def run(self, prompts: list[PromptInput]) -> Iterator[PromptResult]:
+        """Yields one PromptResult per prompt, in completion order."""
+        batches = [prompts[i:i + self.prompts_per_batch] for i in range(0, len(prompts), self.prompts_per_batch)]
+        workers = len(self.generators) * self.batches_in_flight
+        slots: queue.Queue = queue.Queue()
+        for _ in range(self.batches_in_flight):
+            for g in range(len(self.generators)):
+                slots.put(g)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coordinator") as pool:
+            pending = iter(batches)
+            running = {pool.submit(self._run_batch, b, slots) for b in itertools.islice(pending, workers)}
+            try:
+                while running:
+                    done, running = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        yield from future.result()
+                        nxt = next(pending, None)
+                        if nxt is not None:
+                            running.add(pool.submit(self._run_batch, nxt, slots))
+            finally:
+                for future in running:
+                    future.cancel()

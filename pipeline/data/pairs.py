@@ -1,0 +1,49 @@
+"""Pair selection: from one prompt's scored candidates to one (chosen, rejected) row.
+
+- chosen: the completed candidate with the highest finite reward. A candidate stopped early by
+  speculative rejection is never chosen (its text is unfinished).
+- rejected: the candidate with the lowest finite reward among the others, completed or stopped
+  early (then ``rejected_is_partial`` is true and its score is the partial reward at the stop).
+  A candidate whose text equals the chosen text is skipped.
+- Failed candidates (non-finite reward) are never used and are counted.
+- No pair (a reject with its reason) when no completed candidate has a finite reward, when no
+  other usable candidate is left, or when the best and worst scores tie.
+"""
+
+from __future__ import annotations
+
+from pipeline.decoding.protocols import PromptResult
+
+
+def select_pair(result: PromptResult, strategy: str) -> tuple[dict | None, str | None]:
+    """Returns (pair row, None) or (None, reason)."""
+    usable = [c for c in result.candidates if not c.failed]
+    completed = [c for c in usable if c.completed and not c.stopped_early]
+    if not completed:
+        return None, "no completed candidate with a finite reward"
+    chosen = max(completed, key=lambda c: (c.score, -c.sample))
+    others = [c for c in usable if c is not chosen and c.text != chosen.text]
+    if not others:
+        return None, "no second distinct candidate with a finite reward"
+    rejected = min(others, key=lambda c: (c.score, c.sample))
+    if rejected.score >= chosen.score:
+        return None, f"tie: best and worst reward are equal ({chosen.score:.6g})"
+    p = result.prompt
+    return {
+        "prompt_id": p.prompt_id,
+        "prompt": p.text,
+        "chosen": chosen.text,
+        "rejected": rejected.text,
+        "chosen_score": float(chosen.score),
+        "rejected_score": float(rejected.score),
+        "strategy": strategy,
+        "num_candidates": len(result.candidates),
+        "generated_tokens": int(result.generated_tokens),
+        "bon_equivalent_tokens": int(result.bon_equivalent_tokens),
+        "rejected_is_partial": bool(rejected.stopped_early),
+        "chosen_sample": int(chosen.sample),
+        "rejected_sample": int(rejected.sample),
+        "stopped_early": sum(c.stopped_early for c in result.candidates),
+        "failed_candidates": len(result.candidates) - len(usable),
+        "raw_prompt": p.raw_prompt,
+    }, None

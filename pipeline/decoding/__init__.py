@@ -1,0 +1,21 @@
+"""Decoding algorithms: pure functions over small Protocols (no Ray, no vLLM, no file I/O).
+
+STRATEGIES maps a strategy name to its function; STRATEGY_PARAMS to its parameter dataclass.
+Every strategy has the signature
+``fn(prompts, generator, scorer, params, sampling, num_samples, seed) -> list[PromptResult]``.
+"""
+
+from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
+from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+
+STRATEGIES = {
+    "best_of_n": best_of_n,
+    "sbon": speculative_rejection,
+    "speculative_rejection": speculative_rejection,
+}
+
+STRATEGY_PARAMS = {
+    "best_of_n": BestOfNParams,
+    "sbon": SpeculativeRejectionParams,
+    "speculative_rejection": SpeculativeRejectionParams,
+}

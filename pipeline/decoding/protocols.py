@@ -1,0 +1,86 @@
+"""The small interfaces the decoding algorithms see. Engines, Ray actor proxies and test fakes
+all satisfy them, so the same algorithm code runs in unit tests, in-process, and on a cluster."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pipeline.decoding.sampling import SamplingParams
+
+
+@dataclass
+class RowState:
+    """One candidate row as the generator reports it after a decoding call."""
+
+    row: int
+    """Row id inside its session: prompt index * num_samples + sample index."""
+    token_ids: list[int]
+    """All response tokens so far (no prompt, EOS excluded)."""
+    text: str
+    """The decoded response so far, special tokens removed."""
+    finished: bool
+    """True once the row emitted EOS or reached max_new_tokens."""
+
+
+@dataclass
+class PromptInput:
+    """A prompt ready for generation."""
+
+    prompt_id: str
+    text: str
+    """The text the generator is conditioned on (chat template applied when used)."""
+    raw_prompt: str
+    """The prompt as it appeared in the input, given to the reward model."""
+    token_ids: list[int]
+
+
+@dataclass
+class Candidate:
+    sample: int
+    token_ids: list[int]
+    text: str
+    score: float = math.nan
+    """Final reward if completed; the partial reward at the stop if stopped early; NaN if failed."""
+    completed: bool = False
+    """Generated to EOS or max_new_tokens."""
+    stopped_early: bool = False
+    """Terminated by speculative rejection at a decision token."""
+    stopped_at: int | None = None
+    """Decision token at which it was stopped."""
+
+    @property
+    def failed(self) -> bool:
+        return not math.isfinite(self.score)
+
+
+@dataclass
+class PromptResult:
+    prompt: PromptInput
+    candidates: list[Candidate]
+    generated_tokens: int = 0
+    """Tokens this prompt cost."""
+    bon_equivalent_tokens: int = 0
+    """Tokens plain Best-of-N would have generated for the same candidates (estimate for stopped ones)."""
+    stats: dict = field(default_factory=dict)
+
+
+class Generator(Protocol):
+    """A stateful batched decoder: a session holds the KV cache of its rows between calls."""
+
+    def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+             sampling: SamplingParams) -> None:
+        """Prefill each prompt once and fan it out to num_samples rows, one seed per row."""
+
+    def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
+        """Drop rows not in ``keep`` (from the batch and the KV cache), then decode the rest until
+        each has ``until`` tokens or is finished. Returns the kept rows' states."""
+
+    def close(self, session: str) -> dict:
+        """Free the session; returns its counters (generated_tokens, forward_passes)."""
+
+
+class Scorer(Protocol):
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """Reward of each (prompt, response) pair; NaN marks a failed score, never 0."""

@@ -1,0 +1,221 @@
+"""Batched incremental decoding with a KV cache over any Hugging Face causal LM.
+
+The engine is stateful: a *session* holds a batch of candidate rows and their KV cache between
+calls, so an algorithm can decode to a decision point, look at the partial responses, drop the
+unpromising rows (from the batch and from the cache, which is where early termination saves
+compute), and continue with the rest.
+
+    engine.open(session, prompts, num_samples, seeds, sampling)   # prefill each prompt once, fan out
+    engine.extend(session, until=32)                              # decode a chunk of steps
+    engine.extend(session, until=128, keep=[0, 3, 5])             # prune rows, decode on
+    engine.close(session)                                         # counters; frees the cache
+
+Rows of several prompts share one batch: prompts are left-padded, the attention mask hides the
+padding, and position ids count real tokens only, so a row's logits match an unpadded run.
+Every row samples with its own seeded ``torch.Generator`` (see pipeline.decoding.sampling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from pipeline.decoding.protocols import RowState
+from pipeline.decoding.sampling import SamplingParams, sample_next
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(name_or_path: str):
+    """Any HF tokenizer directory or hub id; a missing pad token falls back to EOS."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the generation config (it may list several) and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@dataclass
+class _Session:
+    sampling: SamplingParams
+    cache: DynamicCache
+    attention_mask: torch.Tensor  # [B, L] 1 = real token, 0 = left padding
+    next_position: torch.Tensor  # [B] position id of the token fed next
+    last_token: torch.Tensor  # [B] sampled, not yet in the cache
+    rows: list[int]  # live row ids, aligned with the batch dimension
+    generators: list[torch.Generator]
+    tokens: dict[int, list[int]]  # row id -> response tokens (EOS excluded)
+    finished: set[int] = field(default_factory=set)
+    generated_tokens: int = 0
+    forward_passes: int = 0
+
+
+class HFEngine:
+    """Generator implementation over an HF causal LM (see pipeline.decoding.protocols.Generator)."""
+
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self._eos = torch.tensor(sorted(self.eos_ids) or [-1], device=self.device)
+        self.pad_id = tokenizer.pad_token_id
+        self.sessions: dict[str, _Session] = {}
+        self.generated_tokens = 0
+        self.forward_passes = 0
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32") -> HFEngine:
+        tokenizer = load_tokenizer(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
+        return cls(model, tokenizer, device)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", None) or self.tokenizer.model_max_length)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def _forward(self, session: _Session, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=session.attention_mask, position_ids=position_ids,
+                         past_key_values=session.cache, use_cache=True, logits_to_keep=1)
+        session.forward_passes += 1
+        self.forward_passes += 1
+        return out.logits[:, -1, :]  # [B, V]
+
+    def _append(self, session: _Session, logits: torch.Tensor) -> None:
+        """Sample one token per live row from logits [B, V]; retire rows that hit EOS or the cap."""
+        tokens = sample_next(logits, session.sampling, session.generators)  # [B]
+        session.last_token = tokens
+        session.generated_tokens += len(session.rows)
+        self.generated_tokens += len(session.rows)
+        is_eos = torch.isin(tokens, self._eos).tolist()
+        cap = session.sampling.max_new_tokens
+        done = []
+        for i, (row, token, eos) in enumerate(zip(session.rows, tokens.tolist(), is_eos)):
+            if not eos:
+                session.tokens[row].append(token)
+            if eos or len(session.tokens[row]) >= cap:
+                done.append(i)
+        if done:
+            session.finished.update(session.rows[i] for i in done)
+            self._select(session, [i for i in range(len(session.rows)) if i not in set(done)])
+
+    def _select(self, session: _Session, keep: list[int]) -> None:
+        """Keep batch positions ``keep``: the batch, the KV cache and the samplers shrink together."""
+        if len(keep) == len(session.rows):
+            return
+        if keep:
+            index = torch.tensor(keep, device=self.device)
+            session.cache.batch_select_indices(index)
+            session.attention_mask = session.attention_mask[index]
+            session.next_position = session.next_position[index]
+            session.last_token = session.last_token[index]
+        else:  # nothing left to decode: free the cache now
+            session.cache = DynamicCache()
+            session.attention_mask = session.attention_mask[:0]
+        session.rows = [session.rows[i] for i in keep]
+        session.generators = [session.generators[i] for i in keep]
+
+    # -- Generator protocol ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+             sampling: SamplingParams) -> None:
+        if session in self.sessions:
+            raise ValueError(f"session {session} is already open")
+        if len(seeds) != len(prompts) * num_samples:
+            raise ValueError(f"need {len(prompts) * num_samples} seeds, got {len(seeds)}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: the last column is every prompt's last token
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [P, W]
+        generators = []
+        for s in seeds:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(s)
+            generators.append(g)
+        state = _Session(
+            sampling=sampling, cache=DynamicCache(config=self.model.config), attention_mask=mask,
+            next_position=mask.sum(-1), last_token=input_ids[:, -1], rows=list(range(len(prompts))),
+            generators=generators, tokens={r: [] for r in range(len(seeds))},
+        )
+        logits = self._forward(state, input_ids, position_ids)  # prefill once per prompt: [P, V]
+        # Fan out: each prompt's cache, mask and logits are repeated for its num_samples rows.
+        state.cache.batch_repeat_interleave(num_samples)
+        state.attention_mask = mask.repeat_interleave(num_samples, 0)
+        state.next_position = state.next_position.repeat_interleave(num_samples, 0)
+        state.rows = list(range(len(seeds)))
+        self.sessions[session] = state
+        self._append(state, logits.repeat_interleave(num_samples, 0))
+
+    @torch.inference_mode()
+    def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
+        state = self._session(session)
+        if keep is not None:
+            keep_set = set(keep)
+            unknown = keep_set - set(state.tokens)
+            if unknown:
+                raise ValueError(f"session {session}: unknown rows {sorted(unknown)[:5]}")
+            self._select(state, [i for i, r in enumerate(state.rows) if r in keep_set])
+            reported = [r for r in state.tokens if r in keep_set]
+        else:
+            reported = [r for r in state.tokens if r in state.finished or r in state.rows]
+        until = min(until, state.sampling.max_new_tokens)
+        # Live rows advance in lockstep, so they all hold the same number of tokens.
+        while state.rows and len(state.tokens[state.rows[0]]) < until:
+            ones = torch.ones((len(state.rows), 1), dtype=state.attention_mask.dtype, device=self.device)
+            state.attention_mask = torch.cat([state.attention_mask, ones], dim=1)  # [B, L + 1]
+            logits = self._forward(state, state.last_token[:, None], state.next_position[:, None])
+            state.next_position = state.next_position + 1
+            self._append(state, logits)
+        decode = self.tokenizer.batch_decode([state.tokens[r] for r in reported], skip_special_tokens=True)
+        return [RowState(row=r, token_ids=list(state.tokens[r]), text=text, finished=r in state.finished)
+                for r, text in zip(reported, decode)]
+
+    def close(self, session: str) -> dict:
+        state = self.sessions.pop(session, None)
+        if state is None:
+            return {"generated_tokens": 0, "forward_passes": 0}
+        return {"generated_tokens": state.generated_tokens, "forward_passes": state.forward_passes}
+
+    def stats(self) -> dict:
+        return {"generated_tokens": self.generated_tokens, "forward_passes": self.forward_passes,
+                "open_sessions": len(self.sessions)}
+
+    def _session(self, session: str) -> _Session:
+        try:
+            return self.sessions[session]
+        except KeyError:
+            raise ValueError(f"unknown session {session}") from None
+
+    # -- convenience -------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], num_samples: int, seeds: list[int],
+                 sampling: SamplingParams) -> list[RowState]:
+        """Sample every row to the end in one session (what Best-of-N needs)."""
+        session = f"generate-{id(prompts)}-{self.forward_passes}"
+        self.open(session, prompts, num_samples, seeds, sampling)
+        try:
+            return self.extend(session, until=sampling.max_new_tokens)
+        finally:
+            self.close(session)
