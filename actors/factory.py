@@ -67,7 +67,9 @@ def start_workers(config: Config) -> Workers:
     from actors.reward import RewardActor
 
     if not ray.is_initialized():
-        ray.init(runtime_env=ray_runtime_env() or None, log_to_driver=True)
+        # With no cluster to attach to, the local one we start listens on loopback only.
+        local = {} if os.environ.get("RAY_ADDRESS") else {"_node_ip_address": "127.0.0.1"}
+        ray.init(runtime_env=ray_runtime_env() or None, **local)
     gen_cls = ray.remote(num_cpus=rt.generator.num_cpus, num_gpus=rt.generator.num_gpus, max_restarts=0)(GeneratorActor)
     rew_cls = ray.remote(num_cpus=rt.reward.num_cpus, num_gpus=rt.reward.num_gpus, max_restarts=0)(RewardActor)
     gens = [gen_cls.remote(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus)))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.coordinator import Coordinator
 from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import PromptFormatter, Reject, read_raw_rows, validate
@@ -46,17 +46,38 @@ def sampling_params(config: Config) -> SamplingParams:
     return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
-def run_build(config: Config, workers, progress: bool = True) -> dict:
+@dataclass
+class BuildPlan:
+    """Everything decided before any model runs: input read and validated, prompts formatted,
+    shards assigned. Building it surfaces every input error before a cluster starts."""
+
+    config: Config
+    store: OutputStore
+    prompts_in: int
+    num_shards: int
+    pending: dict[int, _Shard]
+    prompts: list
+    origin: dict
+    """prompt_id -> (shard, source_row, truncated)."""
+    started: float
+
+
+def plan_build(config: Config) -> BuildPlan:
     start = time.perf_counter()
     data = config.data
-    store = OutputStore(data.output, data.storage_options)
     values = read_raw_rows(data.prompts, data.prompt_column, data.storage_options)
     rows, input_rejects = validate(values, data.prompt_column)
+    store = OutputStore(data.output, data.storage_options)
     num_shards = max(1, math.ceil(len(values) / data.shard_size))
     pending = {k: _Shard(k) for k in range(num_shards) if not store.is_committed(k)}
 
-    tokenizer = load_tokenizer(config.models.generator)
-    context = getattr(AutoConfig.from_pretrained(config.models.generator), "max_position_embeddings", None)
+    try:
+        tokenizer = load_tokenizer(config.models.generator)
+        model_config = AutoConfig.from_pretrained(config.models.generator)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"models.generator: cannot load {config.models.generator!r} "
+                          f"({str(exc).splitlines()[0]})") from None
+    context = getattr(model_config, "max_position_embeddings", None)
     context = int(context or tokenizer.model_max_length)
     max_prompt = data.max_prompt_tokens or context - config.sampling.max_new_tokens
     formatter = PromptFormatter(tokenizer, max_prompt, data.overlength, config.sampling.chat_template)
@@ -76,17 +97,22 @@ def run_build(config: Config, workers, progress: bool = True) -> dict:
         prompts.append(prompt)
         origin[prompt.prompt_id] = (shard, row.source_row, truncated)
         shard.expected += 1
+    return BuildPlan(config, store, len(values), num_shards, pending, prompts, origin, start)
 
+
+def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
+    """Generate, pair and commit every pending shard of the plan; returns the manifest."""
+    config, store, pending, origin = plan.config, plan.store, plan.pending, plan.origin
     for shard in [s for s in pending.values() if s.expected == 0]:
         store.commit_shard(shard.index, [], shard.rejects)
 
     coordinator = Coordinator(config.strategy.name, config.strategy.params, sampling_params(config),
                               config.sampling.num_samples, config.seed, workers.generators, workers.scorers,
                               config.runtime.prompts_per_batch, config.runtime.batches_in_flight)
-    bar = tqdm(total=len(prompts), unit="prompt", desc=f"build {config.strategy.name}", disable=not progress,
+    bar = tqdm(total=len(plan.prompts), unit="prompt", desc=f"build {config.strategy.name}", disable=not progress,
                dynamic_ncols=True)
     pairs_made = tokens = bon_tokens = 0
-    for result in coordinator.run(prompts):
+    for result in coordinator.run(plan.prompts):
         shard, source_row, truncated = origin[result.prompt.prompt_id]
         pair, reason = select_pair(result, config.strategy.name)
         if pair is None:
@@ -111,9 +137,10 @@ def run_build(config: Config, workers, progress: bool = True) -> dict:
     if unfinished:
         raise RuntimeError(f"shards {unfinished} did not receive all their prompts")
 
-    manifest = summarize(store, num_shards, len(values))
-    manifest.update(wall_seconds=round(time.perf_counter() - start, 3), config=config.to_dict(),
-                    shards_written=sorted(pending), shards_skipped=sorted(set(range(num_shards)) - set(pending)),
+    manifest = summarize(store, plan.num_shards, plan.prompts_in)
+    manifest.update(wall_seconds=round(time.perf_counter() - plan.started, 3), config=config.to_dict(),
+                    shards_written=sorted(pending),
+                    shards_skipped=sorted(set(range(plan.num_shards)) - set(pending)),
                     prompts_truncated=sum(1 for _, _, t in origin.values() if t), run_stats=workers.stats())
     manifest["pairs_per_minute"] = round(manifest["pairs"] / max(manifest["wall_seconds"], 1e-9) * 60, 2)
     store.write_manifest(manifest)

@@ -8,6 +8,7 @@ falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -231,8 +232,22 @@ def apply_override(raw: dict, dotted: str) -> None:
     node[parts[-1]] = yaml.safe_load(text) if text != "" else ""
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Load YAML from ``path`` (or defaults), apply ``--set`` overrides in order, validate."""
+def switch_strategy(raw: dict, name: str) -> list[str]:
+    """Point ``raw`` at strategy ``name``, keeping only the parameters it knows; returns the dropped
+    keys (the YAML may hold another strategy's parameters, e.g. ``--strategy best_of_n`` on an sbon
+    config)."""
+    if name not in STRATEGY_PARAMS:
+        raise ConfigError(f"strategy.name: unknown strategy {name!r}; choose from {sorted(STRATEGY_PARAMS)}")
+    current = dict(raw.get("strategy") or {})
+    known = {f.name for f in dataclasses.fields(STRATEGY_PARAMS[name])}
+    dropped = sorted(k for k in current if k != "name" and k not in known)
+    raw["strategy"] = {"name": name, **{k: v for k, v in current.items() if k in known}}
+    return dropped
+
+
+def load_config(path: str | None, overrides: list[str] = (), strategy: str | None = None) -> Config:
+    """Load YAML from ``path`` (or defaults), switch to ``strategy`` if given (dropping parameters it
+    does not take, with a note on stderr), apply ``--set`` overrides in order, validate."""
     raw: dict = {}
     if path:
         try:
@@ -244,6 +259,10 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}: invalid YAML ({str(exc).splitlines()[0]})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
+    if strategy is not None:
+        dropped = switch_strategy(raw, strategy)
+        if dropped:
+            print(f"note: strategy {strategy!r} does not take {', '.join(dropped)}; ignored", file=sys.stderr)
     for item in overrides:
         apply_override(raw, item)
     return config_from_dict(raw)

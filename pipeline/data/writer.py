@@ -90,7 +90,11 @@ class OutputStore:
 
     def _write_table(self, path: str, table: pa.Table) -> None:
         sink = pa.BufferOutputStream()
-        pq.write_table(table, sink)
+        # An empty table goes out with no row group at all: a 0-row row group makes
+        # datasets.load_dataset("parquet") fail for the whole directory.
+        with pq.ParquetWriter(sink, table.schema) as writer:
+            if table.num_rows:
+                writer.write_table(table)
         self._write_bytes(path, sink.getvalue().to_pybytes())
 
     def _write_bytes(self, path: str, payload: bytes) -> None:

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny models built once per session (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobs.make_tiny_models import make_tiny_models
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    return make_tiny_models(tmp_path_factory.mktemp("tiny-models"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_models):
+    from pipeline.engines.hf import HFEngine
+
+    return HFEngine.from_pretrained(str(tiny_models["generator"]))
+
+
+@pytest.fixture(scope="session")
+def scorer(tiny_models):
+    from pipeline.engines.rewards import RewardScorer
+
+    return RewardScorer.from_pretrained(str(tiny_models["reward"]))
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+GOOD_PROMPTS = [
+    "Write a review of the lamp.",
+    "Explain why the battery lasts so long.",
+    "Describe how the blender works.",
+    "Tell me if the camera is good.",
+    "Summarize what you think of the app.",
+    "Write a short note about the delivery.",
+]
+
+# A prompt file as a new user would write it: good rows mixed with bad ones.
+MIXED_ROWS = [
+    {"prompt": GOOD_PROMPTS[0]},
+    {"prompt": "   \n\t"},  # whitespace only
+    {"prompt": GOOD_PROMPTS[1], "id": 7},
+    {"text": "no prompt key here"},  # missing prompt
+    {"prompt": GOOD_PROMPTS[2]},
+    {"prompt": 42},  # not a string
+    {"prompt": GOOD_PROMPTS[3]},
+    {"prompt": None},  # null
+    {"prompt": GOOD_PROMPTS[0]},  # duplicate of row 0
+    {"prompt": GOOD_PROMPTS[4]},
+    {"prompt": ""},  # empty
+    {"prompt": GOOD_PROMPTS[5]},
+]
+MIXED_BAD_ROWS = {1: "blank prompt", 3: "missing prompt", 5: "prompt is not a string", 7: "missing prompt",
+                  8: "duplicate prompt", 10: "blank prompt"}

@@ -1,0 +1,126 @@
+"""Prompt reading and validation, pair selection, and the shard writer."""
+
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data.pairs import select_pair
+from pipeline.data.prompts import InputError, PromptFormatter, PromptRow, prompt_id, read_raw_rows, validate
+from pipeline.data.writer import OutputStore, part_name
+from pipeline.decoding.protocols import Candidate, PromptInput, PromptResult
+from tests.conftest import MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
+
+
+def test_validate_sorts_good_rows_from_rejects(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", MIXED_ROWS)
+    rows, rejects = validate(read_raw_rows(str(path), "prompt"), "prompt")
+    assert [r.source_row for r in rows] == [0, 2, 4, 6, 9, 11]
+    assert {r.source_row: r.reason for r in rejects}.keys() == MIXED_BAD_ROWS.keys()
+    for r in rejects:
+        assert r.reason.startswith(MIXED_BAD_ROWS[r.source_row])
+    assert rows[0].prompt == MIXED_ROWS[0]["prompt"]
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, "", '{"prompt": "b"', {"prompt": "c"}])
+    with pytest.raises(InputError, match=r"bad\.jsonl:3: malformed JSON"):
+        read_raw_rows(str(path), "prompt")
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        read_raw_rows(str(tmp_path / "missing.jsonl"), "prompt")
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"] * 200}), good)
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(InputError, match="truncated.parquet: unreadable Parquet"):
+        read_raw_rows(str(truncated), "prompt")
+    with pytest.raises(InputError, match="no column 'text'"):
+        read_raw_rows(str(good), "text")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(InputError, match="unsupported input format"):
+        read_raw_rows(str(tmp_path / "notes.txt"), "prompt")
+
+
+def test_parquet_directory_and_saved_dataset(tmp_path):
+    import datasets
+
+    d = tmp_path / "dir"
+    d.mkdir()
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), d / "0.parquet")
+    pq.write_table(pa.table({"prompt": ["c", None]}), d / "1.parquet")
+    assert read_raw_rows(str(d), "prompt") == ["a", "b", "c", None]
+    datasets.Dataset.from_dict({"question": ["x", "y"]}).save_to_disk(str(tmp_path / "saved"))
+    assert read_raw_rows(str(tmp_path / "saved"), "question") == ["x", "y"]
+
+
+def test_formatter_truncates_or_rejects_long_prompts(engine):
+    long = "Write a review of the lamp and the camera and the battery. " * 20
+    row = PromptRow(3, long)
+    fmt = PromptFormatter(engine.tokenizer, max_prompt_tokens=40, overlength="truncate")
+    prompt, reject, truncated = fmt.prepare(row)
+    assert reject is None and truncated
+    assert len(prompt.token_ids) <= 40 and prompt.prompt_id == prompt_id(long)
+    assert prompt.text.startswith("<s><|user|>") and prompt.text.endswith("<|assistant|>")
+    assert long.rstrip().endswith(prompt.raw_prompt.rstrip()[-20:])  # the end of the request survives
+    prompt, reject, truncated = PromptFormatter(engine.tokenizer, 40, "reject").prepare(row)
+    assert prompt is None and reject.source_row == 3 and "too long" in reject.reason
+    short, _, truncated = fmt.prepare(PromptRow(0, "Hi"))
+    assert not truncated and short.token_ids == engine.tokenizer(short.text, add_special_tokens=False).input_ids
+
+
+def result(*cands):
+    return PromptResult(PromptInput("pid", "text", "raw", [1]), list(cands), generated_tokens=10,
+                        bon_equivalent_tokens=20)
+
+
+def test_pair_chosen_is_best_completed_and_rejected_may_be_partial():
+    pair, reason = select_pair(result(
+        Candidate(0, [1], "a", 0.5, completed=True),
+        Candidate(1, [1], "b", 0.9, stopped_early=True, stopped_at=4),  # best score, but unfinished
+        Candidate(2, [1], "c", 0.7, completed=True),
+        Candidate(3, [1], "d", -0.2, stopped_early=True, stopped_at=4),
+        Candidate(4, [1], "e", math.nan, completed=True),
+    ), "sbon")
+    assert reason is None
+    assert (pair["chosen"], pair["rejected"]) == ("c", "d")
+    assert pair["rejected_is_partial"] and pair["failed_candidates"] == 1 and pair["stopped_early"] == 2
+    assert pair["num_candidates"] == 5 and pair["generated_tokens"] == 10
+
+
+def test_pair_rejects_with_reasons():
+    assert select_pair(result(Candidate(0, [1], "a", math.nan, completed=True),
+                              Candidate(1, [1], "b", 0.2, stopped_early=True)), "s")[1].startswith("no completed")
+    assert select_pair(result(Candidate(0, [1], "a", 0.3, completed=True),
+                              Candidate(1, [1], "a", 0.1, completed=True)), "s")[1].startswith("no second")
+    assert select_pair(result(Candidate(0, [1], "a", 0.3, completed=True),
+                              Candidate(1, [1], "b", 0.3, completed=True)), "s")[1].startswith("tie")
+
+
+def test_store_commits_atomically_and_resumes(tmp_path):
+    store = OutputStore(str(tmp_path / "out"))
+    assert not store.is_committed(0)
+    store.commit_shard(0, [], [{"source_row": 1, "prompt_id": None, "reason": "blank prompt", "value": "' '",
+                                "stage": "input", "generated_tokens": 0, "bon_equivalent_tokens": 0}])
+    assert store.is_committed(0)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_rejects", part_name(0)]
+    pairs, rejects = store.read_shard(0)
+    assert pairs.num_rows == 0 and rejects.column("reason").to_pylist() == ["blank prompt"]
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "out").rglob("*"))
+    store.commit_shard(1, [], [])
+    assert pq.ParquetFile(tmp_path / "out" / part_name(1)).metadata.num_row_groups == 0
+
+
+def test_empty_shards_do_not_break_load_dataset(tmp_path):
+    import datasets
+
+    store = OutputStore(str(tmp_path))
+    row = {"prompt_id": "x", "prompt": "p", "chosen": "a", "rejected": "b", "chosen_score": 1.0,
+           "rejected_score": 0.0, "strategy": "sbon", "num_candidates": 2, "generated_tokens": 3}
+    store.commit_shard(0, [], [])
+    store.commit_shard(1, [row], [])
+    ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "part-*.parquet"), split="train")
+    assert ds["chosen"] == ["a"]

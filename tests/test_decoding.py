@@ -1,0 +1,176 @@
+"""Best-of-N and speculative rejection (Algorithm 1) against fakes and against tiny real models."""
+
+import math
+import random
+
+import pytest
+
+from pipeline.decoding import STRATEGIES
+from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
+from pipeline.decoding.protocols import PromptInput, RowState
+from pipeline.decoding.sampling import SamplingParams, row_seed
+from pipeline.decoding.speculative_rejection import (SpeculativeRejectionParams, rejection_cutoff,
+                                                     speculative_rejection)
+
+EOS = 0
+
+
+class FakeGenerator:
+    """Each row's token stream comes from its seed alone; token 0 is EOS. Records every call."""
+
+    def __init__(self, eos_rate=0.0):
+        self.sessions, self.calls, self.eos_rate = {}, [], eos_rate
+
+    def open(self, session, prompts, num_samples, seeds, sampling):
+        self.sessions[session] = {"rng": {i: random.Random(s) for i, s in enumerate(seeds)},
+                                  "tokens": {i: [] for i in range(len(seeds))}, "done": set(),
+                                  "live": set(range(len(seeds))), "cap": sampling.max_new_tokens}
+        self.calls.append(("open", len(seeds)))
+
+    def extend(self, session, until, keep=None):
+        s = self.sessions[session]
+        if keep is not None:
+            s["live"] &= set(keep)
+        self.calls.append(("extend", until, sorted(s["live"])))
+        for row in sorted(s["live"] - s["done"]):
+            while len(s["tokens"][row]) < min(until, s["cap"]) and row not in s["done"]:
+                rng = s["rng"][row]
+                tok = EOS if rng.random() < self.eos_rate else rng.randint(1, 99)
+                if tok == EOS:
+                    s["done"].add(row)
+                else:
+                    s["tokens"][row].append(tok)
+            if len(s["tokens"][row]) >= s["cap"]:
+                s["done"].add(row)
+        rows = sorted(keep) if keep is not None else sorted(s["live"])
+        return [RowState(r, list(s["tokens"][r]), " ".join(map(str, s["tokens"][r])), r in s["done"]) for r in rows]
+
+    def close(self, session):
+        self.sessions.pop(session)
+        return {}
+
+
+class FakeScorer:
+    """Reward = mean token value / 100, so partial and final rewards correlate."""
+
+    def __init__(self, nan_for=()):
+        self.nan_for = set(nan_for)
+
+    def score(self, prompts, responses):
+        out = []
+        for r in responses:
+            toks = [int(t) for t in r.split()]
+            out.append(math.nan if r in self.nan_for else (sum(toks) / len(toks) / 100 if toks else 0.0))
+        return out
+
+
+def prompts(n=3):
+    return [PromptInput(f"p{i}", f"prompt {i}", f"prompt {i}", [1, 2, 3]) for i in range(n)]
+
+
+SAMPLING = SamplingParams(max_new_tokens=24)
+
+
+def test_registry_names():
+    assert STRATEGIES["sbon"] is STRATEGIES["speculative_rejection"] is speculative_rejection
+    assert STRATEGIES["best_of_n"] is best_of_n
+
+
+def test_cutoff_is_the_alpha_lower_quantile():
+    scores = [0.1, 0.5, 0.3, 0.9, 0.7, 0.2, 0.8, 0.4]
+    assert rejection_cutoff(scores, 0.0) == 0.1
+    assert rejection_cutoff(scores, 0.5) == 0.5  # keep the top 4: 0.9, 0.8, 0.7, 0.5
+    assert rejection_cutoff(scores, 0.75) == 0.8
+    assert rejection_cutoff(scores, 0.99) == 0.9  # at least one survives
+    assert rejection_cutoff([math.nan, 0.2, math.inf, 0.4], 0.5) == 0.4  # finite values only
+    assert rejection_cutoff([math.nan], 0.5) == -math.inf
+
+
+def test_alpha_zero_equals_best_of_n_with_fakes():
+    bon = best_of_n(prompts(), FakeGenerator(0.02), FakeScorer(), BestOfNParams(), SAMPLING, 8, seed=5)
+    sbon = speculative_rejection(prompts(), FakeGenerator(0.02), FakeScorer(),
+                                 SpeculativeRejectionParams(decision_token=6, rejection_rate=0.0), SAMPLING, 8, seed=5)
+    for a, b in zip(bon, sbon):
+        assert [c.text for c in a.candidates] == [c.text for c in b.candidates]
+        assert max(a.candidates, key=lambda c: c.score).sample == max(b.candidates, key=lambda c: c.score).sample
+        assert a.generated_tokens == b.generated_tokens
+
+
+def test_rejected_rows_stop_and_accepted_rows_finish():
+    gen = FakeGenerator()
+    results = speculative_rejection(prompts(2), gen, FakeScorer(), SpeculativeRejectionParams(8, 0.5),
+                                    SAMPLING, 8, seed=1)
+    open_call, first, final = gen.calls
+    assert first[1] == 8 and len(first[2]) == 16
+    assert len(final[2]) == 8  # half of each prompt's 8 rows continue
+    for result in results:
+        stopped = [c for c in result.candidates if c.stopped_early]
+        kept = [c for c in result.candidates if not c.stopped_early]
+        assert len(stopped) == 4 and all(len(c.token_ids) == 8 and c.stopped_at == 8 for c in stopped)
+        assert all(c.completed and len(c.token_ids) == 24 for c in kept)
+        # Eq. 4: every stopped row's partial reward is below every kept row's partial reward.
+        kept_partials = FakeScorer().score([""] * 4, [" ".join(map(str, c.token_ids[:8])) for c in kept])
+        assert max(c.score for c in stopped) < min(kept_partials)
+        assert result.generated_tokens == 4 * 8 + 4 * 24
+        assert result.bon_equivalent_tokens == 8 * 24
+
+
+def test_rows_that_end_before_tau_are_kept_unchanged():
+    gen = FakeGenerator(eos_rate=0.15)
+    results = speculative_rejection(prompts(3), gen, FakeScorer(), SpeculativeRejectionParams(10, 0.9),
+                                    SAMPLING, 8, seed=3)
+    early = [c for r in results for c in r.candidates if c.completed and len(c.token_ids) < 10]
+    assert early, "the fake should end some rows before tau"
+    assert all(not c.stopped_early for c in early)
+    final_keep = gen.calls[-1][2]
+    assert all(c.sample + 8 * i not in final_keep for i, r in enumerate(results) for c in r.candidates
+               if c in early)
+
+
+def test_non_finite_partial_reward_fails_the_candidate():
+    gen = FakeGenerator()
+    # Row 2's partial response at tau=6, which the scorer will fail on.
+    probe = FakeGenerator()
+    probe.open("x", [[1]], 1, [row_seed(0, "p0", 2)], SAMPLING)
+    poisoned = probe.extend("x", 6)[0].text
+    results = speculative_rejection(prompts(1), gen, FakeScorer(nan_for=[poisoned]),
+                                    SpeculativeRejectionParams(6, 0.0), SAMPLING, 4, seed=0)
+    c = results[0].candidates[2]
+    assert c.failed and not c.completed and len(c.token_ids) == 6
+    assert all(not o.failed and o.completed for i, o in enumerate(results[0].candidates) if i != 2)
+
+
+def test_several_decision_tokens_reject_at_each():
+    gen = FakeGenerator()
+    results = speculative_rejection(prompts(1), gen, FakeScorer(),
+                                    SpeculativeRejectionParams([12, 4], 0.5), SAMPLING, 8, seed=2)
+    assert [c[1] for c in gen.calls[1:]] == [4, 12, 24]
+    assert [len(c[2]) for c in gen.calls[1:]] == [8, 4, 2]
+    stops = sorted(c.stopped_at for c in results[0].candidates if c.stopped_early)
+    assert stops == [4, 4, 4, 4, 12, 12]
+
+
+@pytest.mark.parametrize("strategy", ["best_of_n", "sbon"])
+def test_candidate_counts_on_real_models(engine, scorer, strategy):
+    from pipeline.config import config_from_dict
+    cfg = config_from_dict({"strategy": {"name": strategy}})
+    ps = [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in
+          enumerate(["Write a review of the lamp.", "Explain why the phone broke."])]
+    results = STRATEGIES[strategy](ps, engine, scorer, cfg.strategy.params, SamplingParams(max_new_tokens=40), 6, 0)
+    assert [len(r.candidates) for r in results] == [6, 6]
+    assert sorted(c.sample for c in results[0].candidates) == list(range(6))
+
+
+def test_alpha_zero_equals_best_of_n_on_real_models(engine, scorer):
+    ps = [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in
+          enumerate(["Describe how the blender works.", "Tell me if this jacket fits."])]
+    sampling = SamplingParams(max_new_tokens=20, top_p=0.9)
+    bon = best_of_n(ps, engine, scorer, BestOfNParams(), sampling, 8, seed=7)
+    sbon = speculative_rejection(ps, engine, scorer, SpeculativeRejectionParams(decision_token=[5, 10],
+                                                                                rejection_rate=0.0),
+                                 sampling, 8, seed=7)
+    for a, b in zip(bon, sbon):
+        best_a = max(a.candidates, key=lambda c: c.score)
+        best_b = max(b.candidates, key=lambda c: c.score)
+        assert (best_a.sample, best_a.text) == (best_b.sample, best_b.text)
+        assert best_a.score == pytest.approx(best_b.score, abs=1e-5)

@@ -1,0 +1,90 @@
+"""The DPO handoff: pairs Parquet in the contract's shape -> real TRL steps -> a saved policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from jobs.make_tiny_models import make_tiny_models
+from jobs.train_reward_transformer import main
+from pipeline.data.prompts import InputError
+from pipeline.training.dpo import load_pairs
+
+SUBJECTS = ["the lamp", "the battery", "the blender", "the camera", "the app", "the keyboard", "the jacket",
+            "the delivery"]
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory) -> Path:
+    return make_tiny_models(tmp_path_factory.mktemp("models"))["generator"]
+
+
+def write_pairs(directory: Path, rows: int = 8) -> Path:
+    """A build output in the contract's shape: extra columns, a _rejects/ dir, and an empty third
+    shard (what a shard whose prompts were all rejected leaves)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    table = pa.table({
+        "prompt_id": [f"{i:016x}" for i in range(rows)],
+        "prompt": [f"<s><|user|>Write a review of {SUBJECTS[i % len(SUBJECTS)]}.\n<|assistant|>" for i in range(rows)],
+        "chosen": [f"{SUBJECTS[i % len(SUBJECTS)].capitalize()} works great, and I would buy it." for i in range(rows)],
+        "rejected": [f"{SUBJECTS[i % len(SUBJECTS)].capitalize()} broke badly." for i in range(rows)],
+        "chosen_score": pa.array([1.0 + i for i in range(rows)], pa.float64()),
+        "rejected_score": pa.array([-1.0 - i for i in range(rows)], pa.float64()),
+        "strategy": ["sbon"] * rows,
+    })
+    half = rows // 2
+    pq.write_table(table.slice(0, half), directory / "part-00000.parquet")
+    pq.write_table(table.slice(half), directory / "part-00001.parquet")
+    pq.write_table(table.schema.empty_table(), directory / "part-00002.parquet")
+    (directory / "_rejects").mkdir(exist_ok=True)
+    return directory
+
+
+def test_load_pairs_keeps_only_trl_columns(tmp_path):
+    pairs = write_pairs(tmp_path / "pairs")
+    for uri in (str(pairs), str(pairs / "part-*.parquet")):
+        ds = load_pairs(uri)
+        assert ds.column_names == ["prompt", "chosen", "rejected"]
+        assert len(ds) == 8
+    assert len(load_pairs(str(pairs / "part-00001.parquet"))) == 4
+
+
+def test_load_pairs_input_errors(tmp_path):
+    tmp_path.joinpath("pairs").mkdir()
+    pq.write_table(pa.table({"prompt": ["p"], "chosen": ["c"]}), tmp_path / "pairs" / "part-00000.parquet")
+    with pytest.raises(InputError, match="missing column.*rejected"):
+        load_pairs(str(tmp_path / "pairs"))
+    empty = write_pairs(tmp_path / "empty", rows=0)
+    with pytest.raises(InputError, match="0 rows"):
+        load_pairs(str(empty))
+
+
+def test_train_job_updates_the_policy(tmp_path, generator, capsys):
+    from transformers import AutoModelForCausalLM
+
+    pairs = write_pairs(tmp_path / "pairs")
+    output = tmp_path / "policy"
+    code = main(["--pairs", str(pairs), "--model", str(generator), "--output", str(output),
+                 "--max-steps", "2", "--batch-size", "4", "--learning-rate", "1e-3"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "steps: 2" in out and f"output: {output}" in out
+
+    trained = AutoModelForCausalLM.from_pretrained(output).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(generator).state_dict()
+    assert trained.keys() == initial.keys()
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial)
+    assert (output / "tokenizer_config.json").exists()
+
+
+def test_missing_pairs_is_a_one_line_user_error(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    code = main(["--pairs", str(missing), "--model", "unused", "--output", str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(missing) in err
+    assert err.count("\n") == 1 and "Traceback" not in err
