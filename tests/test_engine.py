@@ -34,8 +34,10 @@ def test_rows_do_not_depend_on_batch_company(engine):
 
 def test_pruned_rows_leave_the_batch_and_kept_rows_continue_unchanged(engine):
     prompt = ids(engine, "Describe how the blender works")
-    full = engine.generate([prompt], 4, [1, 2, 3, 4], SAMPLE)
-    engine.open("prune", [prompt], 4, [1, 2, 3, 4], SAMPLE)
+    seeds = [5, 6, 7, 8]
+    full = engine.generate([prompt], 4, seeds, SAMPLE)
+    assert all(len(r.token_ids) == 12 for r in full)  # precondition: no row hits EOS with these seeds
+    engine.open("prune", [prompt], 4, seeds, SAMPLE)
     first = engine.extend("prune", until=4)
     assert [len(r.token_ids) for r in first] == [4, 4, 4, 4]
     before = engine.sessions["prune"].cache.get_seq_length()
