@@ -141,8 +141,10 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
     manifest.update(wall_seconds=round(time.perf_counter() - plan.started, 3), config=config.to_dict(),
                     shards_written=sorted(pending),
                     shards_skipped=sorted(set(range(plan.num_shards)) - set(pending)),
-                    prompts_truncated=sum(1 for _, _, t in origin.values() if t), run_stats=workers.stats())
-    manifest["pairs_per_minute"] = round(manifest["pairs"] / max(manifest["wall_seconds"], 1e-9) * 60, 2)
+                    prompts_truncated=sum(1 for _, _, t in origin.values() if t), run_stats=workers.stats(),
+                    pairs_this_run=pairs_made)
+    # The rate of this run only: resumed shards cost it nothing.
+    manifest["pairs_per_minute"] = round(pairs_made / max(manifest["wall_seconds"], 1e-9) * 60, 2)
     store.write_manifest(manifest)
     return manifest
 

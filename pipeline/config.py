@@ -139,7 +139,7 @@ class StrategyConfig:
             raise ConfigError(f"strategy.name: unknown strategy {self.name!r}; choose from {sorted(STRATEGY_PARAMS)}")
         cls = STRATEGY_PARAMS[self.name]
         if self.params is None or isinstance(self.params, dict):
-            self.params = _build(cls, self.params or {}, f"strategy")
+            self.params = _build(cls, self.params or {}, "strategy")
         elif not isinstance(self.params, cls):
             raise ConfigError(f"strategy: parameters of type {type(self.params).__name__} do not belong to {self.name!r}")
 

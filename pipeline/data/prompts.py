@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.data.storage import filesystem, join
+from pipeline.data.storage import filesystem, join, list_files
 from pipeline.decoding.protocols import PromptInput
 
 
@@ -52,15 +52,12 @@ def prompt_id(text: str) -> str:
 
 
 def _files(uri: str, storage_options: dict, suffixes: tuple[str, ...]) -> tuple[Any, list[str]]:
-    fs, path = filesystem(uri, storage_options)
-    if any(ch in path for ch in "*?["):
-        files = sorted(fs.glob(path))
-    elif fs.isdir(path):
-        files = sorted(f for f in fs.find(path) if f.endswith(suffixes) and "/_" not in f[len(path):])
-    elif fs.exists(path):
-        files = [path]
-    else:
-        raise InputError(f"{uri}: no such file")
+    try:
+        # Underscore-prefixed entries (_rejects/, _markers/) are our own side files, not input.
+        fs, _, files = list_files(uri, storage_options,
+                                  lambda rel: rel.endswith(suffixes) and not any(p.startswith("_") for p in rel.split("/")))
+    except FileNotFoundError:
+        raise InputError(f"{uri}: no such file") from None
     if not files:
         raise InputError(f"{uri}: no {'/'.join(suffixes)} files found")
     return fs, files

@@ -17,6 +17,22 @@ def filesystem(uri: str, storage_options: dict | None = None):
     return fs, path
 
 
+def list_files(uri: str, storage_options: dict | None, in_directory) -> tuple[object, str, list[str]]:
+    """(filesystem, path, files) for a glob, a single file, or a directory whose files (paths
+    relative to it) pass ``in_directory``. Raises FileNotFoundError when nothing is there."""
+    fs, path = filesystem(uri, storage_options)
+    if any(ch in path for ch in "*?["):
+        files = sorted(fs.glob(path))
+    elif fs.isdir(path):
+        root = path.rstrip("/") + "/"
+        files = sorted(f for f in fs.find(path) if in_directory(f[len(root):]))
+    elif fs.exists(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(uri)
+    return fs, path, files
+
+
 def join(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts])
 

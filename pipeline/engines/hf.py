@@ -17,6 +17,7 @@ Every row samples with its own seeded ``torch.Generator`` (see pipeline.decoding
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -213,7 +214,7 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], num_samples: int, seeds: list[int],
                  sampling: SamplingParams) -> list[RowState]:
         """Sample every row to the end in one session (what Best-of-N needs)."""
-        session = f"generate-{id(prompts)}-{self.forward_passes}"
+        session = f"generate-{uuid.uuid4().hex}"
         self.open(session, prompts, num_samples, seeds, sampling)
         try:
             return self.extend(session, until=sampling.max_new_tokens)

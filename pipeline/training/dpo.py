@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.prompts import InputError
-from pipeline.data.storage import filesystem, is_remote
+from pipeline.data.storage import is_remote, list_files
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 # Logged by DPOTrainer per step; we hand back the last value of each.
@@ -24,16 +24,12 @@ _DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 
 def _pair_files(uri: str, storage_options: dict) -> list[str]:
     """The Parquet files at `uri` that hold pairs, as URIs datasets can open."""
-    fs, path = filesystem(uri, storage_options)
-    if any(ch in path for ch in "*?["):
-        files = fs.glob(path)
-    elif fs.isdir(path):
+    try:
         # Only the committed shards: _rejects/ and markers sit beside them under the same prefix.
-        files = fs.glob(path.rstrip("/") + "/part-*.parquet")
-    elif fs.exists(path):
-        files = [path]
-    else:
-        raise InputError(f"{uri}: no such file or directory")
+        fs, path, files = list_files(uri, storage_options,
+                                     lambda rel: "/" not in rel and rel.startswith("part-") and rel.endswith(".parquet"))
+    except FileNotFoundError:
+        raise InputError(f"{uri}: no such file or directory") from None
     if not files:
         raise InputError(f"{uri}: no part-*.parquet files found")
     kept = []
