@@ -22,7 +22,7 @@ from pipeline.engines.hf import HFEngine
 
 
 def run_engine(engine: HFEngine, prompt: list[int], batch: int, new_tokens: int) -> int:
-    rows = engine.generate([prompt], batch, list(range(batch)), SamplingParams(max_new_tokens=new_tokens))
+    rows = engine.generate([prompt], batch, list(range(batch)), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     return sum(len(r.token_ids) for r in rows)
 
 
@@ -47,7 +47,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = HFEngine.from_pretrained(args.model, device=args.device)
-    engine.eos_ids, engine._eos = set(), torch.tensor([-1], device=engine.device)  # fixed length, as min_new_tokens
     prompt = engine.tokenizer("Write a review of the coffee maker and tell me if it lasts.").input_ids
     best = {"engine": 0.0, "generate": 0.0}
     runners = {"engine": run_engine, "generate": run_generate}

@@ -70,3 +70,5 @@ def test_eos_stops_a_row_and_is_not_in_the_text(tiny_models):
     row = engine.generate([prompt], 1, [0], GREEDY)[0]
     assert row.finished and row.token_ids == greedy[:3]
     assert engine.generated_tokens == 4  # the EOS token was generated, then the row left the batch
+    fixed = engine.generate([prompt], 1, [0], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert fixed.token_ids == greedy  # ignore_eos: the EOS token is kept and decoding runs to the cap

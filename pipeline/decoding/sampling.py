@@ -23,6 +23,8 @@ class SamplingParams:
     """Keep the k most likely tokens before sampling (0 disables)."""
     top_p: float = 1.0
     """Keep the smallest set of tokens whose mass reaches top_p (1.0 disables)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS to exactly max_new_tokens (benchmarks: fixed lengths)."""
 
 
 def row_seed(seed: int, prompt_id: str, sample: int) -> int:

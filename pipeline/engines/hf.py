@@ -103,7 +103,10 @@ class HFEngine:
         session.last_token = tokens
         session.generated_tokens += len(session.rows)
         self.generated_tokens += len(session.rows)
-        is_eos = torch.isin(tokens, self._eos).tolist()
+        if session.sampling.ignore_eos:
+            is_eos = [False] * len(session.rows)
+        else:
+            is_eos = torch.isin(tokens, self._eos).tolist()
         cap = session.sampling.max_new_tokens
         done = []
         for i, (row, token, eos) in enumerate(zip(session.rows, tokens.tolist(), is_eos)):
@@ -113,7 +116,8 @@ class HFEngine:
                 done.append(i)
         if done:
             session.finished.update(session.rows[i] for i in done)
-            self._select(session, [i for i in range(len(session.rows)) if i not in set(done)])
+            retired = set(done)
+            self._select(session, [i for i in range(len(session.rows)) if i not in retired])
 
     def _select(self, session: _Session, keep: list[int]) -> None:
         """Keep batch positions ``keep``: the batch, the KV cache and the samplers shrink together."""
