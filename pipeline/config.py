@@ -209,11 +209,10 @@ def config_from_dict(raw: dict) -> Config:
     raw = dict(raw or {})
     strategy = dict(raw.pop("strategy", None) or {})
     name = strategy.pop("name", StrategyConfig.name)
-    if name not in STRATEGY_PARAMS:
-        raise ConfigError(f"strategy.name: unknown strategy {name!r}; choose from {sorted(STRATEGY_PARAMS)}")
-    params = _build(STRATEGY_PARAMS[name], strategy, "strategy")
+    # StrategyConfig checks the name and builds the parameter dataclass from the flat mapping.
+    strategy_config = StrategyConfig(name=name, params=strategy)
     cfg = _build(Config, raw, "config")
-    cfg.strategy = StrategyConfig(name=name, params=params)
+    cfg.strategy = strategy_config
     return cfg
 
 

@@ -184,7 +184,8 @@ class HFEngine:
             self._select(state, [i for i, r in enumerate(state.rows) if r in keep_set])
             reported = [r for r in state.tokens if r in keep_set]
         else:
-            reported = [r for r in state.tokens if r in state.finished or r in state.rows]
+            live = set(state.rows)
+            reported = [r for r in state.tokens if r in state.finished or r in live]
         until = min(until, state.sampling.max_new_tokens)
         # Live rows advance in lockstep, so they all hold the same number of tokens.
         while state.rows and len(state.tokens[state.rows[0]]) < until:
