@@ -24,5 +24,9 @@ class GeneratorActor:
     def close(self, session: str) -> dict:
         return self.engine.close(session)
 
+    def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+               sampling: SamplingParams, params) -> list:
+        return self.engine.search(method, prompts, num_samples, seeds, sampling, params)
+
     def stats(self) -> dict:
         return self.engine.stats()

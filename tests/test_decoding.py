@@ -174,3 +174,44 @@ def test_alpha_zero_equals_best_of_n_on_real_models(engine, scorer):
         best_b = max(b.candidates, key=lambda c: c.score)
         assert (best_a.sample, best_a.text) == (best_b.sample, best_b.text)
         assert best_a.score == pytest.approx(best_b.score, abs=1e-5)
+
+
+def _ancestral(engine, prompts, num_samples, seeds, sampling, params):
+    """A model-side method for the test: plain sampling, run inside the engine."""
+    from pipeline.decoding.protocols import SearchOutput
+    rows = engine.generate(prompts, num_samples, seeds, sampling)
+    per = [rows[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+    return [SearchOutput(rows=r, generated_tokens=sum(len(x.token_ids) for x in r) + 1, stats={"calls": 1})
+            for r in per]
+
+
+def test_model_side_strategy_matches_best_of_n(engine, scorer, monkeypatch):
+    from pipeline.decoding import MODEL_SIDE
+    from pipeline.decoding.search import model_side_strategy
+    monkeypatch.setitem(MODEL_SIDE, "ancestral", _ancestral)
+    ps = [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in
+          enumerate(["Describe the kettle.", "Is the chair comfortable?"])]
+    sampling = SamplingParams(max_new_tokens=12)
+    got = model_side_strategy("ancestral")(ps, engine, scorer, None, sampling, 3, 5)
+    want = best_of_n(ps, engine, scorer, BestOfNParams(), sampling, 3, seed=5)
+    for a, b in zip(got, want):
+        assert [c.text for c in a.candidates] == [c.text for c in b.candidates]
+        assert [c.score for c in a.candidates] == pytest.approx([c.score for c in b.candidates], abs=1e-5)
+        assert a.generated_tokens == b.generated_tokens + 1 and a.stats == {"calls": 1}
+
+
+def test_model_side_strategy_refuses_wrong_row_counts(engine, scorer, monkeypatch):
+    from pipeline.decoding import MODEL_SIDE
+    from pipeline.decoding.search import model_side_strategy
+
+    def lossy(engine, prompts, num_samples, seeds, sampling, params):
+        out = _ancestral(engine, prompts, num_samples, seeds, sampling, params)
+        out[0].rows = out[0].rows[1:]
+        return out
+
+    monkeypatch.setitem(MODEL_SIDE, "lossy", lossy)
+    ps = [PromptInput("a", "Hi", "Hi", engine.tokenizer("Hi").input_ids)]
+    with pytest.raises(RuntimeError, match="expected 2 rows"):
+        model_side_strategy("lossy")(ps, engine, scorer, None, SamplingParams(max_new_tokens=4), 2, 0)
+    with pytest.raises(ValueError, match="unknown model-side method"):
+        engine.search("nope", [[1, 2]], 1, [0], SamplingParams(max_new_tokens=2), None)

@@ -3,10 +3,17 @@
 STRATEGIES maps a strategy name to its function; STRATEGY_PARAMS to its parameter dataclass.
 Every strategy has the signature
 ``fn(prompts, generator, scorer, params, sampling, num_samples, seed) -> list[PromptResult]``.
+
+MODEL_SIDE maps the name of a method that runs inside the generator's process (tree searches,
+speculative decoding) to ``fn(engine, prompts, num_samples, seeds, sampling, params) ->
+list[SearchOutput]``; its STRATEGIES entry is ``model_side_strategy(name)`` from
+pipeline.decoding.search, which calls ``Generator.search`` and scores the candidates.
 """
 
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+
+MODEL_SIDE: dict = {}
 
 STRATEGIES = {
     "best_of_n": best_of_n,

@@ -66,6 +66,18 @@ class PromptResult:
     stats: dict = field(default_factory=dict)
 
 
+@dataclass
+class SearchOutput:
+    """One prompt's result from a model-side method (see Generator.search)."""
+
+    rows: list[RowState]
+    """Exactly num_samples candidates; row ids are prompt index * num_samples + sample index."""
+    generated_tokens: int
+    """Tokens the method decoded for this prompt, drafts and explored branches included (its cost)."""
+    stats: dict = field(default_factory=dict)
+    """Method counters (forward passes, expansions, accepted lengths, ...), summed into the manifest."""
+
+
 class Generator(Protocol):
     """A stateful batched decoder: a session holds the KV cache of its rows between calls."""
 
@@ -79,6 +91,12 @@ class Generator(Protocol):
 
     def close(self, session: str) -> dict:
         """Free the session; returns its counters (generated_tokens, forward_passes)."""
+
+    def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+               sampling: SamplingParams, params: object) -> list[SearchOutput]:
+        """Run a model-side method (pipeline.decoding.MODEL_SIDE) wholly inside the generator's
+        process, where the model and its KV caches are: tree searches and speculative decoding make
+        many small model calls, too many for a round trip each. One SearchOutput per prompt."""
 
 
 class Scorer(Protocol):

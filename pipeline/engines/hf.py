@@ -214,6 +214,15 @@ class HFEngine:
         except KeyError:
             raise ValueError(f"unknown session {session}") from None
 
+    def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+               sampling: SamplingParams, params) -> list:
+        """Run a model-side method (pipeline.decoding.MODEL_SIDE) on this engine's model."""
+        from pipeline.decoding import MODEL_SIDE
+
+        if method not in MODEL_SIDE:
+            raise ValueError(f"unknown model-side method {method!r}; known: {sorted(MODEL_SIDE)}")
+        return MODEL_SIDE[method](self, prompts, num_samples, seeds, sampling, params)
+
     # -- convenience -------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], num_samples: int, seeds: list[int],

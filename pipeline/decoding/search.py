@@ -1,0 +1,56 @@
+"""Strategies whose decoding runs model-side (tree search, speculative decoding).
+
+Methods such as SLA, ULTS, DSBD and ADED call the model many times per token with small inputs,
+so each runs wholly inside the generator's process (``Generator.search``), and only the finished
+candidates come back. The coordinator side is the same for all of them and lives here: send the
+batch, check the counts, score every candidate with the reward model, assemble PromptResults.
+
+A model-side method is registered in ``pipeline.decoding.MODEL_SIDE`` as
+``fn(engine, prompts, num_samples, seeds, sampling, params) -> list[SearchOutput]``; ``engine``
+is the generator's engine (pipeline.engines.hf.HFEngine in production), seen through whatever
+small Protocol the method declares.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pipeline.decoding.best_of_n import assemble, score_rows
+from pipeline.decoding.protocols import Candidate, Generator, PromptInput, PromptResult, Scorer
+from pipeline.decoding.sampling import SamplingParams, row_seed
+
+
+def run_model_side(method: str, prompts: list[PromptInput], generator: Generator, scorer: Scorer, params: Any,
+                   sampling: SamplingParams, num_samples: int, seed: int) -> list[PromptResult]:
+    seeds = [row_seed(seed, p.prompt_id, s) for p in prompts for s in range(num_samples)]
+    outputs = generator.search(method, [p.token_ids for p in prompts], num_samples, seeds, sampling, params)
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"{method}: generator returned {len(outputs)} results for {len(prompts)} prompts")
+    rows = []
+    for i, out in enumerate(outputs):
+        ids = sorted(r.row for r in out.rows)
+        if ids != list(range(i * num_samples, (i + 1) * num_samples)):
+            raise RuntimeError(f"{method}: prompt {prompts[i].prompt_id} came back with rows {ids}, "
+                               f"expected {num_samples} rows from {i * num_samples}")
+        rows.extend(out.rows)
+    scores = score_rows(scorer, prompts, num_samples, rows)
+    candidates = {r.row: Candidate(sample=r.row % num_samples, token_ids=r.token_ids, text=r.text, score=s,
+                                   completed=True)
+                  for r, s in zip(rows, scores)}
+    results = assemble(prompts, num_samples, candidates, {r.row: len(r.token_ids) for r in rows})
+    for result, out in zip(results, outputs):
+        # A search's cost is what it decoded, not the length of what it kept.
+        result.generated_tokens = out.generated_tokens
+        result.stats = dict(out.stats)
+    return results
+
+
+def model_side_strategy(method: str) -> Callable[..., list[PromptResult]]:
+    """The STRATEGIES entry for a model-side method registered under the same name."""
+
+    def strategy(prompts, generator, scorer, params, sampling, num_samples, seed):
+        return run_model_side(method, prompts, generator, scorer, params, sampling, num_samples, seed)
+
+    strategy.__name__ = method
+    strategy.__doc__ = f"Coordinator side of the model-side method {method!r} (see pipeline.decoding.search)."
+    return strategy
