@@ -11,18 +11,24 @@ pipeline.decoding.search, which calls ``Generator.search`` and scores the candid
 """
 
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
+from pipeline.decoding.search import model_side_strategy
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+from pipeline.decoding.ults import ULTSParams, ults_model_side
 
-MODEL_SIDE: dict = {}
+MODEL_SIDE: dict = {
+    "ults": ults_model_side,
+}
 
 STRATEGIES = {
     "best_of_n": best_of_n,
     "sbon": speculative_rejection,
     "speculative_rejection": speculative_rejection,
+    "ults": model_side_strategy("ults"),
 }
 
 STRATEGY_PARAMS = {
     "best_of_n": BestOfNParams,
     "sbon": SpeculativeRejectionParams,
     "speculative_rejection": SpeculativeRejectionParams,
+    "ults": ULTSParams,
 }
