@@ -10,6 +10,7 @@ list[SearchOutput]``; its STRATEGIES entry is ``model_side_strategy(name)`` from
 pipeline.decoding.search, which calls ``Generator.search`` and scores the candidates.
 """
 
+from pipeline.decoding.aded import ADEDParams, aded_model_side
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
 from pipeline.decoding.search import model_side_strategy
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
@@ -17,6 +18,7 @@ from pipeline.decoding.ults import ULTSParams, ults_model_side
 
 MODEL_SIDE: dict = {
     "ults": ults_model_side,
+    "aded": aded_model_side,
 }
 
 STRATEGIES = {
@@ -24,6 +26,7 @@ STRATEGIES = {
     "sbon": speculative_rejection,
     "speculative_rejection": speculative_rejection,
     "ults": model_side_strategy("ults"),
+    "aded": model_side_strategy("aded"),
 }
 
 STRATEGY_PARAMS = {
@@ -31,4 +34,5 @@ STRATEGY_PARAMS = {
     "sbon": SpeculativeRejectionParams,
     "speculative_rejection": SpeculativeRejectionParams,
     "ults": ULTSParams,
+    "aded": ADEDParams,
 }

@@ -1,0 +1,160 @@
+"""ADED: tri-gram matrix (Eq. 1, Algorithm 2), MCTS drafts (Eq. 2-3), tree verification with greedy
+and sampling acceptance (exact output distribution), the build strategy."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from jobs.build_dataset import main
+from pipeline.decoding.aded import (ADEDDrafter, RetrievalDrafter, aded_decode, exploration, mcts_drafts,
+                                    merge_drafts)
+from pipeline.decoding.sampling import SamplingParams, filter_logits
+from pipeline.engines.tree import TokenTree
+from pipeline.engines.tree_target import TreeTarget
+from pipeline.engines.trigram import TrigramMatrix
+from tests.conftest import GOOD_PROMPTS, write_jsonl
+
+
+def test_trigram_matrix_eq1_top_t_and_round_trip(tmp_path):
+    seqs = [[1, 2, 3, 1, 2, 4, 1, 2, 3], [1, 2, 5]]
+    m = TrigramMatrix.from_sequences(seqs, top_t=2)
+    # (1, 2) is followed by 3 twice, 4 once, 5 once: C(1,2,3) / C(1,2) = 2 / 4, top 2 kept
+    assert m.continuations(1, 2) == [(3, 0.5), (4, 0.25)]
+    assert m.continuations(2, 3) == [(1, 1.0)]
+    m.save(tmp_path / "m.npz")
+    loaded = TrigramMatrix.load(str(tmp_path / "m.npz"))
+    assert loaded.table == m.table and loaded.top_t == 2
+    with pytest.raises(ValueError, match="not a saved tri-gram matrix"):
+        TrigramMatrix.load(str(tmp_path / "missing.npz"))
+
+
+def test_trigram_adaptive_update_increment_cap_insert():
+    m = TrigramMatrix.from_sequences([[1, 2, 3, 1, 2, 4]], top_t=2)  # (1,2): 3 -> .5, 4 -> .5
+    m.update([9, 9, 1, 2, 3], max_length=3, increment=0.3, max_prob=0.7)  # only the last 3 tokens: (1, 2, 3)
+    assert m.probability(1, 2, 3) == pytest.approx(0.7)  # 0.5 + 0.3 capped at 0.7
+    assert m.probability(9, 9, 1) == 0.0  # outside the window
+    m.update([1, 2, 6], max_length=3, increment=0.3, max_prob=0.7)  # insert; the context is full (t=2)
+    assert m.probability(1, 2, 6) == pytest.approx(0.3)
+    assert set(m.table[(1, 2)]) == {3, 6}  # the least likely old continuation made room
+
+
+def test_puct_exploration_term_eq3():
+    assert exploration(0, 32, 8) == pytest.approx(32 + math.log(9 / 8))
+    assert exploration(100, 32, 8) == pytest.approx(32 + math.log(109 / 8))
+
+
+def test_mcts_drafts_follow_the_matrix_and_merge_into_a_trie():
+    # a deterministic chain 1 2 -> 3 -> 4 -> 5 -> 6 plus a weak branch 1 2 -> 7
+    m = TrigramMatrix.from_sequences([[1, 2, 3, 4, 5, 6]] * 9 + [[1, 2, 7, 8]])
+    drafts = mcts_drafts(m, [0, 1, 2], iterations=50, depth=4, candidates=5)
+    assert drafts[0] == [3, 4, 5, 6]
+    assert [7, 8] in drafts
+    tree = merge_drafts([[3, 4, 5], [3, 4, 9], [7]])
+    assert tree.tokens == [3, 4, 5, 9, 7] and tree.parents == [-1, 0, 1, 1, -1]
+    assert mcts_drafts(m, [0, 42, 43]) == []  # unseen context: no draft
+
+
+def test_retrieval_drafter_uses_longest_suffix():
+    d = RetrievalDrafter([[1, 2, 3, 4], [9, 2, 5, 6]], depth=2, max_suffix=2)
+    assert d.propose([1, 2]).tokens == [3, 4]
+    assert sorted(d.propose([7, 2]).tokens) == [3, 4, 5, 6]
+
+
+def _tiny_vocab_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # a peaked, far from uniform next-token distribution
+    return model
+
+
+class _FixedDrafter:
+    """Always proposes the same tree: likely and unlikely branches, so both paths of acceptance run."""
+
+    def propose(self, context):
+        return merge_drafts([[0, 1, 2], [0, 3], [4, 4], [5]])
+
+    def observe(self, context, new_tokens):
+        pass
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=3, ignore_eos=True),
+                                      SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.7, top_k=4)])
+def test_sampling_acceptance_leaves_the_output_distribution_unchanged(sampling):
+    """Chi-square of 5000 sampled 3-token continuations against the exact target distribution
+    (temperature / top-k warped), computed from the tiny-vocabulary model itself."""
+    model = _tiny_vocab_model()
+    prompt = [1, 2, 3]
+    rows = 5000
+    out, st = aded_decode(TreeTarget(model), _FixedDrafter(), [prompt], rows, list(range(rows)), sampling, set())
+    assert st.emitted / len(st.accepted_per_step) > 1.2  # drafts were accepted, not only bonus tokens
+    with torch.no_grad():
+        def warped(contexts):
+            return filter_logits(model(torch.tensor(contexts)).logits[:, -1], sampling).softmax(-1).double()
+
+        p1 = warped([prompt])[0]  # [V]
+        p2 = warped([prompt + [a] for a in range(6)])  # [V, V]
+        p3 = warped([prompt + [a, b] for a in range(6) for b in range(6)])  # [V * V, V]
+    exact = (p1[:, None, None] * p2[:, :, None] * p3.view(6, 6, 6)).flatten().numpy()
+    counts = np.bincount([a * 36 + b * 6 + c for a, b, c in out], minlength=216)
+    assert counts[exact == 0].sum() == 0  # nothing outside the (top-k) support
+    keep = exact * rows >= 5  # pool the rare (non-zero) outcomes into one cell
+    rare = ~keep & (exact > 0)
+    observed, expected = counts[keep], exact[keep]
+    if rare.any():
+        observed, expected = np.append(observed, counts[rare].sum()), np.append(expected, exact[rare].sum())
+    expected = expected / expected.sum() * rows
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_greedy_acceptance_reproduces_plain_greedy_and_accepts_drafts(engine):
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.0)
+    prompts = [engine.tokenizer(p).input_ids for p in GOOD_PROMPTS[:2]]
+    plain = engine.generate(prompts, 1, [0, 1], sampling)
+    # a representative that knows the model's own greedy continuations: drafts should be accepted
+    matrix = TrigramMatrix.from_sequences([p + r.token_ids for p, r in zip(prompts, plain)])
+    out, st = aded_decode(TreeTarget(engine.model), ADEDDrafter(matrix, adaptive=False), prompts, 1, [0, 1],
+                          sampling, engine.eos_ids)
+    assert out == [r.token_ids for r in plain]
+    assert st.emitted / len(st.accepted_per_step) > 1.5
+    assert st.forward_passes < max(len(r.token_ids) for r in plain)
+
+
+def test_sampling_decode_matches_plain_sampling_with_the_same_seeds(engine):
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
+    prompts = [engine.tokenizer(GOOD_PROMPTS[0]).input_ids]
+    plain = engine.generate(prompts, 3, [5, 6, 7], sampling)
+    matrix = TrigramMatrix.from_sequences([prompts[0] + r.token_ids for r in plain])
+    out, _ = aded_decode(TreeTarget(engine.model), ADEDDrafter(matrix), prompts, 3, [5, 6, 7], sampling,
+                         engine.eos_ids)
+    assert out == [r.token_ids for r in plain]
+
+
+def test_aded_drafter_is_a_tree_drafter():
+    matrix = TrigramMatrix.from_sequences([[1, 2, 3, 4, 5]])
+    drafter = ADEDDrafter(matrix, iterations=20)
+    tree = drafter.propose([1, 2])
+    assert isinstance(tree, TokenTree) and tree.tokens[:3] == [3, 4, 5]
+    drafter.observe([7, 8, 9, 10], 2)  # learns (8, 9, 10)
+    assert matrix.probability(8, 9, 10) > 0
+
+
+def test_aded_build_strategy_in_process(tiny_models, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
+    args = ["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(tmp_path / "out"),
+            "--set", f"models.generator={tiny_models['generator']}", "--set", f"models.reward={tiny_models['reward']}",
+            "--set", "runtime.local=true", "--max-new-tokens", "12", "--num-samples", "3", "--strategy", "aded",
+            "--set", "strategy.iterations=30", "--no-progress"]
+    assert main(args) == 0
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert manifest["pairs"] == 2 and manifest["config"]["strategy"]["name"] == "aded"
+    # Best-of-N sampling, distribution unchanged: what the build sampled is what best_of_n samples
+    assert manifest["generated_tokens"] == manifest["bon_equivalent_tokens"]
