@@ -115,17 +115,26 @@ class LevelBeliefs:
 
     params: np.ndarray
     """[depth + 1, 2]; row r holds (a_r, b_r); row 0 is unused (Delta = 1 at a leaf)."""
+    pool_size: int = 1 << 16
+    """log Delta draws are taken from a pool of this many Beta draws per level, made once: numpy's
+    Beta sampler is slow for the small shape parameters peaked softmaxes give."""
+    _pools: dict = field(default_factory=dict, repr=False)
 
     @property
     def depth(self) -> int:
         return self.params.shape[0] - 1
 
-    def sample_log_delta(self, remaining: int, size: int, rng: np.random.Generator) -> np.ndarray:
-        """log Delta samples for a node with ``remaining`` tokens to go: [size]."""
+    def sample_log_delta(self, remaining: int, size, rng: np.random.Generator) -> np.ndarray:
+        """log Delta samples for a node with ``remaining`` tokens to go, of shape ``size``."""
         if remaining <= 0:
-            return np.zeros(size)
-        a, b = self.params[min(remaining, self.depth)]
-        return np.log(np.clip(rng.beta(a, b, size=size), 1e-300, 1.0))
+            return np.zeros(size, dtype=np.float32)
+        level = min(remaining, self.depth)
+        pool = self._pools.get(level)
+        if pool is None:
+            a, b = self.params[level]
+            draws = np.random.default_rng(level).beta(a, b, size=self.pool_size)
+            pool = self._pools[level] = np.log(np.clip(draws, 1e-300, 1.0)).astype(np.float32)
+        return pool[rng.integers(0, self.pool_size, size=size)]
 
 
 def _max_weighted(c_sorted: np.ndarray, sample_delta, head: int = 64) -> np.ndarray:
@@ -225,6 +234,7 @@ class LikelihoodTree:
         self.open = [True]
         self.samples = [self._value(0.0, 0, terminal=False)]
         self.open_samples = [self.samples[0]]
+        self.open_counts: dict[int, np.ndarray] = {}
         self.expanded_per_level: dict[int, int] = {}
         self.expansions = 0
         self.reached = 0
@@ -232,13 +242,15 @@ class LikelihoodTree:
         self.leaves: list[int] = []
 
     # scores --------------------------------------------------------------------------------
-    def _value(self, logp: float, depth: int, terminal: bool) -> np.ndarray:
+    def _value(self, logp: float, depth: int, terminal: bool, log_delta: np.ndarray | None = None) -> np.ndarray:
+        """Posterior samples of a node's score (section 3.3): its path log-likelihood plus log Delta draws."""
         if terminal:
-            total = np.full(self.n, logp)
+            total = np.full(self.n, logp, dtype=np.float32)
             final_len = depth
         else:
-            remaining = self.max_depth - depth
-            total = logp + self.beliefs.sample_log_delta(remaining, self.n, self.rng)
+            if log_delta is None:
+                log_delta = self.beliefs.sample_log_delta(self.max_depth - depth, self.n, self.rng)
+            total = logp + log_delta
             final_len = self.max_depth
         return total / max(final_len, 1) if self.score == "mean" else total
 
@@ -256,28 +268,35 @@ class LikelihoodTree:
                 self.open[node] = state in (UNEXPANDED, LEAF)
             node = self.parent[node]
 
-    def _best_child(self, node: int, samples: list[np.ndarray], open_only: bool = False) -> int:
+    def _counts(self, node: int, samples: list[np.ndarray]) -> np.ndarray:
+        """Eq. 1 for each child of ``node``: how many posterior samples it is the best child in."""
         kids = self.children[node]
-        stacked = np.stack([samples[c] for c in kids])  # [C, N]
-        counts = np.bincount(stacked.argmax(0), minlength=len(kids))  # Eq. 1: how often each child is best
-        if open_only:
-            counts = np.where([self.open[c] for c in kids], counts, -1)
-        return kids[int(counts.argmax())]
+        stacked = np.stack([samples[c] for c in kids], axis=1)  # [N, C]
+        return np.bincount(stacked.argmax(1), minlength=len(kids))
 
-    def _backup(self, node: int) -> None:
+    def _backup(self, node: int) -> bool:
         """Both sample sets of an expanded node from its children: ``samples`` (the belief over the
         best completion, used for termination) and ``open_samples`` (the same over nodes that can
-        still be selected: a reached leaf is known, so selection looks for what may beat it)."""
+        still be selected: a reached leaf is known, so selection looks for what may beat it).
+        The open counts are kept for the next selection (they only change through a backup)."""
         kids = self.children[node]
-        for samples in (self.samples, self.open_samples):
-            if self.acquisition == "descendant":  # Eq. 2: the best child's samples, no further max
-                samples[node] = samples[self._best_child(node, samples)]
-            else:
-                samples[node] = np.max(np.stack([samples[c] for c in kids]), axis=0)
+        old = (self.samples[node], self.open_samples[node])
+        open_counts = self._counts(node, self.open_samples)
+        self.open_counts[node] = open_counts
+        if self.acquisition == "descendant":  # Eq. 2: the best child's samples, no further max
+            same = all(self.samples[c] is self.open_samples[c] for c in kids)
+            counts = open_counts if same else self._counts(node, self.samples)
+            self.samples[node] = self.samples[kids[int(counts.argmax())]]
+            self.open_samples[node] = self.open_samples[kids[int(open_counts.argmax())]]
+            return self.samples[node] is not old[0] or self.open_samples[node] is not old[1]
+        self.samples[node] = np.max(np.stack([self.samples[c] for c in kids]), axis=0)
+        self.open_samples[node] = np.max(np.stack([self.open_samples[c] for c in kids]), axis=0)
+        return True
 
     def _backup_path(self, node: int) -> None:
-        while node >= 0:
-            self._backup(node)
+        """Back up from ``node`` to the root; with Eq. 2 the samples are shared arrays, so the climb
+        stops at the first node whose best child did not change (nothing above it can change)."""
+        while node >= 0 and self._backup(node):
             node = self.parent[node]
 
     # Algorithm 2 ----------------------------------------------------------------------------
@@ -292,7 +311,8 @@ class LikelihoodTree:
         """P̂(c* < v_root) = fraction of root samples above the best leaf score so far."""
         if self.best_leaf < 0:
             return 1.0
-        return float(np.mean(self.best_score < self.root_samples))
+        # compare in the samples' float32: a leaf's own samples are its score rounded to float32
+        return float(np.mean(np.float32(self.best_score) < self.root_samples))
 
     def done(self) -> bool:
         if not self.open[0]:
@@ -310,7 +330,7 @@ class LikelihoodTree:
             if self.state[node] == LEAF:
                 self.state[node] = REACHED
                 self.reached += 1
-                self.open_samples[node] = np.full(self.n, -np.inf)
+                self.open_samples[node] = np.full(self.n, -np.inf, dtype=np.float32)
                 self._refresh_open(node)
                 self._backup_path(self.parent[node])
                 continue
@@ -329,7 +349,9 @@ class LikelihoodTree:
             return frontier[int(np.bincount(stacked.argmax(0), minlength=len(frontier)).argmax())]
         node = 0
         while self.state[node] == EXPANDED:
-            node = self._best_child(node, self.open_samples, open_only=True)
+            kids = self.children[node]
+            counts = np.where([self.open[c] for c in kids], self.open_counts[node], -1)
+            node = kids[int(counts.argmax())]
         return node
 
     def expand(self, node: int, tokens: list[int], logprobs: list[float], eos_ids: set[int] = frozenset()) -> None:
@@ -338,7 +360,9 @@ class LikelihoodTree:
         self.expansions += 1
         self.state[node] = EXPANDED
         depth = level + 1
-        for tok, lp in zip(tokens, logprobs):
+        remaining = self.max_depth - depth
+        log_delta = self.beliefs.sample_log_delta(remaining, (len(tokens), self.n), self.rng)  # [k, N]
+        for j, (tok, lp) in enumerate(zip(tokens, logprobs)):
             child = len(self.parent)
             logp = self.logp[node] + float(lp)
             terminal = depth >= self.max_depth or tok in eos_ids
@@ -350,7 +374,7 @@ class LikelihoodTree:
             self.children[node].append(child)
             self.state.append(LEAF if terminal else UNEXPANDED)
             self.open.append(True)
-            self.samples.append(self._value(logp, depth, terminal))
+            self.samples.append(self._value(logp, depth, terminal, log_delta[j]))
             self.open_samples.append(self.samples[-1])
             if terminal:
                 self.leaves.append(child)
@@ -370,8 +394,8 @@ class LikelihoodTree:
             if s == UNEXPANDED and self.depth[i] <= level:
                 self.state[i] = DROPPED
                 self.open[i] = False
-                self.samples[i] = self.open_samples[i] = np.full(self.n, -np.inf)
-        for i in sorted(range(len(self.state)), key=lambda i: -self.depth[i]):
+                self.samples[i] = self.open_samples[i] = np.full(self.n, -np.inf, dtype=np.float32)
+        for i in sorted((i for i in range(len(self.state)) if self.depth[i] <= level), key=lambda i: -self.depth[i]):
             if self.state[i] == EXPANDED:
                 self._backup(i)
                 self.open[i] = any(self.open[c] for c in self.children[i])
