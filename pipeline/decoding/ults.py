@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -622,10 +621,11 @@ def make_prior(params: ULTSParams, expander: NodeExpander, prompts: list[list[in
 
 def ults_model_side(engine, prompts: list[list[int]], num_samples: int, seeds: list[int],
                     sampling: SamplingParams, params: ULTSParams) -> list[SearchOutput]:
-    """MODEL_SIDE['ults']: one ULTS tree per prompt; the num_samples best leaves are the candidates."""
+    """MODEL_SIDE['ults']: one ULTS tree per prompt; the num_samples best leaves (distinct sequences)
+    are the candidates. ULTS maximises likelihood, so of the sampling settings only max_new_tokens
+    (the depth) and ignore_eos apply; the seeds only drive the posterior samples."""
     from pipeline.engines.path_cache import PathCacheExpander
 
-    start = time.perf_counter()
     expander = PathCacheExpander(engine.model, engine.device)
     eos = set() if sampling.ignore_eos else set(engine.eos_ids)
     vocab = int(engine.model.config.vocab_size)
@@ -645,5 +645,5 @@ def ults_model_side(engine, prompts: list[list[int]], num_samples: int, seeds: l
                 for s, ((tokens, _, _), text) in enumerate(zip(leaves, texts))]
         outputs.append(SearchOutput(rows=rows, generated_tokens=res.expansions, stats={
             "expansions": res.expansions, "forward_passes": res.forward_passes,
-            "best_loglik": leaves[0][1], "search_seconds": time.perf_counter() - start}))
+            "best_loglik": leaves[0][1]}))
     return outputs
