@@ -139,3 +139,24 @@ def test_ults_build_strategy_in_process(tiny_models, tmp_path):
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
     assert manifest["pairs"] == 2 and manifest["config"]["strategy"]["name"] == "ults"
     assert 0 < manifest["generated_tokens"]
+
+
+class _CountingToy(ToyTreeExpander):
+    calls = 0
+
+    def expand(self, items):
+        self.calls += 1
+        return super().expand(items)
+
+
+def test_batched_expansion_of_several_nodes_and_trees_per_forward_pass():
+    beliefs = fit_level_beliefs(DirichletPrior(0.5, 8), 5, 500)
+    toy = _CountingToy(0.5, seed=3)
+    optimum = toy.best_loglik()
+    results = ults_search(toy, [[0], [0]], beliefs, 5, 8, epsilon=0.05, k_max=None, expansions_per_step=3,
+                          seeds=[0, 1])
+    expansions = sum(r.expansions for r in results)
+    assert toy.calls < (expansions - 2) / 3 + 2  # two trees x up to three nodes per forward pass
+    for r in results:
+        tokens, logp, _ = r.leaves[0]
+        assert len(tokens) == 5 and logp <= optimum + 1e-6
