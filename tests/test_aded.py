@@ -147,12 +147,23 @@ def test_aded_drafter_is_a_tree_drafter():
     assert matrix.probability(8, 9, 10) > 0
 
 
-def test_aded_build_strategy_in_process(tiny_models, tmp_path):
+def test_aded_build_strategy_in_process_with_a_built_trigram_matrix(tiny_models, tmp_path):
+    from jobs.build_trigram import main as build_trigram
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The lamp works great, and I would keep it.\n\nThe app broke badly.\n")
+    matrix_path = tmp_path / "m.npz"
+    assert build_trigram(["--corpus", str(corpus), "--tokenizer", str(tiny_models["generator"]),
+                          "--output", str(matrix_path)]) == 0
+    assert len(TrigramMatrix.load(str(matrix_path))) > 10
+    assert build_trigram(["--corpus", str(tmp_path / "nope.txt"), "--tokenizer", str(tiny_models["generator"]),
+                          "--output", str(matrix_path)]) == 2
+
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
     args = ["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(tmp_path / "out"),
             "--set", f"models.generator={tiny_models['generator']}", "--set", f"models.reward={tiny_models['reward']}",
             "--set", "runtime.local=true", "--max-new-tokens", "12", "--num-samples", "3", "--strategy", "aded",
-            "--set", "strategy.iterations=30", "--no-progress"]
+            "--set", "strategy.iterations=30", "--set", f"strategy.trigram={matrix_path}", "--no-progress"]
     assert main(args) == 0
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
     assert manifest["pairs"] == 2 and manifest["config"]["strategy"]["name"] == "aded"

@@ -1,0 +1,59 @@
+"""Build ADED's tri-gram matrix (Eq. 1) from a text corpus and save it for `strategy.trigram`.
+
+    python -m jobs.build_trigram --corpus FILE [FILE ...] --tokenizer DIR --output trigram.npz [--top-t 12]
+
+Each non-blank line of each corpus file (plain text, or JSONL with a "text" key) is one document,
+tokenized with the generator's tokenizer (no special tokens); tri-grams never span two documents.
+A missing or unreadable corpus file fails with exit code 2 and one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tqdm.auto import tqdm
+
+from pipeline.engines.hf import load_tokenizer
+from pipeline.engines.trigram import TrigramMatrix
+
+
+def read_documents(path: str) -> list[str]:
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if path.endswith(".jsonl"):
+                try:
+                    line = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{path}:{number}: expected a JSON object with a \"text\" key") from None
+            docs.append(line)
+    return docs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", nargs="+", required=True)
+    parser.add_argument("--tokenizer", required=True, help="tokenizer (or model) directory or hub id")
+    parser.add_argument("--output", required=True, help="where to save the matrix (.npz)")
+    parser.add_argument("--top-t", type=int, default=12, help="continuations kept per context (paper: 12)")
+    args = parser.parse_args(argv)
+    try:
+        docs = [doc for path in args.corpus for doc in read_documents(path)]
+        tokenizer = load_tokenizer(args.tokenizer)
+    except (OSError, ValueError) as exc:
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    sequences = [tokenizer(doc, add_special_tokens=False).input_ids for doc in tqdm(docs, desc="tokenizing")]
+    matrix = TrigramMatrix.from_sequences(sequences, args.top_t)
+    matrix.save(args.output)
+    print(f"{len(docs)} documents, {len(matrix.table)} contexts, {len(matrix)} continuations -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
