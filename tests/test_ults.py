@@ -160,3 +160,17 @@ def test_batched_expansion_of_several_nodes_and_trees_per_forward_pass():
     for r in results:
         tokens, logp, _ = r.leaves[0]
         assert len(tokens) == 5 and logp <= optimum + 1e-6
+
+
+def test_ults_model_side_with_empirical_prior_returns_distinct_top_leaves(engine):
+    from pipeline.decoding.sampling import SamplingParams
+    from pipeline.decoding.ults import ULTSParams, ults_model_side
+
+    prompts = [engine.tokenizer(p).input_ids for p in GOOD_PROMPTS[:2]]
+    params = ULTSParams(prior="empirical", empirical_samples=16, k_max=3, belief_samples=200)
+    outs = ults_model_side(engine, prompts, 3, list(range(6)), SamplingParams(max_new_tokens=6), params)
+    assert [sorted(r.row for r in o.rows) for o in outs] == [[0, 1, 2], [3, 4, 5]]
+    for out in outs:
+        seqs = [tuple(r.token_ids) for r in out.rows]
+        assert len(set(seqs)) == 3 and all(1 <= len(s) <= 6 for s in seqs)
+        assert out.stats["expansions"] == out.generated_tokens <= 1 + 3 * 5
