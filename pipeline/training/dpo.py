@@ -2,7 +2,7 @@
 
 The pairs are read exactly as the output contract promises (`load_dataset("parquet")`, TRL
 standard format, no conversion) and handed to TRL's DPOTrainer. Setting 2 of the SLA paper will
-later also train a reward channel (a Reward Transformer, Bradley-Terry) from the same pairs;
+also trains a reward channel (pipeline.training.reward_channel) from the same pairs;
 this module trains only the policy.
 """
 

@@ -155,7 +155,7 @@ def train_reward_channel(model: RewardTransformer, train: list[EncodedPair], pad
             loss.backward()
             optimizer.step()
             schedule.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             first = losses[0] if first is None else first
             step += 1
             bar.update(1)
