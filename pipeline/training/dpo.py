@@ -1,9 +1,9 @@
 """The DPO handoff: the build job's pairs Parquet in, a DPO-trained policy out.
 
 The pairs are read exactly as the output contract promises (`load_dataset("parquet")`, TRL
-standard format, no conversion) and handed to TRL's DPOTrainer. Setting 2 of the SLA paper will
-also trains a reward channel (pipeline.training.reward_channel) from the same pairs;
-this module trains only the policy.
+standard format, no conversion) and handed to TRL's DPOTrainer. This module trains only the
+policy; setting 2 of the SLA paper runs it before training the reward channel on the same pairs
+(pipeline.training.reward_channel).
 """
 
 from __future__ import annotations
