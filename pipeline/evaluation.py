@@ -37,6 +37,8 @@ class MethodRun:
     texts: list[str]
     generated_tokens: int
     wall_seconds: float
+    forward_passes: int | None = None
+    """Sequential model calls (batched rows count once); None for beam search (HF generate)."""
     scores: list[float] = field(default_factory=list)
 
 
@@ -45,6 +47,7 @@ def decode(method: str, engine, scorer, prompts: list[PromptInput], max_new_toke
     """One response per prompt with ``method`` on ``engine`` (an HFEngine)."""
     ids = [p.token_ids for p in prompts]
     seeds = [row_seed(seed, p.prompt_id, 0) for p in prompts]
+    passes = engine.forward_passes
     start = time.perf_counter()
     if method in SAMPLING:
         rows = engine.generate(ids, 1, seeds, SamplingParams(max_new_tokens=max_new_tokens, **SAMPLING[method]))
@@ -64,7 +67,8 @@ def decode(method: str, engine, scorer, prompts: list[PromptInput], max_new_toke
         tokens = sum(r.generated_tokens for r in results)
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    return MethodRun(method, texts, tokens, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    return MethodRun(method, texts, tokens, wall, None if method == "beam" else engine.forward_passes - passes)
 
 
 @torch.inference_mode()
@@ -117,6 +121,8 @@ def compare(engine, scorer, prompts: list[PromptInput], methods: list[str], max_
             "mean_score": sum(run.scores) / len(run.scores),
             "token_cost_vs_greedy": run.generated_tokens / max(baseline.generated_tokens, 1),
             "time_cost_vs_greedy": run.wall_seconds / max(baseline.wall_seconds, 1e-9),
+            "forward_pass_cost_vs_greedy": (None if run.forward_passes is None or not baseline.forward_passes
+                                            else run.forward_passes / baseline.forward_passes),
             "generated_tokens": run.generated_tokens,
         }
     return report

@@ -191,7 +191,8 @@ def train_reward_transformer(pairs, model: str, output: str, *, dpo: bool = Fals
 
         # The same split: DPO never sees the held-out pairs the channel is scored on.
         dpo_metrics = train_dpo(pairs.select(train_rows), model, output, max_steps=dpo_steps, batch_size=batch_size,
-                                learning_rate=dpo_learning_rate, beta=beta, max_length=max_length, seed=seed)
+                                learning_rate=dpo_learning_rate, beta=beta, max_length=max_length, seed=seed,
+                                progress=progress)
         metrics.update({f"dpo_{k}": v for k, v in dpo_metrics.items()})
         policy_source = output
     rt = RewardTransformer.from_pretrained(policy_source, device=device, hidden_size=hidden_size, kind=kind)
