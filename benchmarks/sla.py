@@ -78,25 +78,26 @@ def eval_inputs(engine, prompts: list[str], max_new_tokens: int):
     return [formatter.prepare(PromptRow(i, p))[0] for i, p in enumerate(prompts)]
 
 
-def sla_vs_greedy(model_dir: str, judge, prompts: list[str], args, baseline=None) -> tuple[dict, object]:
+def sla_vs_greedy(model_dir: str, judge, prompts: list[str], args, original=None) -> tuple[dict, object]:
+    """SLA and greedy on one model, judged; with ``original`` (another model's judged greedy run)
+    also both against it. Returns the report and this model's greedy run."""
     from pipeline.decoding.sla import SLAParams
     from pipeline.engines.hf import HFEngine
-    from pipeline.evaluation import compare, decode
+    from pipeline.evaluation import judged, summarize
 
     engine = HFEngine.from_pretrained(model_dir, device=args.device)
     inputs = eval_inputs(engine, prompts, args.max_new_tokens)
-    greedy = decode("greedy", engine, judge, inputs, args.max_new_tokens, args.seed)
-    greedy.scores = judge.score([p.raw_prompt for p in inputs], greedy.texts)
     params = SLAParams(args.search_depth, args.search_width, args.step_size)
-    own = compare(engine, judge, inputs, ["greedy", "sla"], args.max_new_tokens, args.seed, baseline=greedy,
-                  sla_params=params, sla_temperature=args.sla_temperature)
-    if baseline is not None:
-        own["sla_vs_original_greedy"] = compare(engine, judge, inputs, ["sla"], args.max_new_tokens, args.seed,
-                                                baseline=baseline, sla_params=params,
-                                                sla_temperature=args.sla_temperature)["sla"]
-        own["dpo_greedy_vs_original_greedy"] = compare(engine, judge, inputs, ["greedy"], args.max_new_tokens,
-                                                       args.seed, baseline=baseline)["greedy"]
-    return own, greedy
+    for method in ("greedy", "sla"):  # warm-up, so neither timing pays first-call costs
+        judged(method, engine, judge, inputs[:2], args.max_new_tokens, args.seed, sla_params=params)
+    greedy = judged("greedy", engine, judge, inputs, args.max_new_tokens, args.seed)
+    sla = judged("sla", engine, judge, inputs, args.max_new_tokens, args.seed, sla_params=params,
+                 sla_temperature=args.sla_temperature)
+    report = {"greedy": summarize(greedy, greedy), "sla": summarize(sla, greedy)}
+    if original is not None:
+        report["sla_vs_original_greedy"] = summarize(sla, original)
+        report["greedy_vs_original_greedy"] = summarize(greedy, original)
+    return report, greedy
 
 
 def plot_autrc(rt: dict, adapter: dict, path: Path) -> None:
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
 
     judge = RewardScorer.from_pretrained(reward, device=args.device)
     frozen, greedy = sla_vs_greedy(str(work / "rt"), judge, eval_prompts, args)
-    after_dpo, _ = sla_vs_greedy(str(work / "rt-dpo"), judge, eval_prompts, args, baseline=greedy)
+    after_dpo, _ = sla_vs_greedy(str(work / "rt-dpo"), judge, eval_prompts, args, original=greedy)
 
     d, k = args.search_depth, args.search_width
     n_leaves = k ** d
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
         "win_rate_sla_vs_greedy_frozen": sla["win_rate"],
         "win_rate_sla_vs_greedy_after_dpo": after_dpo["sla"]["win_rate"],
         "win_rate_dpo_sla_vs_original_greedy": after_dpo["sla_vs_original_greedy"]["win_rate"],
-        "win_rate_dpo_greedy_vs_original_greedy": after_dpo["dpo_greedy_vs_original_greedy"]["win_rate"],
+        "win_rate_dpo_greedy_vs_original_greedy": after_dpo["greedy_vs_original_greedy"]["win_rate"],
         "cost_vs_greedy": {
             "paper_estimate_log_k_N": math.log(n_leaves, k),
             "forward_passes": sla["forward_pass_cost_vs_greedy"],

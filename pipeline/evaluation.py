@@ -103,29 +103,35 @@ def win_rate(scores: list[float], baseline: list[float], tolerance: float = 1e-6
     return {"win": wins / n, "tie": ties / n, "loss": losses / n, "win_rate": (wins + ties / 2) / n}
 
 
+def summarize(run: MethodRun, baseline: MethodRun) -> dict:
+    """One row of the report: ``run`` (judged) against ``baseline`` (judged, usually greedy)."""
+    return {
+        **win_rate(run.scores, baseline.scores),
+        "mean_score": sum(run.scores) / len(run.scores),
+        "token_cost_vs_greedy": run.generated_tokens / max(baseline.generated_tokens, 1),
+        "time_cost_vs_greedy": run.wall_seconds / max(baseline.wall_seconds, 1e-9),
+        "forward_pass_cost_vs_greedy": (None if run.forward_passes is None or not baseline.forward_passes
+                                        else run.forward_passes / baseline.forward_passes),
+        "generated_tokens": run.generated_tokens,
+    }
+
+
+def judged(method: str, engine, scorer, prompts: list[PromptInput], max_new_tokens: int, seed: int = 0,
+           **kwargs) -> MethodRun:
+    """``decode`` plus the judge's score of every response."""
+    run = decode(method, engine, scorer, prompts, max_new_tokens, seed, **kwargs)
+    run.scores = scorer.score([p.raw_prompt for p in prompts], run.texts)
+    return run
+
+
 def compare(engine, scorer, prompts: list[PromptInput], methods: list[str], max_new_tokens: int, seed: int = 0,
-            baseline: MethodRun | None = None, **kwargs) -> dict:
-    """Run ``methods`` (greedy first, as the baseline, unless ``baseline`` is given), judge every
-    response with ``scorer`` and report each method's win rate and cost relative to greedy."""
-    raw = [p.raw_prompt for p in prompts]
-    if baseline is None:
-        baseline = decode("greedy", engine, scorer, prompts, max_new_tokens, seed, **kwargs)
-        baseline.scores = scorer.score(raw, baseline.texts)
-    report = {}
-    for method in methods:
-        run = baseline if method == "greedy" else decode(method, engine, scorer, prompts, max_new_tokens, seed, **kwargs)
-        if not run.scores:
-            run.scores = scorer.score(raw, run.texts)
-        report[method] = {
-            **win_rate(run.scores, baseline.scores),
-            "mean_score": sum(run.scores) / len(run.scores),
-            "token_cost_vs_greedy": run.generated_tokens / max(baseline.generated_tokens, 1),
-            "time_cost_vs_greedy": run.wall_seconds / max(baseline.wall_seconds, 1e-9),
-            "forward_pass_cost_vs_greedy": (None if run.forward_passes is None or not baseline.forward_passes
-                                            else run.forward_passes / baseline.forward_passes),
-            "generated_tokens": run.generated_tokens,
-        }
-    return report
+            **kwargs) -> dict:
+    """Run greedy (the baseline) and ``methods``, judge every response with ``scorer``, and
+    report each method's win rate and cost relative to greedy."""
+    baseline = judged("greedy", engine, scorer, prompts, max_new_tokens, seed, **kwargs)
+    return {m: summarize(baseline if m == "greedy" else judged(m, engine, scorer, prompts, max_new_tokens, seed,
+                                                                **kwargs), baseline)
+            for m in methods}
 
 
 def format_report(report: dict) -> str:
