@@ -135,8 +135,11 @@ def compare(engine, scorer, prompts: list[PromptInput], methods: list[str], max_
 
 
 def format_report(report: dict) -> str:
-    lines = [f"{'method':<12} {'win':>6} {'tie':>6} {'loss':>6} {'win rate':>9} {'tokens x':>9} {'time x':>7}"]
+    lines = [f"{'method':<12} {'win':>6} {'tie':>6} {'loss':>6} {'win rate':>9} {'tokens x':>9} {'passes x':>9} "
+             f"{'time x':>7}"]
     for name, r in report.items():
+        passes = r["forward_pass_cost_vs_greedy"]
         lines.append(f"{name:<12} {r['win']:>6.1%} {r['tie']:>6.1%} {r['loss']:>6.1%} {r['win_rate']:>9.1%} "
-                     f"{r['token_cost_vs_greedy']:>9.2f} {r['time_cost_vs_greedy']:>7.2f}")
+                     f"{r['token_cost_vs_greedy']:>9.2f} {'-' if passes is None else f'{passes:.2f}':>9} "
+                     f"{r['time_cost_vs_greedy']:>7.2f}")
     return "\n".join(lines)
