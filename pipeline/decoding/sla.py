@@ -230,8 +230,4 @@ def sla(engine, prompts: list[list[int]], num_samples: int, seeds: list[int], sa
         params: SLAParams) -> list[SearchOutput]:
     """MODEL_SIDE entry: ``engine`` (pipeline.engines.hf.HFEngine) serves SelfRewardingLM through
     ``self_rewarding_lm()``, which refuses a model without a trained reward channel."""
-    model = engine.self_rewarding_lm()
-    outputs = streaming_looking_ahead(model, prompts, num_samples, seeds, sampling, params)
-    if outputs:
-        outputs[0].stats["forward_passes"] = model.forward_passes
-    return outputs
+    return streaming_looking_ahead(engine.self_rewarding_lm(), prompts, num_samples, seeds, sampling, params)
