@@ -139,13 +139,16 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default="benchmarks/results/sla.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench-sla-") as work:
+        return run(args, Path(work))
 
+
+def run(args, work: Path) -> int:
     from pipeline.engines.rewards import RewardScorer
     from pipeline.training.dpo import load_pairs
     from pipeline.training.reward_channel import train_reward_transformer
 
     start = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="bench-sla-"))
     if args.models:
         generator, reward, source = str(Path(args.models, "generator")), str(Path(args.models, "reward")), args.models
     else:

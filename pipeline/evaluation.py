@@ -62,8 +62,9 @@ def decode(method: str, engine, scorer, prompts: list[PromptInput], max_new_toke
         params = SpeculativeRejectionParams(decision_token=max(1, max_new_tokens // 4), rejection_rate=0.5)
         results = speculative_rejection(prompts, engine, scorer, params, SamplingParams(max_new_tokens=max_new_tokens),
                                         num_samples, seed)
-        texts = [max((c for c in r.candidates if c.completed and not c.failed), key=lambda c: c.score).text
-                 for r in results]
+        # The best completed candidate by the judge (every one failing: the first, so no prompt is lost).
+        texts = [max((c for c in r.candidates if c.completed and not c.failed), key=lambda c: c.score,
+                     default=r.candidates[0]).text for r in results]
         tokens = sum(r.generated_tokens for r in results)
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")

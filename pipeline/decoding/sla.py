@@ -151,12 +151,12 @@ class _Tree:
             self.model.feed(self.rows, tokens)
             for leaf, reward in zip(self.live, self.rows.rewards.tolist()):
                 leaf.reward = reward
-            capped = [i for i, leaf in enumerate(self.live) if len(leaf.tokens) >= cap]
+            capped = {i for i, leaf in enumerate(self.live) if len(leaf.tokens) >= cap}
             if capped:
-                for i in capped:
+                for i in sorted(capped):
                     self.live[i].finished = True
                     self.done.append(self.live[i])
-                kept = [i for i in range(len(self.live)) if i not in set(capped)]
+                kept = [i for i in range(len(self.live)) if i not in capped]
                 self.model.select(self.rows, kept)
                 self.live = [self.live[i] for i in kept]
 
@@ -173,6 +173,9 @@ class _Tree:
             if reward > q or (reward == q and leaf.path[0] < a):
                 best[leaf.search] = (reward, leaf.path[0])
         chosen = {s: a for s, (_, a) in best.items()}
+        lost = [s for s, search in enumerate(self.searches) if search.result is None and s not in chosen]
+        if lost:  # every open search keeps the subtree of its last commit: this is a bug, never a user error
+            raise RuntimeError(f"SLA: open searches {lost[:5]} have no leaves left")
         subtree = [l for l in self.live + self.done if l.path and chosen.get(l.search) == l.path[0]]
         for s, search in enumerate(self.searches):
             if s not in chosen:
