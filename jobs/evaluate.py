@@ -79,9 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    from transformers import AutoConfig
+
     from pipeline.engines.hf import HFEngine
     from pipeline.engines.rewards import RewardScorer
 
+    for flag, path in (("--model", args.model), ("--judge", args.judge)):
+        try:
+            AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            print(f"error: {flag}: cannot load {path!r} ({str(exc).splitlines()[0]})", file=sys.stderr)
+            return 2
     engine = HFEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     try:
         prompts = load_prompts(args.prompts, args.prompt_column, engine.tokenizer, args.max_new_tokens, args.max_prompts)

@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as exc:
+        print(f"error: --model: cannot load {args.model!r} ({str(exc).splitlines()[0]})", file=sys.stderr)
+        return 2
+    try:
         metrics = train_reward_transformer(
             pairs, args.model, args.output, dpo=args.dpo, hidden_size=args.hidden_size, epochs=args.epochs,
             batch_size=args.batch_size, learning_rate=args.learning_rate, max_steps=args.max_steps,

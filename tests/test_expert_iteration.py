@@ -65,6 +65,10 @@ def test_evaluate_refuses_sla_without_channel(tiny_models, tmp_path, capsys):
                           "--prompts", str(prompts), "--methods", "greedy,sla"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --model:") and "trained reward channel" in err
+    assert evaluate_main(["--model", str(tmp_path / "nope"), "--judge", str(tiny_models["reward"]),
+                          "--prompts", str(prompts), "--methods", "greedy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --model: cannot load") and err.count("\n") == 1
 
 
 def test_cronjob_example_runs_expert_iteration():
