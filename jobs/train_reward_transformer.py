@@ -1,19 +1,25 @@
-"""Train on the build job's pairs: today, the policy's DPO path.
+"""Train a Reward Transformer on the build job's pairs (Bradley-Terry, Eq. 17; optionally DPO).
 
-    python -m jobs.train_reward_transformer --pairs URI --model DIR --output DIR [--max-steps N]
-        [--batch-size B] [--learning-rate LR] [--beta B] [--seed S] [--storage-option key=value ...]
+    python -m jobs.train_reward_transformer --pairs URI --model DIR --output DIR [--dpo]
+        [--epochs E] [--max-steps N] [--batch-size B] [--learning-rate LR] [--hidden-size H]
+        [--eval-fraction F] [--dpo-steps N] [--dpo-learning-rate LR] [--beta B] [--seed S]
+        [--device cpu|cuda] [--storage-option key=value ...]
 
 --pairs is a directory or prefix of part-*.parquet (local or s3://), one Parquet file, or a glob.
-The reward channel (a Reward Transformer trained with a Bradley-Terry loss on the same pairs)
-comes in a later issue; for now this runs TRL's DPO on the policy and saves it, with its
-tokenizer, to --output. User errors (missing or unreadable pairs) print one line on stderr and
-exit with code 2.
+--model is an HF causal LM directory or hub id (a fresh reward channel is attached) or a Reward
+Transformer directory (its channel trains on). The policy is frozen unless --dpo, which first
+runs TRL's DPOTrainer on the same training split (the paper's setting 2). Writes the Reward
+Transformer directory to --output (HF model, tokenizer, reward_channel.safetensors and .json,
+training_metrics.json) and prints the loss, held-out pairwise accuracy and AuTRC. User errors
+(missing or unreadable pairs) print one line on stderr and exit with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from pipeline.data.prompts import InputError
 
@@ -22,13 +28,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jobs.train_reward_transformer",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", required=True, help="pairs Parquet: directory/prefix, file or glob")
-    parser.add_argument("--model", required=True, help="policy to start from: model directory or hub id")
-    parser.add_argument("--output", required=True, help="directory to save the trained policy to")
-    parser.add_argument("--max-steps", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=5e-6)
+    parser.add_argument("--model", required=True, help="policy or Reward Transformer to start from")
+    parser.add_argument("--output", required=True, help="directory to save the Reward Transformer to")
+    parser.add_argument("--dpo", action="store_true", help="also train the policy with DPO first (setting 2)")
+    parser.add_argument("--epochs", type=int, default=3, help="Bradley-Terry epochs (the paper: 3)")
+    parser.add_argument("--max-steps", type=int, default=None, help="cap on Bradley-Terry optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="pairs per step")
+    parser.add_argument("--learning-rate", type=float, default=5e-5, help="reward channel LR (the paper: 5e-5)")
+    parser.add_argument("--hidden-size", type=int, default=256, help="reward channel width (the paper: 256)")
+    parser.add_argument("--eval-fraction", type=float, default=0.2, help="held-out share for accuracy and AuTRC")
+    parser.add_argument("--max-length", type=int, default=512, help="tokens per prompt + response")
+    parser.add_argument("--dpo-steps", type=int, default=10)
+    parser.add_argument("--dpo-learning-rate", type=float, default=5e-6)
     parser.add_argument("--beta", type=float, default=0.1, help="DPO beta (strength of the pull to the reference)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="torch device for the Bradley-Terry steps")
+    parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--storage-option", dest="storage_options", action="append", default=[],
                         metavar="KEY=VALUE", help="fsspec/s3fs option for s3:// pairs, e.g. endpoint_url=...")
     return parser.parse_args(argv)
@@ -45,17 +60,37 @@ def main(argv: list[str] | None = None) -> int:
         storage_options[key] = value
 
     # Imported late so --help and input errors stay fast (torch/transformers/trl load slowly).
-    from pipeline.training.dpo import load_pairs, train_dpo
+    from pipeline.training.dpo import load_pairs
+    from pipeline.training.reward_channel import train_reward_transformer
 
     try:
         pairs = load_pairs(args.pairs, storage_options)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    metrics = train_dpo(pairs, args.model, args.output, max_steps=args.max_steps, batch_size=args.batch_size,
-                        learning_rate=args.learning_rate, beta=args.beta, seed=args.seed)
-    for key, value in metrics.items():
-        print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as exc:
+        print(f"error: --model: cannot load {args.model!r} ({str(exc).splitlines()[0]})", file=sys.stderr)
+        return 2
+    try:
+        metrics = train_reward_transformer(
+            pairs, args.model, args.output, dpo=args.dpo, hidden_size=args.hidden_size, epochs=args.epochs,
+            batch_size=args.batch_size, learning_rate=args.learning_rate, max_steps=args.max_steps,
+            eval_fraction=args.eval_fraction, max_length=args.max_length, dpo_steps=args.dpo_steps,
+            dpo_learning_rate=args.dpo_learning_rate, beta=args.beta, seed=args.seed, device=args.device,
+            progress=not args.no_progress)
+    except InputError as exc:
+        print(f"error: {args.pairs}: {exc}", file=sys.stderr)
+        return 2
+    Path(args.output, "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    for key in ("train_loss", "first_loss", "steps", "train_pairs", "eval_pairs", "eval_loss", "pairwise_accuracy",
+                "autrc", "dpo_train_loss", "dpo_steps"):
+        if key in metrics:
+            value = metrics[key]
+            print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     print(f"output: {args.output}")
     return 0
 

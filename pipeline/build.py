@@ -77,6 +77,10 @@ def plan_build(config: Config) -> BuildPlan:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"models.generator: cannot load {config.models.generator!r} "
                           f"({str(exc).splitlines()[0]})") from None
+    # A strategy may need more of its models than loading them checks (SLA: a trained reward channel).
+    check_models = getattr(config.strategy.params, "check_models", None)
+    if check_models is not None:
+        check_models(config.models)
     context = getattr(model_config, "max_position_embeddings", None)
     context = int(context or tokenizer.model_max_length)
     max_prompt = data.max_prompt_tokens or context - config.sampling.max_new_tokens

@@ -68,11 +68,12 @@ def test_train_job_updates_the_policy(tmp_path, generator, capsys):
 
     pairs = write_pairs(tmp_path / "pairs")
     output = tmp_path / "policy"
-    code = main(["--pairs", str(pairs), "--model", str(generator), "--output", str(output),
-                 "--max-steps", "2", "--batch-size", "4", "--learning-rate", "1e-3"])
+    code = main(["--pairs", str(pairs), "--model", str(generator), "--output", str(output), "--dpo",
+                 "--dpo-steps", "2", "--batch-size", "4", "--dpo-learning-rate", "1e-3", "--max-steps", "1",
+                 "--hidden-size", "8", "--no-progress"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "steps: 2" in out and f"output: {output}" in out
+    assert "dpo_steps: 2" in out and f"output: {output}" in out
 
     trained = AutoModelForCausalLM.from_pretrained(output).state_dict()
     initial = AutoModelForCausalLM.from_pretrained(generator).state_dict()

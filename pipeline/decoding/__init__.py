@@ -13,12 +13,14 @@ pipeline.decoding.search, which calls ``Generator.search`` and scores the candid
 from pipeline.decoding.aded import ADEDParams, aded_model_side
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
 from pipeline.decoding.search import model_side_strategy
+from pipeline.decoding.sla import SLAParams, sla
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
 from pipeline.decoding.ults import ULTSParams, ults_model_side
 
 MODEL_SIDE: dict = {
     "ults": ults_model_side,
     "aded": aded_model_side,
+    "sla": sla,
 }
 
 STRATEGIES = {
@@ -27,6 +29,7 @@ STRATEGIES = {
     "speculative_rejection": speculative_rejection,
     "ults": model_side_strategy("ults"),
     "aded": model_side_strategy("aded"),
+    "sla": model_side_strategy("sla"),
 }
 
 STRATEGY_PARAMS = {
@@ -35,4 +38,5 @@ STRATEGY_PARAMS = {
     "speculative_rejection": SpeculativeRejectionParams,
     "ults": ULTSParams,
     "aded": ADEDParams,
+    "sla": SLAParams,
 }

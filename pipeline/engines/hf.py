@@ -49,6 +49,19 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, position_ids), each [P, W]: prompts left-padded so the last
+    column is every prompt's last token; position ids count real tokens only."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 @dataclass
 class _Session:
     sampling: SamplingParams
@@ -80,8 +93,15 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32") -> HFEngine:
+        """Any HF causal LM; a Reward Transformer directory (pipeline.engines.reward_transformer)
+        loads with its reward channel, which model-side methods such as SLA read."""
+        from pipeline.engines.reward_transformer import RewardTransformer, has_reward_channel
+
         tokenizer = load_tokenizer(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
+        if has_reward_channel(name_or_path):
+            model = RewardTransformer.from_pretrained(name_or_path, dtype=DTYPES[dtype], device=device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
         return cls(model, tokenizer, device)
 
     @property
@@ -146,14 +166,7 @@ class HFEngine:
             raise ValueError(f"need {len(prompts) * num_samples} seeds, got {len(seeds)}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: the last column is every prompt's last token
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [P, W]
+        input_ids, mask, position_ids = left_pad(prompts, self.pad_id, self.device)  # [P, W]
         generators = []
         for s in seeds:
             g = torch.Generator(device=self.device)
@@ -222,6 +235,13 @@ class HFEngine:
         if method not in MODEL_SIDE:
             raise ValueError(f"unknown model-side method {method!r}; known: {sorted(MODEL_SIDE)}")
         return MODEL_SIDE[method](self, prompts, num_samples, seeds, sampling, params)
+
+    def self_rewarding_lm(self):
+        """This engine as pipeline.decoding.sla's SelfRewardingLM; raises ValueError when the model
+        has no trained reward channel."""
+        from pipeline.engines.reward_transformer import SelfRewardDecoder
+
+        return SelfRewardDecoder(self)
 
     # -- convenience -------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """The DPO handoff: the build job's pairs Parquet in, a DPO-trained policy out.
 
 The pairs are read exactly as the output contract promises (`load_dataset("parquet")`, TRL
-standard format, no conversion) and handed to TRL's DPOTrainer. Setting 2 of the SLA paper will
-later also train a reward channel (a Reward Transformer, Bradley-Terry) from the same pairs;
-this module trains only the policy.
+standard format, no conversion) and handed to TRL's DPOTrainer. This module trains only the
+policy; setting 2 of the SLA paper runs it before training the reward channel on the same pairs
+(pipeline.training.reward_channel).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def load_pairs(uri: str, storage_options: dict | None = None):
 
 def train_dpo(pairs, model: str, output: str, *, max_steps: int = 10, batch_size: int = 4,
               learning_rate: float = 5e-6, beta: float = 0.1, max_length: int = 512, seed: int = 0,
-              eval_fraction: float = 0.0) -> dict[str, Any]:
+              eval_fraction: float = 0.0, progress: bool = True) -> dict[str, Any]:
     """Run DPO on `pairs` (a Dataset with prompt/chosen/rejected) starting from `model` (an HF
     model directory or hub id), save the policy and its tokenizer to `output`, and return metrics:
     train_loss, steps, and the last logged rewards/* and logps/* values (eval_* too when
@@ -122,10 +122,15 @@ def train_dpo(pairs, model: str, output: str, *, max_steps: int = 10, batch_size
         # We save once, explicitly, at the end; intermediate checkpoints would only cost disk.
         save_strategy="no",
         eval_strategy="no",
+        disable_tqdm=not progress,
     )
     # ref_model=None: TRL loads a frozen copy of the same checkpoint as the reference.
     trainer = DPOTrainer(model=policy, args=config, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer)
+    if not progress:
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)  # with tqdm off it would print every log line
     result = trainer.train()
 
     metrics: dict[str, Any] = {"train_loss": result.training_loss, "steps": trainer.state.global_step}

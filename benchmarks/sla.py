@@ -1,0 +1,228 @@
+"""SLA bench figures, all measured in one run on the same models and prompts.
+
+    python -m benchmarks.sla [--models DIR] [--device cpu|cuda] [--train-prompts 256] [--eval-prompts 64]
+        [--max-new-tokens 32] [--hidden-size 256] [--epochs 3] [--learning-rate 1e-3] [--threads 1]
+        [--output benchmarks/results/sla.json]
+
+--models DIR holds DIR/generator and DIR/reward (what `python -m jobs.make_tiny_models` writes);
+without it, the random-weight tiny models are built in a temporary directory. The recipe:
+
+1. pairs: our build (best_of_n, 5 samples at temperature 0.8, best and worst by the labeling
+   reward model: the paper's data collection, section 5) on --train-prompts prompts;
+2. setting 1: the Reward Transformer's channel trained with Bradley-Terry on a frozen policy;
+   the adapter baseline (one linear head on the last hidden state) trained the same way;
+3. setting 2: DPO on the same pairs, then the channel on the DPO policy;
+4. on --eval-prompts held-out prompts, judged by the labeling reward model: SLA vs greedy (win
+   rate = wins + ties/2) for the frozen policy and after DPO (vs the DPO model's greedy, and vs
+   the original greedy);
+5. SLA's decoding cost relative to greedy (tokens, sequential forward passes, wall time) next to
+   the paper's log_k(N) = d estimate (Eq. 11, N = k^d explored leaves);
+6. AuTRC of the Reward Transformer vs the adapter on the held-out pairs (curves in a PNG).
+
+Targets (issue): SLA win rate >= 70% against greedy; Reward Transformer AuTRC > adapter's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def bench_prompts(train: int, evaluate: int, seed: int) -> tuple[list[str], list[str]]:
+    """Disjoint prompt sets from the tiny models' grammar (requests about products)."""
+    from jobs.make_tiny_models import ADVERBS, ASKS, SUBJECTS, VERBS
+
+    pool = [f"{a} {s}." for a in ASKS for s in SUBJECTS]
+    pool += [f"Explain why {s} {v} {adv}." for s in SUBJECTS for v in VERBS for adv in ADVERBS]
+    random.Random(seed).shuffle(pool)
+    if train + evaluate > len(pool):
+        raise SystemExit(f"error: at most {len(pool)} prompts")
+    return pool[:train], pool[train:train + evaluate]
+
+
+def build_pairs(generator: str, reward: str, prompts: list[str], output: Path, args) -> dict:
+    from actors import start_workers
+    from pipeline.build import plan_build, run_build
+    from pipeline.config import config_from_dict
+
+    output.mkdir(parents=True, exist_ok=True)
+    prompt_file = output.parent / f"{output.name}-prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    config = config_from_dict({
+        "models": {"generator": generator, "reward": reward, "device": args.device},
+        "strategy": {"name": "best_of_n"},
+        "sampling": {"num_samples": 5, "max_new_tokens": args.max_new_tokens, "temperature": 0.8},
+        "data": {"prompts": str(prompt_file), "output": str(output), "shard_size": 64},
+        "runtime": {"local": True, "prompts_per_batch": 16},
+        "seed": args.seed,
+    })
+    workers = start_workers(config)
+    try:
+        return run_build(plan_build(config), workers, progress=False)
+    finally:
+        workers.shutdown()
+
+
+def eval_inputs(engine, prompts: list[str], max_new_tokens: int):
+    from pipeline.data.prompts import PromptFormatter, PromptRow
+
+    formatter = PromptFormatter(engine.tokenizer, engine.max_context - max_new_tokens)
+    return [formatter.prepare(PromptRow(i, p))[0] for i, p in enumerate(prompts)]
+
+
+def sla_vs_greedy(model_dir: str, judge, prompts: list[str], args, original=None) -> tuple[dict, object]:
+    """SLA and greedy on one model, judged; with ``original`` (another model's judged greedy run)
+    also both against it. Returns the report and this model's greedy run."""
+    from pipeline.decoding.sla import SLAParams
+    from pipeline.engines.hf import HFEngine
+    from pipeline.evaluation import judged, summarize
+
+    engine = HFEngine.from_pretrained(model_dir, device=args.device)
+    inputs = eval_inputs(engine, prompts, args.max_new_tokens)
+    params = SLAParams(args.search_depth, args.search_width, args.step_size)
+    for method in ("greedy", "sla"):  # warm-up, so neither timing pays first-call costs
+        judged(method, engine, judge, inputs[:2], args.max_new_tokens, args.seed, sla_params=params)
+    greedy = judged("greedy", engine, judge, inputs, args.max_new_tokens, args.seed)
+    sla = judged("sla", engine, judge, inputs, args.max_new_tokens, args.seed, sla_params=params,
+                 sla_temperature=args.sla_temperature)
+    report = {"greedy": summarize(greedy, greedy), "sla": summarize(sla, greedy)}
+    if original is not None:
+        report["sla_vs_original_greedy"] = summarize(sla, original)
+        report["greedy_vs_original_greedy"] = summarize(greedy, original)
+    return report, greedy
+
+
+def plot_autrc(rt: dict, adapter: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(rt["autrc_fractions"], rt["autrc_curve"], label=f"Reward Transformer (AuTRC {rt['autrc']:.3f})")
+    ax.plot(adapter["autrc_fractions"], adapter["autrc_curve"], label=f"linear adapter (AuTRC {adapter['autrc']:.3f})")
+    ax.set_xlabel("fraction of the response")
+    ax.set_ylabel("agreement with the final label")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=None, help="directory with generator/ and reward/ (default: random tiny)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--train-prompts", type=int, default=256)
+    parser.add_argument("--eval-prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--hidden-size", type=int, default=256, help="reward channel width (the paper: 256)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--dpo-steps", type=int, default=30)
+    parser.add_argument("--dpo-learning-rate", type=float, default=1e-4)
+    parser.add_argument("--search-depth", type=int, default=2)
+    parser.add_argument("--search-width", type=int, default=2)
+    parser.add_argument("--step-size", type=int, default=10)
+    parser.add_argument("--sla-temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--output", default="benchmarks/results/sla.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench-sla-") as work:
+        return run(args, Path(work))
+
+
+def run(args, work: Path) -> int:
+    from pipeline.engines.rewards import RewardScorer
+    from pipeline.training.dpo import load_pairs
+    from pipeline.training.reward_channel import train_reward_transformer
+
+    start = time.perf_counter()
+    if args.models:
+        generator, reward, source = str(Path(args.models, "generator")), str(Path(args.models, "reward")), args.models
+    else:
+        from jobs.make_tiny_models import make_tiny_models
+
+        paths = make_tiny_models(work / "models", seed=args.seed)
+        generator, reward, source = str(paths["generator"]), str(paths["reward"]), "random tiny models (make_tiny_models)"
+    train_prompts, eval_prompts = bench_prompts(args.train_prompts, args.eval_prompts, args.seed)
+    print(f"models: {source}; {len(train_prompts)} training prompts, {len(eval_prompts)} held-out prompts", flush=True)
+
+    manifest = build_pairs(generator, reward, train_prompts, work / "pairs", args)
+    pairs = load_pairs(str(work / "pairs"))
+    print(f"pairs from our build: {len(pairs)} ({manifest['prompts_rejected']} prompts without a pair)", flush=True)
+    train = dict(hidden_size=args.hidden_size, epochs=args.epochs, learning_rate=args.learning_rate,
+                 seed=args.seed, device=args.device, progress=False)
+    rt = train_reward_transformer(pairs, generator, str(work / "rt"), **train)
+    adapter = train_reward_transformer(pairs, generator, str(work / "adapter"), kind="adapter", **train)
+    dpo = train_reward_transformer(pairs, generator, str(work / "rt-dpo"), dpo=True, dpo_steps=args.dpo_steps,
+                                   dpo_learning_rate=args.dpo_learning_rate, **train)
+
+    judge = RewardScorer.from_pretrained(reward, device=args.device)
+    frozen, greedy = sla_vs_greedy(str(work / "rt"), judge, eval_prompts, args)
+    after_dpo, _ = sla_vs_greedy(str(work / "rt-dpo"), judge, eval_prompts, args, original=greedy)
+
+    d, k = args.search_depth, args.search_width
+    n_leaves = k ** d
+    sla = frozen["sla"]
+    figures = {
+        "models": source,
+        "train_pairs": len(pairs),
+        "eval_prompts": len(eval_prompts),
+        "sla_params": {"search_depth": d, "search_width": k, "step_size": args.step_size},
+        "win_rate_sla_vs_greedy_frozen": sla["win_rate"],
+        "win_rate_sla_vs_greedy_after_dpo": after_dpo["sla"]["win_rate"],
+        "win_rate_dpo_sla_vs_original_greedy": after_dpo["sla_vs_original_greedy"]["win_rate"],
+        "win_rate_dpo_greedy_vs_original_greedy": after_dpo["greedy_vs_original_greedy"]["win_rate"],
+        "cost_vs_greedy": {
+            "paper_estimate_log_k_N": math.log(n_leaves, k),
+            "forward_passes": sla["forward_pass_cost_vs_greedy"],
+            "wall_time": sla["time_cost_vs_greedy"],
+            "tokens": sla["token_cost_vs_greedy"],
+        },
+        "autrc": {"reward_transformer": rt["autrc"], "adapter": adapter["autrc"],
+                  "reward_transformer_dpo": dpo["autrc"]},
+        "heldout_pairwise_accuracy": {"reward_transformer": rt["pairwise_accuracy"],
+                                      "adapter": adapter["pairwise_accuracy"]},
+        "targets": {"sla_win_rate_ge_0.7": sla["win_rate"] >= 0.7,
+                    "rt_autrc_gt_adapter": rt["autrc"] > adapter["autrc"]},
+        "details": {"frozen": frozen, "after_dpo": after_dpo, "rt_training": rt, "adapter_training": adapter,
+                    "dpo_training": dpo},
+        "wall_seconds": round(time.perf_counter() - start, 1),
+        "device": args.device,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=2) + "\n")
+    plot_autrc(rt, adapter, out.with_suffix(".png"))
+
+    c = figures["cost_vs_greedy"]
+    print(f"SLA (d={d}, k={k}, n={args.step_size}) vs greedy, judged by the labeling reward model "
+          f"on {len(eval_prompts)} held-out prompts:")
+    print(f"  frozen policy:  win rate {sla['win_rate']:.1%} (win {sla['win']:.1%} tie {sla['tie']:.1%} "
+          f"loss {sla['loss']:.1%})   target >= 70%: {'met' if sla['win_rate'] >= 0.7 else 'NOT met'}")
+    print(f"  after DPO:      win rate {after_dpo['sla']['win_rate']:.1%} vs DPO greedy; "
+          f"{figures['win_rate_dpo_sla_vs_original_greedy']:.1%} vs original greedy "
+          f"(DPO greedy vs original greedy: {figures['win_rate_dpo_greedy_vs_original_greedy']:.1%})")
+    print(f"  cost vs greedy: forward passes x{c['forward_passes']:.2f}, wall time x{c['wall_time']:.2f}, "
+          f"tokens x{c['tokens']:.2f}; paper's estimate log_k(N) = {c['paper_estimate_log_k_N']:.2f}")
+    print(f"AuTRC on held-out pairs: Reward Transformer {rt['autrc']:.3f} vs adapter {adapter['autrc']:.3f} "
+          f"(pairwise accuracy {rt['pairwise_accuracy']:.1%} vs {adapter['pairwise_accuracy']:.1%})   "
+          f"target RT > adapter: {'met' if rt['autrc'] > adapter['autrc'] else 'NOT met'}")
+    print(f"wrote {out} and {out.with_suffix('.png')} ({figures['wall_seconds']}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

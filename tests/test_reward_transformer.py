@@ -1,0 +1,141 @@
+"""Reward Transformer: channel maths, save/load, engine loading, Bradley-Terry training, and the
+Done-when path: our own build's pairs -> BT and DPO training -> `sla` as a build strategy."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from jobs.build_dataset import main as build_main
+from jobs.train_reward_transformer import main as train_main
+from pipeline.engines.hf import HFEngine, load_tokenizer
+from pipeline.engines.reward_transformer import RewardTransformer, has_reward_channel, has_trained_channel
+from pipeline.training.reward_channel import (EncodedPair, bradley_terry_loss, evaluate_channel,
+                                              train_reward_channel)
+from tests.conftest import GOOD_PROMPTS, write_jsonl
+
+
+def test_channel_follows_eq14_and_reads_policy_and_reward_states(tiny_models):
+    rt = RewardTransformer.from_pretrained(str(tiny_models["generator"]), hidden_size=16)
+    assert not rt.channel_config.trained and not has_reward_channel(str(tiny_models["generator"]))
+    ids = torch.tensor([[1, 7, 8, 9, 10]])
+    out = rt(input_ids=ids, with_rewards=True)
+    hs = rt.policy(input_ids=ids, output_hidden_states=True).hidden_states
+    ch = rt.channel
+    h_r = ch.norms[0](ch.blocks[0](hs[0]))
+    for j in range(1, len(ch.blocks)):
+        h_r = ch.norms[j](h_r + ch.blocks[j](torch.cat([hs[j], h_r], -1)))
+    expected = ch.head(torch.cat([hs[-1], h_r], -1))[..., 0]
+    torch.testing.assert_close(out.rewards, expected)
+    # A prefix's reward does not depend on later tokens (causal), and token_rewards agrees.
+    torch.testing.assert_close(rt.token_rewards(ids[:, :3], torch.ones(1, 3, dtype=torch.long)), expected[:, :3])
+    # The policy channel is the unchanged model.
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_models["generator"]))
+    torch.testing.assert_close(out.logits, plain(input_ids=ids).logits)
+
+
+def synthetic_pairs(tokenizer, n=16):
+    """Chosen responses say 'great', rejected ones 'badly': learnable from token identity."""
+    subjects = ["the lamp", "the battery", "the app", "the camera"]
+    pairs = []
+    for i in range(n):
+        s = subjects[i % 4]
+        prompt = tokenizer(f"<s><|user|>Write a review of {s}.\n<|assistant|>", add_special_tokens=False).input_ids
+        pairs.append(EncodedPair(prompt, tokenizer(f"{s} works great", add_special_tokens=False).input_ids,
+                                 tokenizer(f"{s} works badly", add_special_tokens=False).input_ids))
+    return pairs
+
+
+def test_bradley_terry_trains_channel_only_and_round_trips(tiny_models, tmp_path):
+    tok = load_tokenizer(str(tiny_models["generator"]))
+    rt = RewardTransformer.from_pretrained(str(tiny_models["generator"]), hidden_size=32)
+    policy_before = {k: v.clone() for k, v in rt.policy.state_dict().items()}
+    pairs = synthetic_pairs(tok)
+    before = evaluate_channel(rt, pairs, tok.pad_token_id)
+    metrics = train_reward_channel(rt, pairs, tok.pad_token_id, epochs=15, batch_size=8, learning_rate=3e-3,
+                                   progress=False)
+    after = evaluate_channel(rt, pairs, tok.pad_token_id)
+    assert metrics["train_loss"] < metrics["first_loss"] and after["eval_loss"] < before["eval_loss"]
+    assert after["pairwise_accuracy"] == 1.0
+    # The responses share every token but the last, so the token-level rewards can only agree with
+    # the label at the end of the trajectory: the curve is 0 before and 1 at f = 1.
+    assert after["autrc_curve"][-1] == 1.0 and after["autrc_curve"][0] == 0.0
+    assert all(torch.equal(v, rt.policy.state_dict()[k]) for k, v in policy_before.items())
+
+    rt.save_pretrained(str(tmp_path / "rt"), tok)
+    assert has_trained_channel(str(tmp_path / "rt"))
+    loaded = RewardTransformer.from_pretrained(str(tmp_path / "rt"))
+    ids = torch.tensor([pairs[0].prompt + pairs[0].chosen])
+    a, b = rt(input_ids=ids, with_rewards=True), loaded(input_ids=ids, with_rewards=True)
+    torch.testing.assert_close(a.rewards, b.rewards)
+    torch.testing.assert_close(a.logits, b.logits)
+    assert loaded.channel_config.hidden_size == 32 and loaded.channel_config.trained
+
+
+def test_bradley_terry_loss_is_eq17():
+    chosen = [torch.tensor([1.0, 3.0]), torch.tensor([0.0])]
+    rejected = [torch.tensor([0.0, 0.0, 3.0]), torch.tensor([2.0])]
+    margins = torch.tensor([2.0 - 1.0, 0.0 - 2.0])
+    torch.testing.assert_close(bradley_terry_loss(chosen, rejected), -torch.nn.functional.logsigmoid(margins).mean())
+
+
+def build(tiny_models, prompts, output, generator, *extra):
+    return build_main(["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(output),
+                       "--set", f"models.generator={generator}", "--set", f"models.reward={tiny_models['reward']}",
+                       "--set", "runtime.local=true", "--max-new-tokens", "12", "--num-samples", "4",
+                       "--no-progress", *extra])
+
+
+@pytest.fixture(scope="module")
+def own_pairs(tiny_models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rt-build")
+    prompts = write_jsonl(tmp / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS])
+    assert build(tiny_models, prompts, tmp / "pairs", tiny_models["generator"], "--strategy", "best_of_n") == 0
+    return tmp, prompts
+
+
+def test_own_pairs_train_bt_and_dpo_then_sla_builds(own_pairs, tiny_models, capsys):
+    tmp, prompts = own_pairs
+    common = ["--pairs", str(tmp / "pairs"), "--model", str(tiny_models["generator"]), "--epochs", "2",
+              "--batch-size", "2", "--hidden-size", "16", "--learning-rate", "1e-3", "--no-progress"]
+    assert train_main([*common, "--output", str(tmp / "rt")]) == 0
+    out = capsys.readouterr().out
+    for key in ("train_loss:", "pairwise_accuracy:", "autrc:", "eval_pairs:"):
+        assert key in out
+    metrics = json.loads((tmp / "rt" / "training_metrics.json").read_text())
+    assert metrics["train_pairs"] + metrics["eval_pairs"] == len(GOOD_PROMPTS)
+    frozen = AutoModelForCausalLM.from_pretrained(tmp / "rt").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_models["generator"]).state_dict()
+    assert all(torch.equal(frozen[k], initial[k]) for k in initial)
+
+    assert train_main([*common, "--output", str(tmp / "rt-dpo"), "--dpo", "--dpo-steps", "2",
+                       "--dpo-learning-rate", "1e-3"]) == 0
+    assert "dpo_train_loss:" in capsys.readouterr().out
+    updated = AutoModelForCausalLM.from_pretrained(tmp / "rt-dpo").state_dict()
+    assert any(not torch.equal(updated[k], initial[k]) for k in initial)
+    assert has_trained_channel(str(tmp / "rt-dpo"))
+
+    engine = HFEngine.from_pretrained(str(tmp / "rt"))
+    assert isinstance(engine.model, RewardTransformer)
+
+    # sla as a build_dataset strategy, on the trained Reward Transformer.
+    assert build(tiny_models, prompts, tmp / "sla", tmp / "rt-dpo", "--strategy", "sla",
+                 "--set", "strategy.step_size=4") == 0
+    manifest = json.loads((tmp / "sla" / "_manifest.json").read_text())
+    assert manifest["pairs"] + manifest["prompts_rejected"] == len(GOOD_PROMPTS) and manifest["pairs"] >= 4
+    rows = pq.read_table(tmp / "sla" / "part-00000.parquet").to_pylist()
+    assert all(r["strategy"] == "sla" and r["num_candidates"] == 4 for r in rows)
+    # Each prompt's searches explore more than the 4 responses they keep.
+    assert all(r["generated_tokens"] > 0 for r in rows)
+    assert manifest["config"]["strategy"] == {"name": "sla", "search_depth": 2, "search_width": 2, "step_size": 4}
+
+
+def test_sla_build_on_a_plain_model_is_a_config_error(own_pairs, tiny_models, tmp_path, capsys):
+    _, prompts = own_pairs
+    assert build(tiny_models, prompts, tmp_path / "o", tiny_models["generator"], "--strategy", "sla") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: models.generator:") and "trained reward channel" in errors[0]
