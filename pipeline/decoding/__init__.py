@@ -11,18 +11,24 @@ pipeline.decoding.search, which calls ``Generator.search`` and scores the candid
 """
 
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
+from pipeline.decoding.dsbd import DSBDParams, dsbd_search
+from pipeline.decoding.search import model_side_strategy
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
 
-MODEL_SIDE: dict = {}
+MODEL_SIDE: dict = {
+    "dsbd": dsbd_search,
+}
 
 STRATEGIES = {
     "best_of_n": best_of_n,
     "sbon": speculative_rejection,
     "speculative_rejection": speculative_rejection,
+    "dsbd": model_side_strategy("dsbd"),
 }
 
 STRATEGY_PARAMS = {
     "best_of_n": BestOfNParams,
     "sbon": SpeculativeRejectionParams,
     "speculative_rejection": SpeculativeRejectionParams,
+    "dsbd": DSBDParams,
 }
