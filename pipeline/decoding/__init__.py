@@ -19,6 +19,9 @@ MODEL_SIDE: dict = {
     "dsbd": dsbd_search,
 }
 
+# Model-side methods that need a Drafter (models.draft) on the generator's engine.
+USES_DRAFT = {"dsbd"}
+
 STRATEGIES = {
     "best_of_n": best_of_n,
     "sbon": speculative_rejection,
