@@ -248,3 +248,16 @@ def test_dsbd_decode_stats_count_layers():
     assert len(tokens) == 9
     # The draft IS the target here: every layer passes, each iteration adds gamma + 1 steps.
     assert stats.iterations == 3 and stats.draft_layers_accepted == 6
+
+
+def test_speculative_decode_is_distributed_as_multinomial_sampling():
+    from pipeline.decoding.speculative import speculative_decode
+
+    exact = exact_beam_sampling(width=1, steps=3)  # width 1: multinomial sampling
+    keys = sorted(exact)
+    counts = dict.fromkeys(keys, 0)
+    runs = 2500
+    for seed in range(runs):
+        counts[tuple(speculative_decode(BigramTarget(), BigramDrafter(), [0], 2, SAMPLING, seed))] += 1
+    expected = torch.tensor([exact[k] for k in keys], dtype=torch.float64)
+    assert chisquare([counts[k] for k in keys], (expected / expected.sum() * runs).numpy()).pvalue > 1e-3

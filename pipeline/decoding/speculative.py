@@ -51,3 +51,44 @@ def speculative_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, 
     # All accepted: q_next is 0, so the residual is p_{gamma+1} itself (the bonus token).
     next_token = inverse_cdf(residual_distribution(p_next, q_next), resample_u)
     return num_accepted, next_token
+
+
+def speculative_decode(target, drafter, prompt: list[int], num_draft_tokens: int, sampling, seed: int,
+                       eos_ids: set[int] = frozenset(), stats=None) -> list[int]:
+    """Speculative decoding of one sequence: the drafter proposes ``num_draft_tokens`` (gamma)
+    tokens (a Drafter with one context and width 1), the target scores them in one pass (a
+    pipeline.decoding.dsbd.ForestTarget, the chain as a tree), ``speculative_sampling`` keeps a
+    prefix and adds one token, and the cache is cut to the accepted prefix. ``stats`` is a
+    pipeline.decoding.dsbd.DecodeStats."""
+    from pipeline.decoding.dsbd import beam_distribution
+    from pipeline.engines.tree import TokenTree
+
+    g = torch.Generator().manual_seed(seed)
+    target.open(prompt)
+    tokens: list[int] = []
+    pending = prompt[-1]
+    while len(tokens) < sampling.max_new_tokens:
+        gamma = min(num_draft_tokens, sampling.max_new_tokens - len(tokens))
+        layers = drafter.draft([prompt + tokens], [0.0], 1, gamma, sampling,
+                               int(torch.randint(0, 2**62, (), generator=g)))
+        drafts = [layer.tokens[0] for layer in layers]
+        q = torch.stack([layer.q_beam.float() for layer in layers])  # [gamma, V] (one parent per layer)
+        logp = target.verify([TokenTree.chain([pending] + drafts)])[0]  # [gamma + 1, V]
+        p = torch.stack([beam_distribution(torch.zeros(1), row[None], sampling) for row in logp])  # warped
+        n, nxt = speculative_sampling(p[None], q[None], torch.tensor([drafts]), torch.rand((1, gamma), generator=g),
+                                      torch.rand(1, generator=g))
+        n = int(n)
+        target.commit([(0, list(range(n + 1)))])  # the old pending token and the accepted drafts
+        tokens += drafts[:n] + [int(nxt)]
+        pending = tokens[-1]
+        if stats is not None:
+            stats.target_forwards += 1
+            stats.iterations += 1
+            stats.drafted += gamma
+            stats.steps += n + 1
+            stats.beam_steps += n + 1
+    tokens = tokens[:sampling.max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[:i]
+    return tokens
