@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := infra/constraints.txt
 TINY_MODELS := .cache/tiny-models
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-dsbd clean
 
 install: $(STAMP)
 
@@ -30,6 +30,9 @@ test: install
 
 bench: install $(TINY_MODELS)/generator/config.json
 	$(PY) -m benchmarks.engine_vs_generate --model $(TINY_MODELS)/generator
+
+bench-dsbd: install $(TINY_MODELS)/generator/config.json
+	$(PY) -m benchmarks.dsbd --models $(TINY_MODELS)
 
 clean:
 	rm -rf out .cache

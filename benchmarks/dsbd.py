@@ -24,10 +24,17 @@ DSBD in memory mode (gamma 2, t 0.9, each W_S). Then:
   trip per iteration); --no-ray skips it.
 
 Models: --models DIR holds DIR/generator and DIR/draft (e.g. `python -m jobs.make_tiny_models
---trained --output DIR`); without it the random tiny models are built in a temp dir. Random
+--trained --output DIR`, prompts from DIR/prompts.jsonl when present, else configs/prompts/demo.jsonl);
+without it the random tiny models are built in a temp dir. Random
 weights make perplexity nearly flat, so quality differences there mean little; speed ratios still
 hold. --random-large builds a random-init ~1B target and ~100M draft (bf16 on cuda) so decoding is
-memory-bound as in the paper; it needs a GPU.
+memory-bound as in the paper; it needs a GPU. --random-medium (~40M / ~0.3M) makes the target's
+forward pass the main cost on a CPU too, as it is for real models; on the tiny models the Python
+work per iteration costs as much as a forward pass, which hides what the algorithms save.
+
+Timing: on cpu, tokens per CPU-second of this process (time.process_time, one torch thread), so
+other jobs on a shared machine do not skew the ratios; on cuda, wall time after synchronize.
+The draft-placement comparison uses wall time (the DraftActor works in another process).
 """
 
 from __future__ import annotations
@@ -59,19 +66,26 @@ def load_models(args):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    if args.random_large:
+    if args.random_large or args.random_medium:
+        # (target, draft) shapes: hidden, intermediate, layers, heads, kv heads; vocabulary.
+        target_shape, draft_shape, vocab, label = (
+            ((2048, 5632, 20, 32, 8), (768, 2048, 6, 12, 4), 32000, "random-init ~1.1B target / ~100M draft")
+            if args.random_large else
+            ((768, 2048, 6, 12, 4), (128, 256, 2, 4, 2), 512, "random-init ~40M target / ~0.3M draft"))
         torch.manual_seed(0)
-        common = dict(vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
-        target_cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
-                                 num_attention_heads=32, num_key_value_heads=8, **common)  # ~1.1B
-        draft_cfg = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
-                                num_attention_heads=12, num_key_value_heads=4, **common)  # ~100M
-        target = LlamaForCausalLM(target_cfg).to(args.device, dtype).eval()
-        draft = LlamaForCausalLM(draft_cfg).to(args.device, dtype).eval()
+
+        def build(shape):
+            hidden, inter, layers, heads, kv = shape
+            cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                              num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                              max_position_embeddings=2048, tie_word_embeddings=False)
+            return LlamaForCausalLM(cfg).to(args.device, dtype).eval()
+
+        target, draft = build(target_shape), build(draft_shape)
         g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(10, 32000, (32,), generator=g).tolist() for _ in range(args.prompts)]
+        prompts = [torch.randint(10, vocab, (32,), generator=g).tolist() for _ in range(args.prompts)]
         args.model_dir = None
-        return target, draft, prompts, "random-init ~1B target / ~100M draft"
+        return target, draft, prompts, label
     source = args.models
     if source is None:
         from jobs.make_tiny_models import make_tiny_models
@@ -84,7 +98,10 @@ def load_models(args):
     from pipeline.engines.hf import load_tokenizer
 
     tok = load_tokenizer(f"{source}/generator")
-    texts = [json.loads(line)["prompt"] for line in Path("configs/prompts/demo.jsonl").read_text().splitlines()
+    # Bench model directories may carry their own prompts (DIR/prompts.jsonl).
+    prompt_file = Path(source) / "prompts.jsonl"
+    prompt_file = prompt_file if prompt_file.exists() else Path("configs/prompts/demo.jsonl")
+    texts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()
              if line.strip() and (json.loads(line).get("prompt") or "").strip()]
     prompts = [tok(t).input_ids for t in texts[:args.prompts]]
     label = f"{source} ({'given' if args.models else 'random tiny models, built here'})"
@@ -210,6 +227,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gamma-spec", type=int, default=3, help="draft tokens per step of speculative decoding")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="quick")
     parser.add_argument("--random-large", action="store_true", help="random-init ~1B target, ~100M draft (GPU)")
+    parser.add_argument("--random-medium", action="store_true",
+                        help="random-init ~40M target, ~0.3M draft: the target dominates the cost, even on a CPU")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-ray", action="store_true", help="skip the draft-placement measurement")
     parser.add_argument("--json", default="out/bench/dsbd.json")
@@ -221,6 +240,7 @@ def main(argv=None) -> int:
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     seeds = list(range(args.samples))
     todo = methods(args)
+    clock = time.perf_counter if args.device.startswith("cuda") else time.process_time
     warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
     for kind, cfg in [todo["multinomial"], todo["speculative"], todo["dsbd_ws2_g2_t0.9"]]:  # warm-up
         run(kind, cfg, target, drafter, prompts[:1], [0], warm, args.device)
@@ -230,11 +250,11 @@ def main(argv=None) -> int:
         for name, (kind, cfg) in tqdm(todo.items(), desc=f"repeat {rep + 1}/{args.repeats}", file=sys.stderr):
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = clock()
             outputs, stats = run(kind, cfg, target, drafter, prompts, seeds, sampling, args.device)
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
-            best[name] = max(best[name], sum(map(len, outputs)) / (time.perf_counter() - start))
+            best[name] = max(best[name], sum(map(len, outputs)) / (clock() - start))
             if rep == 0:  # seeded: every repeat decodes the same tokens
                 results[name] = {"kind": kind, **cfg, "perplexity": perplexity(target, [p for p in prompts for _ in seeds],
                                                                                outputs, args.device),
@@ -256,7 +276,8 @@ def main(argv=None) -> int:
             matched[f"beam_w{w}"] = {"dsbd": None, "speedup": None, "beam_perplexity": beam["perplexity"]}
     memory_rows = ["multinomial", "speculative"] + [n for n in results if n.startswith("dsbd_mem")]
 
-    print(f"models: {label}; device {args.device}; {len(prompts)} prompts x {len(seeds)} seeds x {args.new_tokens} tokens")
+    print(f"models: {label}; device {args.device}; {len(prompts)} prompts x {len(seeds)} seeds x {args.new_tokens} tokens; "
+          f"tok/s per {'wall' if args.device.startswith('cuda') else 'CPU'} second")
     print(f"{'method':28s} {'tok/s':>8s} {'fwd/tok':>8s} {'ppl':>9s} {'width':>6s}")
     for name, r in results.items():
         print(f"{name:28s} {r['tokens_per_s']:8.1f} {r['target_forwards_per_token']:8.3f} {r['perplexity']:9.3f} "

@@ -43,6 +43,8 @@ API
 ``tree_inputs(trees, attention_mask, next_position, dtype)`` builds the forward inputs (token
     ids, position ids, the 4D additive mask ``[B, 1, N, L + N]``) and is exposed for callers
     that run the model themselves.
+``TreeSession(model, device)`` keeps (cache, attention_mask, next_position) for decoders that
+    verify tree after tree (open / verify / commit; see pipeline.decoding.dsbd.ForestTarget).
 
 The mask is additive float (0 = attend, dtype min = masked), which the eager and SDPA attention
 implementations both take as-is (transformers returns a 4D mask unchanged). Flash-attention
