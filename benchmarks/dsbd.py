@@ -1,7 +1,7 @@
 """DSBD against multinomial sampling, speculative decoding and beam sampling, same run, same prompts.
 
     python -m benchmarks.dsbd [--models DIR] [--device cpu|cuda] [--prompts 4] [--samples 1]
-        [--new-tokens 32] [--repeats 2] [--grid quick|paper] [--random-large] [--no-ray]
+        [--new-tokens 32] [--repeats 2] [--grid quick|paper|wide] [--random-large] [--no-ray]
         [--json out/dsbd.json] [--png out/dsbd.png]
 
 Every method decodes the same prompts with the same seeds to exactly --new-tokens tokens (EOS
@@ -13,7 +13,8 @@ lower is better) and the average accepted width (beams per generated position).
 
 Methods (DSBD paper section 4): multinomial sampling (beam width 1), speculative decoding
 (Leviathan et al., --gamma-spec drafts), beam sampling of width 1-4, and DSBD over the grid of
-(W_S, gamma, t) with W_min = 1 (quick: W_S 2,3,4 x gamma 2,3 x t 0.7,0.9; paper: W_S 2..6), and
+(W_S, gamma, t) with W_min = 1 (quick: W_S 2,3,4 x gamma 2,3 x t 0.7,0.9; paper: W_S 2..6; wide:
+W_S 2,4,6 x gamma 2,3 x t 0.3..0.9, lower t giving wider layers), and
 DSBD in memory mode (gamma 2, t 0.9, each W_S). Then:
 - Pareto fronts (tokens/s vs perplexity) of DSBD and beam sampling, written as a PNG;
 - the speed-up at matched perplexity: for each beam width, the fastest DSBD setting whose
@@ -58,7 +59,8 @@ from pipeline.engines.draft import HFDrafter
 from pipeline.engines.tree import TreeSession
 
 GRIDS = {"quick": {"W_S": [2, 3, 4], "gamma": [2, 3], "t": [0.7, 0.9]},
-         "paper": {"W_S": [2, 3, 4, 5, 6], "gamma": [2, 3], "t": [0.7, 0.9]}}
+         "paper": {"W_S": [2, 3, 4, 5, 6], "gamma": [2, 3], "t": [0.7, 0.9]},
+         "wide": {"W_S": [2, 4, 6], "gamma": [2, 3], "t": [0.3, 0.5, 0.7, 0.9]}}
 
 
 def load_models(args):
