@@ -214,13 +214,18 @@ def _best(beams: list[Beam]) -> Beam:
     return max(beams, key=lambda b: b.logp)
 
 
-def _finish(beams: list[Beam], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """The lowest-perplexity final beam (all have one length), cut at max_new_tokens and its first EOS."""
-    tokens = _best(beams).tokens[:max_new_tokens]
+def cut_response(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """A decoded sequence as a response: at most max_new_tokens, ending before its first EOS."""
+    tokens = tokens[:max_new_tokens]
     for i, t in enumerate(tokens):
         if t in eos_ids:
             return tokens[:i]
     return tokens
+
+
+def _finish(beams: list[Beam], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """The lowest-perplexity final beam (all have one length) as the response."""
+    return cut_response(_best(beams).tokens, max_new_tokens, eos_ids)
 
 
 def beam_sampling(target: ForestTarget, prompt: list[int], width: int, sampling: SamplingParams, seed: int,

@@ -60,7 +60,7 @@ def speculative_decode(target, drafter, prompt: list[int], num_draft_tokens: int
     pipeline.decoding.dsbd.ForestTarget, the chain as a tree), ``speculative_sampling`` keeps a
     prefix and adds one token, and the cache is cut to the accepted prefix. ``stats`` is a
     pipeline.decoding.dsbd.DecodeStats."""
-    from pipeline.decoding.dsbd import beam_distribution
+    from pipeline.decoding.dsbd import beam_distribution, cut_response
     from pipeline.engines.tree import TokenTree
 
     g = torch.Generator().manual_seed(seed)
@@ -87,8 +87,4 @@ def speculative_decode(target, drafter, prompt: list[int], num_draft_tokens: int
             stats.drafted += gamma
             stats.steps += n + 1
             stats.beam_steps += n + 1
-    tokens = tokens[:sampling.max_new_tokens]
-    for i, t in enumerate(tokens):
-        if t in eos_ids:
-            return tokens[:i]
-    return tokens
+    return cut_response(tokens, sampling.max_new_tokens, eos_ids)
