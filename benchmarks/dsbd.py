@@ -15,7 +15,7 @@ Methods (DSBD paper section 4): multinomial sampling (beam width 1), speculative
 (Leviathan et al., --gamma-spec drafts), beam sampling of width 1-4, and DSBD over the grid of
 (W_S, gamma, t) with W_min = 1 (quick: W_S 2,3,4 x gamma 2,3 x t 0.7,0.9; paper: W_S 2..6; wide:
 W_S 2,4,6 x gamma 2,3 x t 0.3..0.9, lower t giving wider layers), and
-DSBD in memory mode (gamma 2, t 0.9, each W_S). Then:
+DSBD in memory mode (gamma 2, t 0.5 and 0.9, each W_S). Then:
 - Pareto fronts (tokens/s vs perplexity) of DSBD and beam sampling, written as a PNG;
 - the speed-up at matched perplexity: for each beam width, the fastest DSBD setting whose
   perplexity is no worse, divided by beam sampling's speed (target: >= 1.5x);
@@ -131,7 +131,7 @@ def methods(args) -> dict[str, tuple]:
     grid = GRIDS[args.grid]
     for ws, gamma, t in itertools.product(grid["W_S"], grid["gamma"], grid["t"]):
         out[f"dsbd_ws{ws}_g{gamma}_t{t}"] = ("dsbd", {"W_S": ws, "gamma": gamma, "t": t, "memory": False})
-    for ws, gamma, t in itertools.product(grid["W_S"], [2], [0.9]):
+    for ws, gamma, t in itertools.product(grid["W_S"], [2], [0.5, 0.9]):
         out[f"dsbd_mem_ws{ws}_g{gamma}_t{t}"] = ("dsbd", {"W_S": ws, "gamma": gamma, "t": t, "memory": True})
     return out
 

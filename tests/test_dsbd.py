@@ -261,3 +261,26 @@ def test_speculative_decode_is_distributed_as_multinomial_sampling():
         counts[tuple(speculative_decode(BigramTarget(), BigramDrafter(), [0], 2, SAMPLING, seed))] += 1
     expected = torch.tensor([exact[k] for k in keys], dtype=torch.float64)
     assert chisquare([counts[k] for k in keys], (expected / expected.sum() * runs).numpy()).pvalue > 1e-3
+
+
+def test_drafter_resumes_from_its_last_forest(tiny_models):
+    """Contexts that extend the last call's rows reuse its KV state: same q_beam as a fresh prefill."""
+    from pipeline.engines.draft import HFDrafter
+
+    reuse = HFDrafter.from_pretrained(str(tiny_models["draft"]))
+    fresh = HFDrafter(reuse.model, reuse_cache=False)
+    sampling = SamplingParams()
+    contexts = [[1, 40, 41, 42], [1, 50]]
+    first = reuse.draft(contexts, [0.0, -1.0], 3, 2, sampling, 7)
+    # Next contexts: a layer-1 node plus one new token; a layer-2 node (not fed yet) plus one.
+    node1 = contexts[first[0].parents[0]] + [first[0].tokens[0]]
+    node2 = contexts[first[0].parents[first[1].parents[0]]] + [first[0].tokens[first[1].parents[0]],
+                                                               first[1].tokens[0]]
+    for nxt in ([node1 + [60], node1 + [61]], [node2 + [70], node2 + [71]]):
+        before = reuse.forward_passes
+        got = reuse.draft(nxt, [0.0, -0.5], 3, 2, sampling, 8)
+        assert reuse.forward_passes - before == 2  # resumed: no prefill
+        want = fresh.draft(nxt, [0.0, -0.5], 3, 2, sampling, 8)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.q_beam, b.q_beam, atol=1e-5, rtol=0)
+        reuse.draft(contexts, [0.0, -1.0], 3, 2, sampling, 7)  # back to the first forest
