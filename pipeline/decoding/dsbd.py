@@ -80,7 +80,7 @@ class DSBDParams:
 def beam_distribution(prefix_logp: torch.Tensor, next_logp: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """p_beam of Eq. 1: prefix_logp [W] (log p of each beam), next_logp [W, V] -> probs [W * V],
     flat index beam * V + token, with the warping T applied to the joint."""
-    joint = (prefix_logp[:, None] + next_logp).reshape(1, -1).float()  # [1, W * V]
+    joint = (prefix_logp.to(next_logp.device)[:, None] + next_logp).reshape(1, -1).float()  # [1, W * V]
     if sampling.temperature == 0:
         return torch.nn.functional.one_hot(joint.argmax(-1), joint.shape[-1])[0].float()
     return filter_logits(joint, sampling).softmax(-1)[0]
@@ -301,7 +301,7 @@ def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], param
         for l, layer in enumerate(layers, start=1):
             next_logp = torch.stack([logp[where[l - 1][n]] for n in alive])  # [|A|, V]
             p_beam = beam_distribution(torch.tensor([b.logp for b in alive_beams]), next_logp, sampling)
-            q_all = layer.q_beam.reshape(-1, vocab)
+            q_all = layer.q_beam.to(logp.device).reshape(-1, vocab)
             q_beam = q_all[alive].reshape(-1).float()
             q_beam = q_beam / q_beam.sum().clamp(min=1e-30)  # conditioned on surviving parents
             slot = {n: s for s, n in enumerate(alive)}

@@ -72,11 +72,12 @@ def speculative_decode(target, drafter, prompt: list[int], num_draft_tokens: int
         layers = drafter.draft([prompt + tokens], [0.0], 1, gamma, sampling,
                                int(torch.randint(0, 2**62, (), generator=g)))
         drafts = [layer.tokens[0] for layer in layers]
-        q = torch.stack([layer.q_beam.float() for layer in layers])  # [gamma, V] (one parent per layer)
         logp = target.verify([TokenTree.chain([pending] + drafts)])[0]  # [gamma + 1, V]
+        device = logp.device
+        q = torch.stack([layer.q_beam.float() for layer in layers]).to(device)  # [gamma, V] (one parent per layer)
         p = torch.stack([beam_distribution(torch.zeros(1), row[None], sampling) for row in logp])  # warped
-        n, nxt = speculative_sampling(p[None], q[None], torch.tensor([drafts]), torch.rand((1, gamma), generator=g),
-                                      torch.rand(1, generator=g))
+        n, nxt = speculative_sampling(p[None], q[None], torch.tensor([drafts], device=device),
+                                      torch.rand((1, gamma), generator=g).to(device), torch.rand(1, generator=g).to(device))
         n = int(n)
         target.commit([(0, list(range(n + 1)))])  # the old pending token and the accepted drafts
         tokens += drafts[:n] + [int(nxt)]
