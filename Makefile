@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := infra/constraints.txt
 TINY_MODELS := .cache/tiny-models
 
-.PHONY: install demo test bench bench-sla clean
+.PHONY: install demo test bench bench-sla bench-dsbd clean
 
 install: $(STAMP)
 
@@ -33,6 +33,9 @@ bench: install $(TINY_MODELS)/generator/config.json
 
 bench-sla: install
 	$(PY) -m benchmarks.sla
+
+bench-dsbd: install $(TINY_MODELS)/generator/config.json
+	$(PY) -m benchmarks.dsbd --models $(TINY_MODELS)
 
 clean:
 	rm -rf out .cache

@@ -43,6 +43,18 @@ class Workers:
         }
 
 
+def _draft_model(config: Config) -> str | None:
+    """The draft model to load, only for strategies that draft (pipeline.decoding.USES_DRAFT)."""
+    from pipeline.config import ConfigError
+    from pipeline.decoding import USES_DRAFT
+
+    if config.strategy.name not in USES_DRAFT:
+        return None
+    if not config.models.draft:
+        raise ConfigError(f"models.draft: strategy {config.strategy.name!r} needs a draft model")
+    return config.models.draft
+
+
 def ray_runtime_env() -> dict:
     """Environment the Ray workers need: the AWS_* variables for s3:// and thread caps."""
     env = {k: os.environ[k] for k in AWS_ENV if k in os.environ}
@@ -51,11 +63,12 @@ def ray_runtime_env() -> dict:
 
 def start_workers(config: Config) -> Workers:
     m, rt = config.models, config.runtime
+    draft = _draft_model(config)
     if rt.local:
         from actors.generator import GeneratorActor
         from actors.reward import RewardActor
 
-        gens = [GeneratorActor(m.generator, m.device, m.dtype, int(rt.generator.num_cpus))
+        gens = [GeneratorActor(m.generator, m.device, m.dtype, int(rt.generator.num_cpus), draft=draft)
                 for _ in range(rt.generator_actors)]
         rewards = [RewardActor(m.reward, m.device, m.dtype, int(rt.reward.num_cpus), rt.reward_batch_size)
                    for _ in range(rt.reward_actors)]
@@ -72,11 +85,19 @@ def start_workers(config: Config) -> Workers:
         ray.init(runtime_env=ray_runtime_env() or None, **local)
     gen_cls = ray.remote(num_cpus=rt.generator.num_cpus, num_gpus=rt.generator.num_gpus, max_restarts=0)(GeneratorActor)
     rew_cls = ray.remote(num_cpus=rt.reward.num_cpus, num_gpus=rt.reward.num_gpus, max_restarts=0)(RewardActor)
-    gens = [gen_cls.remote(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus)))
-            for _ in range(rt.generator_actors)]
+    drafts = []
+    if draft and rt.draft_placement == "actor":
+        from actors.draft import DraftActor
+
+        draft_cls = ray.remote(num_cpus=rt.draft.num_cpus, num_gpus=rt.draft.num_gpus, max_restarts=0)(DraftActor)
+        drafts = [draft_cls.remote(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus)))
+                  for _ in range(rt.generator_actors)]
+    gens = [gen_cls.remote(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus)),
+                           draft=None if drafts else draft, draft_actor=drafts[i] if drafts else None)
+            for i in range(rt.generator_actors)]
     rewards = [rew_cls.remote(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size)
                for _ in range(rt.reward_actors)]
-    handles = gens + rewards
+    handles = gens + rewards + drafts
     # Surface model-loading errors now, not on the first call.
     ray.get([h.stats.remote() for h in handles])
 

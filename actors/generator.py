@@ -10,9 +10,21 @@ from pipeline.engines.hf import HFEngine
 
 
 class GeneratorActor:
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1):
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
+                 draft: str | None = None, draft_actor=None):
+        """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
+        a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
+        (dsbd) find it as ``engine.drafter``."""
         torch.set_num_threads(max(1, num_threads))
         self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype)
+        if draft_actor is not None:
+            from actors.factory import RemoteProxy
+
+            self.engine.drafter = RemoteProxy(draft_actor)
+        elif draft:
+            from pipeline.engines.draft import HFDrafter
+
+            self.engine.drafter = HFDrafter.from_pretrained(draft, device=device, dtype=dtype)
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
              sampling: SamplingParams) -> None:

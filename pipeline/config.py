@@ -112,6 +112,11 @@ class RuntimeConfig:
     """Resources of each GeneratorActor."""
     reward: ActorResources = field(default_factory=ActorResources)
     """Resources of each RewardActor."""
+    draft_placement: str = "colocated"
+    """Where the draft model (models.draft) runs for strategies that draft (dsbd): colocated (inside
+    each GeneratorActor's process, on its device) or actor (one DraftActor per generator)."""
+    draft: ActorResources = field(default_factory=ActorResources)
+    """Resources of each DraftActor (placement actor): num_gpus 1 for its own GPU, a fraction to share."""
     prompts_per_batch: int = 4
     """Prompts decoded together in one engine batch (rows = prompts_per_batch * num_samples)."""
     batches_in_flight: int = 2
@@ -122,6 +127,8 @@ class RuntimeConfig:
     """Run in-process without Ray (tests, debugging)."""
 
     def __post_init__(self):
+        if self.draft_placement not in ("colocated", "actor"):
+            raise ConfigError(f"runtime.draft_placement: expected colocated or actor, got {self.draft_placement!r}")
         for key in ("generator_actors", "reward_actors", "prompts_per_batch", "batches_in_flight", "reward_batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"runtime.{key}: must be >= 1, got {getattr(self, key)}")

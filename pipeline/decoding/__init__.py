@@ -12,6 +12,7 @@ pipeline.decoding.search, which calls ``Generator.search`` and scores the candid
 
 from pipeline.decoding.aded import ADEDParams, aded_model_side
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
+from pipeline.decoding.dsbd import DSBDParams, dsbd_search
 from pipeline.decoding.search import model_side_strategy
 from pipeline.decoding.sla import SLAParams, sla
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
@@ -21,7 +22,11 @@ MODEL_SIDE: dict = {
     "ults": ults_model_side,
     "aded": aded_model_side,
     "sla": sla,
+    "dsbd": dsbd_search,
 }
+
+# Model-side methods that need a Drafter (models.draft) on the generator's engine.
+USES_DRAFT = {"dsbd"}
 
 STRATEGIES = {
     "best_of_n": best_of_n,
@@ -30,6 +35,7 @@ STRATEGIES = {
     "ults": model_side_strategy("ults"),
     "aded": model_side_strategy("aded"),
     "sla": model_side_strategy("sla"),
+    "dsbd": model_side_strategy("dsbd"),
 }
 
 STRATEGY_PARAMS = {
@@ -39,4 +45,5 @@ STRATEGY_PARAMS = {
     "ults": ULTSParams,
     "aded": ADEDParams,
     "sla": SLAParams,
+    "dsbd": DSBDParams,
 }

@@ -102,3 +102,26 @@ class Generator(Protocol):
 class Scorer(Protocol):
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         """Reward of each (prompt, response) pair; NaN marks a failed score, never 0."""
+
+
+@dataclass
+class DraftLayer:
+    """One layer of a draft forest (DSBD Fig. 2a): ``width`` nodes beam-sampled from the previous layer."""
+
+    parents: list[int]
+    """Index of each node's parent in the previous layer (layer 1: in the list of contexts)."""
+    tokens: list[int]
+    """Each node's token."""
+    q_beam: object
+    """Tensor [num_parents * V]: the (warped) joint distribution over (parent, token) that the nodes
+    were drawn from, iid; flat index parent * V + token. One-hot rows for a deterministic drafter."""
+
+
+class Drafter(Protocol):
+    """Proposes a draft forest for speculative verification: a draft model (pipeline.engines.draft)
+    or a model-free drafter such as ADED. Speculative decoding is the case of one context, width 1."""
+
+    def draft(self, contexts: list[list[int]], prefix_logp: list[float], width: int, depth: int,
+              sampling: SamplingParams, seed: int) -> list[DraftLayer]:
+        """Beam-sample ``depth`` layers of ``width`` nodes from the ``contexts`` (full token ids,
+        prompt included), weighting context i by exp(prefix_logp[i]); ``seed`` makes it reproducible."""
