@@ -110,3 +110,10 @@ def test_empty_shards_do_not_break_load_dataset(tmp_path):
     store.commit_shard(1, [row], [], "fp1", "cfg")
     ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "part-*.parquet"), split="train")
     assert ds["chosen"] == ["a"]
+
+
+def test_min_margin_drops_close_pairs_with_a_reason():
+    close = result(Candidate(0, [1], "a", 0.50, completed=True), Candidate(1, [1], "b", 0.45, completed=True))
+    assert select_pair(close, "s", min_margin=0.04)[0]["chosen"] == "a"
+    pair, reason = select_pair(close, "s", min_margin=0.1)
+    assert pair is None and reason == "margin below min_margin (0.05 < 0.1)"
