@@ -19,6 +19,7 @@ from pipeline.coordinator import Serialized, WorkerFailure
 
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
            "AWS_DEFAULT_REGION", "AWS_REGION")
+STARTUP_TIMEOUT_S = 300.0
 # storage_options keys (s3fs) and the AWS variables that carry the same setting to a worker.
 STORAGE_ENV = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN",
                "endpoint_url": "AWS_ENDPOINT_URL"}
@@ -43,22 +44,26 @@ class RemoteProxy:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
+        return lambda *args, **kwargs: self.call(self._handle, name, args, kwargs)
 
-        def call(*args, **kwargs):
-            import ray
-            from ray.exceptions import GetTimeoutError, RayActorError
+    def pinned(self) -> _Pinned:
+        """A view bound to the current actor, for a stateful sequence of calls (a decoding session
+        lives in one actor's memory): once that actor is replaced, its calls fail instead of
+        reaching the new actor, which never saw the session."""
+        return _Pinned(self, self._handle)
 
-            handle = self._handle
-            try:
-                return ray.get(getattr(handle, name).remote(*args, **kwargs), timeout=self.timeout_s)
-            except RayActorError as exc:
-                cause = f"{self.name} actor died during {name}() ({type(exc).__name__})"
-            except GetTimeoutError:
-                ray.kill(handle, no_restart=True)
-                cause = f"{self.name} actor hung: {name}() took over {self.timeout_s:g}s; killed"
-            raise WorkerFailure(cause, lambda: self.replace(handle))
+    def call(self, handle: Any, name: str, args: tuple, kwargs: dict) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
-        return call
+        try:
+            return ray.get(getattr(handle, name).remote(*args, **kwargs), timeout=self.timeout_s)
+        except RayActorError as exc:
+            cause = f"{self.name} actor died during {name}() ({type(exc).__name__})"
+        except GetTimeoutError:
+            ray.kill(handle, no_restart=True)
+            cause = f"{self.name} actor hung: {name}() took over {self.timeout_s:g}s; killed"
+        raise WorkerFailure(cause, lambda: self.replace(handle))
 
     def replace(self, failed: Any) -> None:
         """Start a new actor in place of ``failed``, unless another thread already did."""
@@ -70,11 +75,22 @@ class RemoteProxy:
             ray.kill(failed, no_restart=True)
             self._handle = self._spawn()
             self.restarts += 1
-            try:
-                ray.get(self._handle.stats.remote(), timeout=self.timeout_s)
+            try:  # a fresh actor loads its model first: give it at least STARTUP_TIMEOUT_S
+                ray.get(self._handle.stats.remote(), timeout=max(self.timeout_s or 0, STARTUP_TIMEOUT_S))
             except Exception as exc:  # noqa: BLE001 - a replacement that cannot start is one more failure
                 raise WorkerFailure(f"replacement {self.name} actor failed to start ({exc})",
                                     lambda: self.replace(self._handle)) from None
+
+
+class _Pinned:
+    def __init__(self, proxy: RemoteProxy, handle: Any):
+        self._proxy = proxy
+        self._handle = handle
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._proxy.call(self._handle, name, args, kwargs)
 
 
 @dataclass

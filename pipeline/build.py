@@ -168,10 +168,14 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
                            dict(shard.stats), shard.quarantine)
         metrics.shard_committed()
 
+    def sync_restarts() -> None:
+        restarts = workers.restarts() if hasattr(workers, "restarts") else 0
+        metrics.actor_restarted(restarts - metrics.totals["actor_restarts"])
+
     def on_retry(failure: BatchFailed) -> None:
         shards = sorted({origin[pid][0].index for pid in failure.prompt_ids})
-        metrics.actor_restarted()
-        print(f"warning: {failure.cause}; actor replaced, shard(s) {shards} batch resubmitted "
+        sync_restarts()
+        print(f"warning: {failure.cause}; actor replaced (or already), shard(s) {shards} batch resubmitted "
               f"(attempt {failure.attempts + 1} of {config.runtime.max_attempts})", file=sys.stderr)
 
     for shard in [s for s in pending.values() if s.expected == 0]:
@@ -207,6 +211,7 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
                            f"attempts: {exc.cause}; committed shards are kept, a rerun resumes") from None
     finally:
         bars.close()
+    sync_restarts()
     unfinished = [s.index for s in pending.values() if s.done != s.expected]
     if unfinished:
         raise RuntimeError(f"shards {unfinished} did not receive all their prompts")

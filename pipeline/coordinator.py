@@ -101,8 +101,12 @@ class Coordinator:
     def _run_batch(self, batch: list[PromptInput], slots: queue.Queue) -> list[PromptResult]:
         for attempt in range(1, self.max_attempts + 1):
             index = slots.get()
+            generator = self.generators[index]
+            # A batch's session lives in one actor: pin the batch to it (Ray proxies), so a batch
+            # that outlives a replacement fails over too, rather than asking the new actor.
+            generator = generator.pinned() if hasattr(generator, "pinned") else generator
             try:
-                results = self.strategy(batch, self.generators[index], self.scorer, self.params, self.sampling,
+                results = self.strategy(batch, generator, self.scorer, self.params, self.sampling,
                                         self.num_samples, self.seed)
                 break
             except WorkerFailure as exc:

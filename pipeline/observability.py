@@ -54,8 +54,8 @@ class BuildMetrics:
         if "bon_pairs_per_hour" in self._ray:
             self._ray["bon_pairs_per_hour"].set(rate)
 
-    def actor_restarted(self) -> None:
-        self._inc("bon_actor_restarts")
+    def actor_restarted(self, count: int = 1) -> None:
+        self._inc("bon_actor_restarts", count)
 
     def shard_committed(self) -> None:
         self._inc("bon_shards_committed")

@@ -116,11 +116,8 @@ class OutputStore:
     def markers(self) -> dict[int, dict]:
         """Every readable commit marker, by shard."""
         self._refresh()
-        directory = join(self.root, "_markers")
-        if not self.fs.exists(directory):
-            return {}
         out = {}
-        for path in self.fs.ls(directory, detail=False):
+        for path in self._ls(join(self.root, "_markers")):
             name = path.rsplit("/", 1)[1]
             if name.startswith(TMP_PREFIX) or not name.endswith(".json"):
                 continue
@@ -153,7 +150,13 @@ class OutputStore:
     def _sizes(self) -> dict[str, int]:
         self._refresh()
         return {entry["name"].rsplit("/", 1)[1]: entry["size"]
-                for entry in self.fs.ls(self.root, detail=True) if entry["type"] == "file"}
+                for entry in self._ls(self.root, detail=True) if entry["type"] == "file"}
+
+    def _ls(self, path: str, detail: bool = False) -> list:
+        try:  # an S3 "directory" with nothing under it does not exist
+            return self.fs.ls(path, detail=detail)
+        except FileNotFoundError:
+            return []
 
     def read_manifest(self) -> dict | None:
         path = join(self.root, "_manifest.json")
@@ -184,9 +187,7 @@ class OutputStore:
         with ``overwrite``, remove every file of an earlier build (only ours: part-*, _markers/, ...)."""
         self._refresh()
         for directory in (self.root, *(join(self.root, d) for d in (*SIDE_DIRS, "_markers"))):
-            if not self.fs.exists(directory):
-                continue
-            for path in self.fs.ls(directory, detail=False):
+            for path in self._ls(directory):
                 name = path.rsplit("/", 1)[1]
                 ours = name.startswith("part-") or (directory == self.root and name in OWN_FILES)
                 if name.startswith(TMP_PREFIX) or name == "_SUCCESS" or (overwrite and ours):
