@@ -143,7 +143,8 @@ def start_workers(config: Config) -> Workers:
     runtime_env = ray_runtime_env(config.data.storage_options)
     if not ray.is_initialized():
         # With no cluster to attach to, the local one we start listens on loopback only.
-        local = {} if os.environ.get("RAY_ADDRESS") else {"_node_ip_address": "127.0.0.1"}
+        # address="local": never attach to whatever cluster a stale address file points at.
+        local = {} if os.environ.get("RAY_ADDRESS") else {"address": "local", "_node_ip_address": "127.0.0.1"}
         ray.init(runtime_env=runtime_env or None, **local)
     resources = [rt.generator] * rt.generator_actors + [rt.reward] * rt.reward_actors
     group = None

@@ -39,7 +39,8 @@ def head(tmp_path_factory):
     # --block keeps `ray start` in the foreground as the owner of this cluster's processes: SIGTERM to
     # it stops exactly this cluster. (`ray stop` would stop every Ray cluster on the machine.)
     log = open(tmp_path_factory.mktemp("ray-head") / "ray-start.log", "w")
-    head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
+    gcs_port = free_port()
+    head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2",
                              "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -58,6 +59,10 @@ def head(tmp_path_factory):
             os.killpg(head.pid, 9)  # the process group this fixture started
             head.wait()
         log.close()
+        # `ray stop` would also forget the address; do it for this cluster only.
+        current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+        if current.exists() and current.read_text().strip().endswith(f":{gcs_port}"):
+            current.unlink()
 
 
 def test_ray_job_submit_build(head, tiny_models, tmp_path):
