@@ -34,6 +34,7 @@ test-reliability: install
 
 bench: install $(TINY_MODELS)/generator/config.json
 	$(PY) -m benchmarks.engine_vs_generate --model $(TINY_MODELS)/generator
+	$(PY) -m benchmarks.scaling --generator $(TINY_MODELS)/generator --reward $(TINY_MODELS)/reward
 
 clean:
 	rm -rf out .cache
