@@ -13,7 +13,9 @@ Each fault is a mapping:
                                            actors of a test run share one machine)
 
 Example: ``{actor: generator, method: extend, call: 2, action: exit, times: 1, state_dir: ...}`` kills
-the first generator on its second extend; its replacement runs clean.
+the first generator on its second extend; its replacement runs clean. With ``runtime.local`` the
+"actors" live in the driver's process, so exit and hang there stop the driver itself (delay is the
+useful action in-process).
 """
 
 from __future__ import annotations

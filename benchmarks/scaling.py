@@ -3,8 +3,9 @@
     python -m benchmarks.scaling [--generator DIR --reward DIR] [--device cpu|cuda] [--actors 1,2]
         [--prompts 24] [--num-samples 4] [--max-new-tokens 32] [--strategy sbon] [--json FILE]
 
-Each actor count runs the same prompts through the real coordinator and Ray actors (after a
-warm-up batch, with model loading outside the timed span). Inside every generator actor, hooks
+Each actor count runs the same prompts through the real coordinator and Ray actors. All setups
+are loaded first (model loading is outside the timed span) and warmed up; timed runs then
+alternate between them (--repeats rounds) and the fastest run of each is kept. Inside every generator actor, hooks
 time each top-level model forward pass (synchronised on CUDA) and each engine call. Reported per
 actor count:
 - throughput: prompts/s and generated tokens/s, and the ratio against 1 actor (same run);
@@ -71,37 +72,42 @@ def _read(actor, reset: bool) -> dict:
     return figures
 
 
-def measure(config, prompts, actors: int) -> dict:
-    import ray
+class Setup:
+    """One actor count's workers, instrumented, with a coordinator over them."""
 
-    from actors import start_workers
-    from pipeline.build import sampling_params
-    from pipeline.coordinator import Coordinator
+    def __init__(self, config, actors: int):
+        import ray
 
-    config.runtime.generator_actors = actors
-    workers = start_workers(config)
-    try:
-        handles = [g.handle for g in workers.generators]
-        ray.get([h.__ray_call__.remote(_instrument, config.models.device) for h in handles])
-        coordinator = Coordinator(config.strategy.name, config.strategy.params, sampling_params(config),
-                                  config.sampling.num_samples, config.seed, workers.generators, workers.scorers,
-                                  config.runtime.prompts_per_batch, config.runtime.batches_in_flight)
-        list(coordinator.run(prompts[:config.runtime.prompts_per_batch * actors]))  # warm-up
-        ray.get([h.__ray_call__.remote(_read, True) for h in handles])
+        from actors import start_workers
+        from pipeline.build import sampling_params
+        from pipeline.coordinator import Coordinator
+
+        config.runtime.generator_actors = actors
+        self.actors = actors
+        self.workers = start_workers(config)
+        self.handles = [g.handle for g in self.workers.generators]
+        ray.get([h.__ray_call__.remote(_instrument, config.models.device) for h in self.handles])
+        self.coordinator = Coordinator(config.strategy.name, config.strategy.params, sampling_params(config),
+                                       config.sampling.num_samples, config.seed, self.workers.generators,
+                                       self.workers.scorers, config.runtime.prompts_per_batch,
+                                       config.runtime.batches_in_flight)
+
+    def run(self, prompts) -> dict:
+        import ray
+
+        ray.get([h.__ray_call__.remote(_read, True) for h in self.handles])
         start = time.perf_counter()
-        results = list(coordinator.run(prompts))
+        results = list(self.coordinator.run(prompts))
         wall = time.perf_counter() - start
-        per_actor = ray.get([h.__ray_call__.remote(_read, False) for h in handles])
-    finally:
-        workers.shutdown()
-    tokens = sum(r.generated_tokens for r in results)
-    forward = sum(a["forward_s"] for a in per_actor)
-    busy = sum(a["busy_s"] for a in per_actor)
-    return {"generator_actors": actors, "prompts": len(results), "wall_seconds": round(wall, 3),
-            "prompts_per_second": round(len(results) / wall, 3), "tokens_per_second": round(tokens / wall, 1),
-            "generated_tokens": tokens, "forward_share": round(forward / (actors * wall), 3),
-            "busy_share": round(busy / (actors * wall), 3),
-            "per_actor": [{k: round(v, 3) for k, v in a.items()} for a in per_actor]}
+        per_actor = ray.get([h.__ray_call__.remote(_read, False) for h in self.handles])
+        tokens = sum(r.generated_tokens for r in results)
+        forward = sum(a["forward_s"] for a in per_actor)
+        busy = sum(a["busy_s"] for a in per_actor)
+        return {"generator_actors": self.actors, "prompts": len(results), "wall_seconds": round(wall, 3),
+                "prompts_per_second": round(len(results) / wall, 3), "tokens_per_second": round(tokens / wall, 1),
+                "generated_tokens": tokens, "forward_share": round(forward / (self.actors * wall), 3),
+                "busy_share": round(busy / (self.actors * wall), 3),
+                "per_actor": [{k: round(v, 3) for k, v in a.items()} for a in per_actor]}
 
 
 def main(argv=None) -> int:
@@ -111,9 +117,10 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--actors", default="1,2", help="generator actor counts to compare")
     parser.add_argument("--reward-actors", type=int, default=1)
-    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--num-samples", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per actor count, alternating; best kept")
     parser.add_argument("--strategy", default="sbon")
     parser.add_argument("--prompts-per-batch", type=int, default=4)
     parser.add_argument("--num-gpus", type=float, default=None, help="GPUs per actor (default: 1 on cuda, else 0)")
@@ -148,14 +155,28 @@ def main(argv=None) -> int:
                for i in range(args.prompts)]
     if not ray.is_initialized():
         # Logical CPUs for every actor, even where the machine has fewer cores: contention is measured.
-        ray.init(address="local", num_cpus=max(counts) + args.reward_actors, _node_ip_address="127.0.0.1",
+        ray.init(address="local", num_cpus=sum(counts) + len(counts) * args.reward_actors, _node_ip_address="127.0.0.1",
                  include_dashboard=False, log_to_driver=False)
-    runs = [measure(config, prompts, n) for n in counts]
+    setups = [Setup(config, n) for n in counts]  # all loaded first: runs alternate, noise hits all alike
+    try:
+        for setup in setups:  # warm-up
+            setup.run(prompts[:config.runtime.prompts_per_batch * setup.actors])
+        best: dict[int, dict] = {}
+        for _ in range(args.repeats):
+            for setup in setups:
+                run = setup.run(prompts)
+                if run["prompts_per_second"] > best.get(setup.actors, {}).get("prompts_per_second", 0):
+                    best[setup.actors] = run
+    finally:
+        for setup in setups:
+            setup.workers.shutdown()
+    runs = [best[n] for n in counts]
     base = runs[0]
     for run in runs:
         run["throughput_ratio_vs_first"] = round(run["prompts_per_second"] / base["prompts_per_second"], 3)
     result = {"device": args.device, "strategy": args.strategy, "num_samples": args.num_samples,
-              "max_new_tokens": args.max_new_tokens, "cpu_count": os.cpu_count(), "runs": runs,
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+              "load_average": os.getloadavg(), "runs": runs,
               "forward_share_target": 0.85}
     for run in runs:
         print(f"{run['generator_actors']} generator actor(s): {run['prompts_per_second']:.2f} prompts/s, "

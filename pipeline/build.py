@@ -54,10 +54,12 @@ def _reject_row(r: Reject, stage: str, generated: int = 0, bon: int = 0) -> dict
 
 def config_hash(config: Config) -> str:
     """Hash of everything that decides the output's content. Left out: where input and output live
-    (the input's content is fingerprinted per shard), storage credentials, and runtime (actor counts,
-    timeouts, fault plans: they change how fast rows are made, not which)."""
+    (the input's content is fingerprinted per shard), storage credentials, the device (a build may
+    resume on other hardware), and runtime (actor counts, timeouts, fault plans: they change how fast
+    rows are made, not which)."""
     content = config.to_dict()
     content.pop("runtime")
+    content["models"].pop("device")
     for key in ("prompts", "output", "storage_options"):
         content["data"].pop(key)
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()

@@ -101,6 +101,17 @@ def test_retries_are_bounded_and_the_failure_names_the_shard(cluster, tiny_model
     assert not (tmp_path / "out" / "_SUCCESS").exists() and not list((tmp_path / "out").glob("part-*"))
 
 
+def test_build_metrics_are_ray_metrics_on_a_cluster(cluster):
+    from pipeline.observability import COUNTERS, GAUGES, BuildMetrics
+
+    metrics = BuildMetrics()
+    assert set(metrics._ray) == set(COUNTERS) | set(GAUGES)
+    metrics.prompt_done(True, generated=30, bon_equivalent=50)
+    metrics.actor_restarted(2)
+    assert (metrics.totals["pairs"], metrics.totals["tokens_generated"], metrics.totals["tokens_saved"],
+            metrics.totals["actor_restarts"]) == (1, 30, 20, 2)
+
+
 def test_sigkill_of_the_driver_leaves_no_half_written_shard_and_the_rerun_resumes(tiny_models, prompts, reference,
                                                                                   tmp_path):
     out = tmp_path / "out"
