@@ -60,6 +60,12 @@ def test_output_contract_columns_and_manifest(mixed_build):
     assert manifest["generated_tokens"] < manifest["bon_equivalent_tokens"]
     assert manifest["config"]["strategy"]["decision_token"] == 8
     assert manifest["wall_seconds"] > 0 and manifest["shards"] == 3
+    report = json.loads((out / "_report.json").read_text())  # this (first) run's figures
+    assert report["pairs"] == len(GOOD_PROMPTS) and report["shards_written"] == 3
+    assert report["tokens_per_pair"] == round(report["generated_tokens"] / report["pairs"], 2)
+    assert report["pairs_per_hour"] > 0 and report["actor_restarts"] == 0
+    assert report["metrics"]["pairs"] == len(GOOD_PROMPTS)
+    assert report["metrics"]["tokens_saved"] == report["tokens_saved"] > 0
 
 
 def test_rerun_skips_committed_shards(mixed_build, tiny_models):
@@ -69,6 +75,8 @@ def test_rerun_skips_committed_shards(mixed_build, tiny_models):
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["shards_skipped"] == [0, 1, 2] and manifest["pairs"] == len(GOOD_PROMPTS)
     assert (out / "part-00001.parquet").stat().st_mtime_ns == before
+    report = json.loads((out / "_report.json").read_text())
+    assert (report["pairs"], report["shards_skipped"], report["tokens_per_pair"]) == (0, 3, None)
 
 
 def test_best_of_n_strategy_spends_full_budget(tiny_models, tmp_path):
@@ -130,11 +138,6 @@ def test_duplicates_and_blanks_are_counted_in_the_manifest(mixed_build):
                                           "prompt is not a string": 1}
     success = json.loads((out / "_SUCCESS").read_text())
     assert success["pairs"] == len(GOOD_PROMPTS) and success["config_hash"] == manifest["config_hash"]
-    report = json.loads((out / "_report.json").read_text())
-    assert report["tokens_per_pair"] == round(report["generated_tokens"] / report["pairs"], 2)
-    assert report["pairs_per_hour"] > 0 and report["actor_restarts"] == 0
-    assert report["metrics"]["pairs"] == len(GOOD_PROMPTS)
-    assert report["metrics"]["tokens_saved"] == report["tokens_saved"] > 0
 
 
 def test_rerun_with_another_config_is_refused_unless_overwrite(mixed_build, tiny_models, tmp_path):
