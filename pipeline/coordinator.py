@@ -113,7 +113,10 @@ class Coordinator:
                 failure = BatchFailed([p.prompt_id for p in batch], attempt, exc)
                 if attempt == self.max_attempts:
                     raise failure from None
-                exc.recover()
+                try:
+                    exc.recover()
+                except WorkerFailure as again:  # the replacement did not start: the next attempt retries it
+                    failure = BatchFailed(failure.prompt_ids, attempt, again)
                 self.retries += 1
                 self.on_retry(failure)
             finally:
