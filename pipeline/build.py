@@ -2,9 +2,11 @@
 
 Input rows are cut into shards of ``data.shard_size`` consecutive rows; shard k owns rows
 [k * shard_size, (k + 1) * shard_size) and commits as part-k. Prompts of all pending shards run
-through the coordinator together, and a shard commits as soon as its last prompt is done.
-Committed shards are skipped on a rerun. The manifest is recomputed from every committed shard,
-so it describes what is on disk whether the run resumed or not.
+through the coordinator together, and a shard commits (pipeline.data.writer: data, then marker)
+as soon as its last prompt is done. Committed shards are skipped on a rerun; an output built with
+another config is refused (OutputConflict) unless overwritten. At the end every marker is checked
+against its files, the manifest is recomputed from all of them (so it describes what is on disk
+whether the run resumed or not), the run report is written, and _SUCCESS last.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from pipeline.config import Config, ConfigError
