@@ -42,12 +42,18 @@ def head(tmp_path_factory):
     gcs_port = free_port()
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2",
+                             # Ray's fixed default ports (agent 52365, client 10001) may be taken by
+                             # other local clusters on this machine: the job agent then never comes up.
+                             f"--dashboard-agent-listen-port={free_port()}",
+                             f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
+                             f"--runtime-env-agent-port={free_port()}", f"--ray-client-server-port={free_port()}",
                              "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
+        # Ready when a job can be submitted (the dashboard answers before its job agent is up).
         deadline = time.time() + 180
-        while subprocess.run([RAY, "job", "list", "--address", address], env=env, capture_output=True,
-                             timeout=60).returncode != 0:
+        while subprocess.run([RAY, "job", "submit", "--address", address, "--no-wait", "--", "true"], env=env,
+                             capture_output=True, timeout=60).returncode != 0:
             assert head.poll() is None and time.time() < deadline, open(log.name).read()[-2000:]
             time.sleep(2)
         yield env, address
