@@ -29,9 +29,14 @@ class RemoteProxy:
     """Blocking method calls on a Ray actor, so algorithm code sees a plain object. Each
     coordinator thread blocks on its own call; many calls are in flight at once."""
 
-    def __init__(self, spawn: Callable[[], Any], name: str, timeout_s: float | None = None):
+    def __init__(self, handle: Any = None, *, spawn: Callable[[], Any] | None = None, name: str = "actor",
+                 timeout_s: float | None = None):
+        """Either an actor ``handle`` (no replacement: a dead actor stays dead and its batches fail
+        after their attempts) or ``spawn``, which starts the actor now and again after each failure."""
+        if (handle is None) == (spawn is None):
+            raise ValueError("give an actor handle or a spawn function")
         self._spawn = spawn
-        self._handle = spawn()
+        self._handle = spawn() if spawn is not None else handle
         self._lock = threading.Lock()
         self.name = name
         self.timeout_s = timeout_s
@@ -70,7 +75,7 @@ class RemoteProxy:
         import ray
 
         with self._lock:
-            if self._handle is not failed:
+            if self._handle is not failed or self._spawn is None:
                 return
             ray.kill(failed, no_restart=True)
             self._handle = self._spawn()
@@ -165,10 +170,10 @@ def start_workers(config: Config) -> Workers:
         remote_cls = ray.remote(cls).options(**options)
         return lambda: remote_cls.remote(*args)
 
-    gens = [RemoteProxy(spawner(generator_cls, gen_args, rt.generator, i), f"generator {i}", rt.call_timeout_s)
-            for i in range(rt.generator_actors)]
-    rewards = [RemoteProxy(spawner(reward_cls, rew_args, rt.reward, rt.generator_actors + i), f"reward {i}",
-                           rt.call_timeout_s) for i in range(rt.reward_actors)]
+    gens = [RemoteProxy(spawn=spawner(generator_cls, gen_args, rt.generator, i), name=f"generator {i}",
+                        timeout_s=rt.call_timeout_s) for i in range(rt.generator_actors)]
+    rewards = [RemoteProxy(spawn=spawner(reward_cls, rew_args, rt.reward, rt.generator_actors + i),
+                           name=f"reward {i}", timeout_s=rt.call_timeout_s) for i in range(rt.reward_actors)]
     proxies = gens + rewards
     # Surface model-loading errors now, not on the first call.
     ray.get([p.handle.stats.remote() for p in proxies])
