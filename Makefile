@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := infra/constraints.txt
 TINY_MODELS := .cache/tiny-models
 
-.PHONY: install demo test bench bench-sla bench-dsbd clean
+.PHONY: install demo test test-reliability bench bench-sla bench-dsbd clean
 
 install: $(STAMP)
 
@@ -26,10 +26,15 @@ demo: install $(TINY_MODELS)/generator/config.json
 	$(PY) -m jobs.build_dataset --config configs/demo.yaml --output out/demo
 
 test: install
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra -m "not reliability" tests
+
+# Fault injection (actor exit/hang, driver SIGKILL, ray job stop), resume and S3-on-Ray tests: slower.
+test-reliability: install
+	$(PY) -m pytest -q -ra -m reliability tests
 
 bench: install $(TINY_MODELS)/generator/config.json
 	$(PY) -m benchmarks.engine_vs_generate --model $(TINY_MODELS)/generator
+	$(PY) -m benchmarks.scaling --generator $(TINY_MODELS)/generator --reward $(TINY_MODELS)/reward
 
 bench-sla: install
 	$(PY) -m benchmarks.sla

@@ -1,30 +1,101 @@
-"""The one factory that chooses local (in-process) or Ray execution for the workers."""
+"""The one factory that chooses local (in-process) or Ray execution for the workers.
+
+On Ray each actor sits behind a RemoteProxy, a stable slot the coordinator holds: when its actor
+dies (RayActorError) or a call outlives ``runtime.call_timeout_s`` (the actor is killed), the proxy
+raises WorkerFailure, whose recovery starts a replacement actor with the same options (same
+placement-group bundle) and swaps it into the slot. The coordinator then resubmits the batch.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from actors.faults import parse_faults, with_faults
 from pipeline.config import Config
-from pipeline.coordinator import Serialized
+from pipeline.coordinator import Serialized, WorkerFailure
 
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
            "AWS_DEFAULT_REGION", "AWS_REGION")
+STARTUP_TIMEOUT_S = 300.0
+# storage_options keys (s3fs) and the AWS variables that carry the same setting to a worker.
+STORAGE_ENV = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN",
+               "endpoint_url": "AWS_ENDPOINT_URL"}
 
 
 class RemoteProxy:
-    """Blocking method calls on a Ray actor handle, so algorithm code sees a plain object.
-    Each coordinator thread blocks on its own call; many calls are in flight at once."""
+    """Blocking method calls on a Ray actor, so algorithm code sees a plain object. Each
+    coordinator thread blocks on its own call; many calls are in flight at once."""
 
-    def __init__(self, handle: Any):
+    def __init__(self, handle: Any = None, *, spawn: Callable[[], Any] | None = None, name: str = "actor",
+                 timeout_s: float | None = None):
+        """Either an actor ``handle`` (no replacement: a dead actor stays dead and its batches fail
+        after their attempts) or ``spawn``, which starts the actor now and again after each failure."""
+        if (handle is None) == (spawn is None):
+            raise ValueError("give an actor handle or a spawn function")
+        self._spawn = spawn
+        self._handle = spawn() if spawn is not None else handle
+        self._lock = threading.Lock()
+        self.name = name
+        self.timeout_s = timeout_s
+        self.restarts = 0
+
+    @property
+    def handle(self) -> Any:
+        return self._handle
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.call(self._handle, name, args, kwargs)
+
+    def pinned(self) -> _Pinned:
+        """A view bound to the current actor, for a stateful sequence of calls (a decoding session
+        lives in one actor's memory): once that actor is replaced, its calls fail instead of
+        reaching the new actor, which never saw the session."""
+        return _Pinned(self, self._handle)
+
+    def call(self, handle: Any, name: str, args: tuple, kwargs: dict) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            return ray.get(getattr(handle, name).remote(*args, **kwargs), timeout=self.timeout_s)
+        except RayActorError as exc:
+            cause = f"{self.name} actor died during {name}() ({type(exc).__name__})"
+        except GetTimeoutError:
+            ray.kill(handle, no_restart=True)
+            cause = f"{self.name} actor hung: {name}() took over {self.timeout_s:g}s; killed"
+        raise WorkerFailure(cause, lambda: self.replace(handle))
+
+    def replace(self, failed: Any) -> None:
+        """Start a new actor in place of ``failed``, unless another thread already did."""
+        import ray
+
+        with self._lock:
+            if self._handle is not failed or self._spawn is None:
+                return
+            ray.kill(failed, no_restart=True)
+            self._handle = self._spawn()
+            self.restarts += 1
+            try:  # a fresh actor loads its model first: give it at least STARTUP_TIMEOUT_S
+                ray.get(self._handle.stats.remote(), timeout=max(self.timeout_s or 0, STARTUP_TIMEOUT_S))
+            except Exception as exc:  # noqa: BLE001 - a replacement that cannot start is one more failure
+                raise WorkerFailure(f"replacement {self.name} actor failed to start ({exc})",
+                                    lambda: self.replace(self._handle)) from None
+
+
+class _Pinned:
+    def __init__(self, proxy: RemoteProxy, handle: Any):
+        self._proxy = proxy
         self._handle = handle
 
     def __getattr__(self, name: str):
-        import ray
-
-        method = getattr(self._handle, name)
-        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._proxy.call(self._handle, name, args, kwargs)
 
 
 @dataclass
@@ -40,7 +111,11 @@ class Workers:
             "generated_tokens": sum(s["generated_tokens"] for s in gen),
             "generator_forward_passes": sum(s["forward_passes"] for s in gen),
             "reward_forward_passes": sum(s.stats()["forward_passes"] for s in self.scorers),
+            "actor_restarts": self.restarts(),
         }
+
+    def restarts(self) -> int:
+        return sum(getattr(w, "restarts", 0) for w in self.generators + self.scorers)
 
 
 def _draft_model(config: Config) -> str | None:
@@ -55,54 +130,97 @@ def _draft_model(config: Config) -> str | None:
     return config.models.draft
 
 
-def ray_runtime_env() -> dict:
-    """Environment the Ray workers need: the AWS_* variables for s3:// and thread caps."""
+def ray_runtime_env(storage_options: dict | None = None) -> dict:
+    """Environment the Ray workers need for s3://: the AWS_* variables of the driver, plus the
+    endpoint and credentials of ``data.storage_options`` (which win)."""
     env = {k: os.environ[k] for k in AWS_ENV if k in os.environ}
+    for key, var in STORAGE_ENV.items():
+        if (storage_options or {}).get(key):
+            env[var] = str(storage_options[key])
     return {"env_vars": env} if env else {}
 
 
 def start_workers(config: Config) -> Workers:
     m, rt = config.models, config.runtime
     draft = _draft_model(config)
-    if rt.local:
-        from actors.generator import GeneratorActor
-        from actors.reward import RewardActor
+    draft_actors = bool(draft) and rt.draft_placement == "actor" and not rt.local
+    faults = parse_faults(rt.faults)
+    from actors.generator import GeneratorActor
+    from actors.reward import RewardActor
 
-        gens = [GeneratorActor(m.generator, m.device, m.dtype, int(rt.generator.num_cpus), draft=draft)
-                for _ in range(rt.generator_actors)]
-        rewards = [RewardActor(m.reward, m.device, m.dtype, int(rt.reward.num_cpus), rt.reward_batch_size)
-                   for _ in range(rt.reward_actors)]
+    generator_cls = with_faults(GeneratorActor, "generator", faults)
+    reward_cls = with_faults(RewardActor, "reward", faults)
+    gen_args = (m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus)))
+    gen_kwargs = {"draft": None if draft_actors else draft}
+    rew_args = (m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size)
+    if rt.local:
+        gens = [generator_cls(*gen_args, **gen_kwargs) for _ in range(rt.generator_actors)]
+        rewards = [reward_cls(*rew_args) for _ in range(rt.reward_actors)]
         return Workers([Serialized(g) for g in gens], [Serialized(r) for r in rewards])
 
     import ray
 
-    from actors.generator import GeneratorActor
-    from actors.reward import RewardActor
-
+    runtime_env = ray_runtime_env(config.data.storage_options)
     if not ray.is_initialized():
         # With no cluster to attach to, the local one we start listens on loopback only.
-        local = {} if os.environ.get("RAY_ADDRESS") else {"_node_ip_address": "127.0.0.1"}
-        ray.init(runtime_env=ray_runtime_env() or None, **local)
-    gen_cls = ray.remote(num_cpus=rt.generator.num_cpus, num_gpus=rt.generator.num_gpus, max_restarts=0)(GeneratorActor)
-    rew_cls = ray.remote(num_cpus=rt.reward.num_cpus, num_gpus=rt.reward.num_gpus, max_restarts=0)(RewardActor)
-    drafts = []
-    if draft and rt.draft_placement == "actor":
+        # address="local": never attach to whatever cluster a stale address file points at.
+        local = {} if os.environ.get("RAY_ADDRESS") else {"address": "local", "_node_ip_address": "127.0.0.1"}
+        ray.init(runtime_env=runtime_env or None, **local)
+    resources = [rt.generator] * rt.generator_actors + [rt.reward] * rt.reward_actors
+    if draft_actors:
+        resources += [rt.draft] * rt.generator_actors
+    group = None
+    if rt.placement_strategy:
+        from ray.util.placement_group import placement_group
+
+        bundles = [{"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})} for r in resources]
+        group = placement_group(bundles, strategy=rt.placement_strategy)
+        ray.get(group.ready(), timeout=rt.call_timeout_s)
+
+    def spawner(cls, args, res, bundle: int, kwargs: dict | None = None) -> Callable[[], Any]:
+        options: dict = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "max_restarts": 0,
+                         "runtime_env": runtime_env or None}
+        if group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
+        remote_cls = ray.remote(cls).options(**options)
+        return lambda: remote_cls.remote(*args, **(kwargs or {}))
+
+    drafts: dict[int, Any] = {}  # generator index -> its current DraftActor (placement "actor")
+
+    def generator_spawner(i: int) -> Callable[[], Any]:
+        spawn = spawner(generator_cls, gen_args, rt.generator, i, gen_kwargs)
+        if not draft_actors:
+            return spawn
         from actors.draft import DraftActor
 
-        draft_cls = ray.remote(num_cpus=rt.draft.num_cpus, num_gpus=rt.draft.num_gpus, max_restarts=0)(DraftActor)
-        drafts = [draft_cls.remote(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus)))
-                  for _ in range(rt.generator_actors)]
-    gens = [gen_cls.remote(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus)),
-                           draft=None if drafts else draft, draft_actor=drafts[i] if drafts else None)
+        spawn_draft = spawner(DraftActor, (draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus))), rt.draft,
+                              rt.generator_actors + rt.reward_actors + i)
+
+        def spawn_pair():
+            # A replaced generator gets a fresh draft actor too: the old one may be what failed.
+            if i in drafts:
+                ray.kill(drafts[i], no_restart=True)
+            drafts[i] = spawn_draft()
+            return spawner(generator_cls, gen_args, rt.generator, i, {"draft_actor": drafts[i]})()
+
+        return spawn_pair
+
+    gens = [RemoteProxy(spawn=generator_spawner(i), name=f"generator {i}", timeout_s=rt.call_timeout_s)
             for i in range(rt.generator_actors)]
-    rewards = [rew_cls.remote(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size)
-               for _ in range(rt.reward_actors)]
-    handles = gens + rewards + drafts
+    rewards = [RemoteProxy(spawn=spawner(reward_cls, rew_args, rt.reward, rt.generator_actors + i),
+                           name=f"reward {i}", timeout_s=rt.call_timeout_s) for i in range(rt.reward_actors)]
+    proxies = gens + rewards
     # Surface model-loading errors now, not on the first call.
-    ray.get([h.stats.remote() for h in handles])
+    ray.get([p.handle.stats.remote() for p in proxies])
 
     def shutdown():
-        for h in handles:
-            ray.kill(h)
+        for handle in [p.handle for p in proxies] + list(drafts.values()):
+            ray.kill(handle)
+        if group is not None:
+            from ray.util.placement_group import remove_placement_group
 
-    return Workers([RemoteProxy(g) for g in gens], [RemoteProxy(r) for r in rewards], handles, shutdown)
+            remove_placement_group(group)
+
+    return Workers(gens, rewards, [p.handle for p in proxies] + list(drafts.values()), shutdown)

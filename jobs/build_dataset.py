@@ -1,11 +1,13 @@
 """Build a preference dataset: prompts in, chosen/rejected Parquet out.
 
     python -m jobs.build_dataset --config FILE [--prompts URI] [--output URI] [--strategy NAME]
-        [--num-samples N] [--max-new-tokens T] [--seed S] [--set dotted.key=value ...]
+        [--num-samples N] [--max-new-tokens T] [--seed S] [--set dotted.key=value ...] [--overwrite]
 
 With no Ray address it starts a local cluster; under `ray job submit` or with RAY_ADDRESS set it
 attaches. `--set runtime.local=true` runs everything in-process without Ray. User errors (bad
-config, missing or unreadable input) print one line on stderr and exit with code 2.
+config, missing or unreadable input, an output that holds a build of another config) print one
+line on stderr and exit with code 2. A rerun into the same output resumes: committed shards are
+skipped. A shard that still fails after runtime.max_attempts exits with code 1, naming the shard.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 
 from pipeline.config import ConfigError, load_config
 from pipeline.data.prompts import InputError
+from pipeline.data.writer import OutputConflict
 
 FLAG_KEYS = {"prompts": "data.prompts", "output": "data.output",
              "num_samples": "sampling.num_samples", "max_new_tokens": "sampling.max_new_tokens", "seed": "seed"}
@@ -29,6 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config key, e.g. --set strategy.rejection_rate=0.7")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an output built with another config (default: refuse; same config resumes)")
     return parser.parse_args(argv)
 
 
@@ -45,20 +50,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from actors import start_workers
-    from pipeline.build import format_summary, plan_build, run_build
+    from pipeline.build import ShardFailed, format_summary, plan_build, run_build
 
     try:
-        plan = plan_build(config)  # every input error surfaces here, before a cluster starts
-    except (ConfigError, InputError) as exc:
+        plan = plan_build(config, overwrite=args.overwrite)  # input and output errors surface before a cluster starts
+    except (ConfigError, InputError, OutputConflict) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     workers = start_workers(config)
     try:
         manifest = run_build(plan, workers, progress=not args.no_progress)
+    except ShardFailed as exc:  # a shard out of retries: loud, named, and resumable
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         workers.shutdown()
     print(format_summary(manifest))
-    print(f"output: {config.data.output}")
+    print(f"output: {config.data.output}  (run report: _report.json)")
     return 0
 
 

@@ -2,43 +2,68 @@
 
 Input rows are cut into shards of ``data.shard_size`` consecutive rows; shard k owns rows
 [k * shard_size, (k + 1) * shard_size) and commits as part-k. Prompts of all pending shards run
-through the coordinator together, and a shard commits as soon as its last prompt is done.
-Committed shards are skipped on a rerun. The manifest is recomputed from every committed shard,
-so it describes what is on disk whether the run resumed or not.
+through the coordinator together, and a shard commits (pipeline.data.writer: data, then marker)
+as soon as its last prompt is done. Committed shards are skipped on a rerun; an output built with
+another config is refused (OutputConflict) unless overwritten. At the end every marker is checked
+against its files, the manifest is recomputed from all of them (so it describes what is on disk
+whether the run resumed or not), the run report is written, and _SUCCESS last.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from pipeline.config import Config, ConfigError
-from pipeline.coordinator import Coordinator
+from pipeline.coordinator import BatchFailed, Coordinator
 from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import PromptFormatter, Reject, read_raw_rows, validate
-from pipeline.data.writer import OutputStore
+from pipeline.data.writer import OutputStore, fingerprint
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import load_tokenizer
+
+
+class ShardFailed(RuntimeError):
+    """A shard's batch ran out of attempts (actors kept dying or hanging)."""
 
 
 @dataclass
 class _Shard:
     index: int
+    fingerprint: str = ""
+    """sha256 of the shard's input rows (pipeline.data.writer.fingerprint)."""
     expected: int = 0
     """Prompts of this shard sent to the coordinator."""
     pairs: list[dict] = field(default_factory=list)
     rejects: list[dict] = field(default_factory=list)
+    quarantine: list[dict] = field(default_factory=list)
+    stats: Counter = field(default_factory=Counter)
     done: int = 0
 
 
 def _reject_row(r: Reject, stage: str, generated: int = 0, bon: int = 0) -> dict:
     return {"source_row": r.source_row, "prompt_id": r.prompt_id, "reason": r.reason, "value": r.value,
             "stage": stage, "generated_tokens": generated, "bon_equivalent_tokens": bon}
+
+
+def config_hash(config: Config) -> str:
+    """Hash of everything that decides the output's content. Left out: where input and output live
+    (the input's content is fingerprinted per shard), storage credentials, the device (a build may
+    resume on other hardware), and runtime (actor counts, timeouts, fault plans: they change how fast
+    rows are made, not which)."""
+    content = config.to_dict()
+    content.pop("runtime")
+    content["models"].pop("device")
+    for key in ("prompts", "output", "storage_options"):
+        content["data"].pop(key)
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def sampling_params(config: Config) -> SamplingParams:
@@ -60,16 +85,19 @@ class BuildPlan:
     origin: dict
     """prompt_id -> (shard, source_row, truncated)."""
     started: float
+    config_hash: str = ""
 
 
-def plan_build(config: Config) -> BuildPlan:
+def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
+    """Read and validate the input, check the output (OutputConflict when it holds another build,
+    unless ``overwrite``), and assign the prompts of every uncommitted shard."""
     start = time.perf_counter()
     data = config.data
     values = read_raw_rows(data.prompts, data.prompt_column, data.storage_options)
     rows, input_rejects = validate(values, data.prompt_column)
-    store = OutputStore(data.output, data.storage_options)
     num_shards = max(1, math.ceil(len(values) / data.shard_size))
-    pending = {k: _Shard(k) for k in range(num_shards) if not store.is_committed(k)}
+    fingerprints = [fingerprint(values[k * data.shard_size:(k + 1) * data.shard_size]) for k in range(num_shards)]
+    build_hash = config_hash(config)
 
     try:
         tokenizer = load_tokenizer(config.models.generator)
@@ -86,6 +114,11 @@ def plan_build(config: Config) -> BuildPlan:
     max_prompt = data.max_prompt_tokens or context - config.sampling.max_new_tokens
     formatter = PromptFormatter(tokenizer, max_prompt, data.overlength, config.sampling.chat_template)
 
+    store = OutputStore(data.output, data.storage_options)
+    committed = set() if overwrite else store.committed({k: (fp, build_hash) for k, fp in enumerate(fingerprints)})
+    store.prepare(overwrite=overwrite)
+    pending = {k: _Shard(k, fingerprints[k]) for k in range(num_shards) if k not in committed}
+
     for r in input_rejects:
         if r.source_row // data.shard_size in pending:
             pending[r.source_row // data.shard_size].rejects.append(_reject_row(r, "input"))
@@ -101,74 +134,151 @@ def plan_build(config: Config) -> BuildPlan:
         prompts.append(prompt)
         origin[prompt.prompt_id] = (shard, row.source_row, truncated)
         shard.expected += 1
-    return BuildPlan(config, store, len(values), num_shards, pending, prompts, origin, start)
+    return BuildPlan(config, store, len(values), num_shards, pending, prompts, origin, start, build_hash)
+
+
+def _record(shard: _Shard, result, source_row: int) -> None:
+    """Shard statistics of one prompt's candidates; non-finite rewards are quarantined, and reward
+    statistics are taken over the finite final rewards only."""
+    stats = shard.stats
+    stats["candidates"] += len(result.candidates)
+    stats["generated_tokens"] += result.generated_tokens
+    stats["bon_equivalent_tokens"] += result.bon_equivalent_tokens
+    for c in result.candidates:
+        if c.failed:
+            shard.quarantine.append({"source_row": source_row, "prompt_id": result.prompt.prompt_id,
+                                     "sample": c.sample, "score": repr(float(c.score)),
+                                     "stopped_early": c.stopped_early, "text": c.text})
+        elif c.completed and not c.stopped_early:
+            stats["reward_count"] += 1
+            stats["reward_sum"] += c.score
+            stats["reward_sum_sq"] += c.score * c.score
+            stats["reward_min"] = min(stats.get("reward_min", c.score), c.score)
+            stats["reward_max"] = max(stats.get("reward_max", c.score), c.score)
+    stats["quarantined"] = len(shard.quarantine)
 
 
 def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
-    """Generate, pair and commit every pending shard of the plan; returns the manifest."""
-    config, store, pending, origin = plan.config, plan.store, plan.pending, plan.origin
-    for shard in [s for s in pending.values() if s.expected == 0]:
-        store.commit_shard(shard.index, [], shard.rejects)
+    """Generate, pair and commit every pending shard of the plan; verify every marker, write the
+    manifest, the run report and _SUCCESS; returns the manifest."""
+    from pipeline.observability import BuildMetrics, ProgressBars
 
+    config, store, pending, origin = plan.config, plan.store, plan.pending, plan.origin
+    metrics = BuildMetrics()
+    bars = ProgressBars(len(plan.prompts), config.strategy.name, enabled=progress)
+
+    def commit(shard: _Shard) -> None:
+        shard.pairs.sort(key=lambda p: p["source_row"])
+        shard.rejects.sort(key=lambda r: r["source_row"])
+        shard.stats.update(pairs=len(shard.pairs), rejects=len(shard.rejects))
+        store.commit_shard(shard.index, shard.pairs, shard.rejects, shard.fingerprint, plan.config_hash,
+                           dict(shard.stats), shard.quarantine)
+        metrics.shard_committed()
+
+    def sync_restarts() -> None:
+        restarts = workers.restarts() if hasattr(workers, "restarts") else 0
+        metrics.actor_restarted(restarts - metrics.totals["actor_restarts"])
+
+    def on_retry(failure: BatchFailed) -> None:
+        shards = sorted({origin[pid][0].index for pid in failure.prompt_ids})
+        sync_restarts()
+        print(f"warning: {failure.cause}; actor replaced (or already), shard(s) {shards} batch resubmitted "
+              f"(attempt {failure.attempts + 1} of {config.runtime.max_attempts})", file=sys.stderr)
+
+    for shard in [s for s in pending.values() if s.expected == 0]:
+        commit(shard)
     coordinator = Coordinator(config.strategy.name, config.strategy.params, sampling_params(config),
                               config.sampling.num_samples, config.seed, workers.generators, workers.scorers,
-                              config.runtime.prompts_per_batch, config.runtime.batches_in_flight)
-    bar = tqdm(total=len(plan.prompts), unit="prompt", desc=f"build {config.strategy.name}", disable=not progress,
-               dynamic_ncols=True)
+                              config.runtime.prompts_per_batch, config.runtime.batches_in_flight,
+                              max_attempts=config.runtime.max_attempts, on_retry=on_retry)
     pairs_made = tokens = bon_tokens = 0
-    for result in coordinator.run(plan.prompts):
-        shard, source_row, truncated = origin[result.prompt.prompt_id]
-        pair, reason = select_pair(result, config.strategy.name)
-        if pair is None:
-            shard.rejects.append(_reject_row(Reject(source_row, reason, result.prompt.raw_prompt[:1000],
-                                                    result.prompt.prompt_id), "pairing",
-                                             result.generated_tokens, result.bon_equivalent_tokens))
-        else:
-            pair.update(prompt_truncated=truncated, source_row=source_row)
-            shard.pairs.append(pair)
-            pairs_made += 1
-        shard.done += 1
-        tokens += result.generated_tokens
-        bon_tokens += result.bon_equivalent_tokens
-        bar.update(1)
-        bar.set_postfix(pairs=pairs_made, tokens_saved=bon_tokens - tokens)
-        if shard.done == shard.expected:
-            shard.pairs.sort(key=lambda p: p["source_row"])
-            shard.rejects.sort(key=lambda r: r["source_row"])
-            store.commit_shard(shard.index, shard.pairs, shard.rejects)
-    bar.close()
+    try:
+        for result in coordinator.run(plan.prompts):
+            shard, source_row, truncated = origin[result.prompt.prompt_id]
+            _record(shard, result, source_row)
+            pair, reason = select_pair(result, config.strategy.name, config.data.min_margin)
+            if pair is None:
+                shard.rejects.append(_reject_row(Reject(source_row, reason, result.prompt.raw_prompt[:1000],
+                                                        result.prompt.prompt_id), "pairing",
+                                                 result.generated_tokens, result.bon_equivalent_tokens))
+            else:
+                pair.update(prompt_truncated=truncated, source_row=source_row)
+                shard.pairs.append(pair)
+                pairs_made += 1
+            shard.done += 1
+            tokens += result.generated_tokens
+            bon_tokens += result.bon_equivalent_tokens
+            metrics.prompt_done(pair is not None, result.generated_tokens, result.bon_equivalent_tokens)
+            bars.update(pair is not None, result.bon_equivalent_tokens - result.generated_tokens)
+            if shard.done == shard.expected:
+                commit(shard)
+    except BatchFailed as exc:
+        shards = sorted({origin[pid][0].index for pid in exc.prompt_ids})
+        raise ShardFailed(f"shard(s) {', '.join(f'part-{k:05d}' for k in shards)} failed after {exc.attempts} "
+                           f"attempts: {exc.cause}; committed shards are kept, a rerun resumes") from None
+    finally:
+        bars.close()
+    sync_restarts()
     unfinished = [s.index for s in pending.values() if s.done != s.expected]
     if unfinished:
         raise RuntimeError(f"shards {unfinished} did not receive all their prompts")
 
-    manifest = summarize(store, plan.num_shards, plan.prompts_in)
-    manifest.update(wall_seconds=round(time.perf_counter() - plan.started, 3), config=config.to_dict(),
+    markers = store.verify(plan.num_shards)  # _SUCCESS only after every marker is checked
+    manifest = summarize(store, markers, plan.num_shards, plan.prompts_in)
+    wall = time.perf_counter() - plan.started
+    manifest.update(wall_seconds=round(wall, 3), config=config.to_dict(), config_hash=plan.config_hash,
                     shards_written=sorted(pending),
                     shards_skipped=sorted(set(range(plan.num_shards)) - set(pending)),
                     prompts_truncated=sum(1 for _, _, t in origin.values() if t), run_stats=workers.stats(),
                     pairs_this_run=pairs_made)
     # The rate of this run only: resumed shards cost it nothing.
-    manifest["pairs_per_minute"] = round(pairs_made / max(manifest["wall_seconds"], 1e-9) * 60, 2)
+    manifest["pairs_per_minute"] = round(pairs_made / max(wall, 1e-9) * 60, 2)
+    report = {
+        "pairs": pairs_made, "prompts": len(plan.prompts), "wall_seconds": round(wall, 3),
+        "pairs_per_hour": round(pairs_made / max(wall, 1e-9) * 3600, 1),
+        "generated_tokens": tokens, "bon_equivalent_tokens": bon_tokens, "tokens_saved": bon_tokens - tokens,
+        "tokens_per_pair": round(tokens / pairs_made, 2) if pairs_made else None,
+        "actor_restarts": metrics.totals["actor_restarts"], "batch_retries": coordinator.retries,
+        "shards_written": len(pending), "shards_skipped": plan.num_shards - len(pending),
+        "quarantined_candidates": sum(len(s.quarantine) for s in pending.values()),
+        "metrics": dict(metrics.totals),
+    }
+    manifest["report"] = "_report.json"
     store.write_manifest(manifest)
+    store.write_json("_report.json", report)
+    store.write_success({"shards": plan.num_shards, "pairs": manifest["pairs"], "config_hash": plan.config_hash})
     return manifest
 
 
-def summarize(store: OutputStore, num_shards: int, prompts_in: int) -> dict:
-    """Totals over every committed shard, read back from the files themselves."""
-    pairs = rejected = generated = bon = 0
+def summarize(store: OutputStore, markers: dict[int, dict], num_shards: int, prompts_in: int) -> dict:
+    """Totals over every committed shard, from the checked commit markers and the reject files."""
+    pairs = rejected = generated = bon = quarantined = candidates = 0
+    reward = Counter()
+    low, high = math.inf, -math.inf
     reasons: Counter = Counter()
     for k in range(num_shards):
-        part, rejects = store.read_shard(k)
-        pairs += part.num_rows
-        rejected += rejects.num_rows
-        generated += sum(part.column("generated_tokens").to_pylist()) + sum(rejects.column("generated_tokens").to_pylist())
-        bon += sum(part.column("bon_equivalent_tokens").to_pylist()) + sum(rejects.column("bon_equivalent_tokens").to_pylist())
-        reasons.update(reason.split(" (")[0] for reason in rejects.column("reason").to_pylist())
+        marker, stats = markers[k], markers[k].get("stats", {})
+        pairs += marker["rows"]
+        rejected += marker["rejects"]["rows"]
+        generated += stats.get("generated_tokens", 0)
+        bon += stats.get("bon_equivalent_tokens", 0)
+        quarantined += stats.get("quarantined", 0)
+        candidates += stats.get("candidates", 0)
+        reward.update({key: stats.get(key, 0) for key in ("reward_count", "reward_sum", "reward_sum_sq")})
+        low, high = min(low, stats.get("reward_min", math.inf)), max(high, stats.get("reward_max", -math.inf))
+        if marker["rejects"]["rows"]:
+            _, rejects = store.read_shard(k)
+            reasons.update(reason.split(" (")[0] for reason in rejects.column("reason").to_pylist())
     if pairs + rejected != prompts_in:
         raise RuntimeError(f"row count mismatch: {prompts_in} input rows but {pairs} pairs + {rejected} rejects")
+    n = reward["reward_count"]
+    mean = reward["reward_sum"] / n if n else None
+    rewards = {"count": n, "mean": mean, "min": low if n else None, "max": high if n else None,
+               "std": math.sqrt(max(reward["reward_sum_sq"] / n - mean * mean, 0.0)) if n else None}
     return {"prompts_in": prompts_in, "prompts_rejected": rejected, "pairs": pairs, "generated_tokens": generated,
             "bon_equivalent_tokens": bon, "tokens_saved": bon - generated, "reject_reasons": dict(reasons),
-            "shards": num_shards}
+            "shards": num_shards, "candidates": candidates, "candidates_quarantined": quarantined,
+            "reward_stats": rewards}
 
 
 def format_summary(manifest: dict) -> str:
@@ -185,5 +295,7 @@ def format_summary(manifest: dict) -> str:
         f"wall time      {manifest['wall_seconds']:.1f}s",
         f"pairs/minute   {manifest['pairs_per_minute']}",
     ]
+    if manifest.get("candidates_quarantined"):
+        lines.append(f"quarantined    {manifest['candidates_quarantined']} candidates with a non-finite reward (_quarantine/)")
     return "\n".join(lines)
 

@@ -86,8 +86,13 @@ class DataConfig:
     """Prompt token limit; default: the generator's context length minus max_new_tokens."""
     storage_options: dict = field(default_factory=dict)
     """fsspec/s3fs options for s3:// URIs (endpoint_url, key, secret, ...); AWS_* env vars also work."""
+    min_margin: float = 0.0
+    """A pair needs chosen_score - rejected_score > min_margin (and > 0); otherwise the prompt is
+    rejected with the reason "margin below min_margin"."""
 
     def __post_init__(self):
+        if self.min_margin < 0:
+            raise ConfigError(f"data.min_margin: must be >= 0, got {self.min_margin}")
         if self.shard_size < 1:
             raise ConfigError(f"data.shard_size: must be >= 1, got {self.shard_size}")
         if self.overlength not in ("truncate", "reject"):
@@ -125,13 +130,30 @@ class RuntimeConfig:
     """Sequences per reward-model forward pass."""
     local: bool = False
     """Run in-process without Ray (tests, debugging)."""
+    call_timeout_s: float = 900.0
+    """Seconds one actor call may take (queueing behind the actor's other batches included) before
+    the actor is presumed hung: it is killed, replaced, and its batches are resubmitted."""
+    max_attempts: int = 3
+    """Attempts per batch when actors die or hang; past this the build fails naming the shard."""
+    placement_strategy: str = ""
+    """Ray placement group for all actors (one bundle each): PACK, SPREAD, STRICT_PACK, STRICT_SPREAD;
+    empty: no placement group (Ray places actors by their resources)."""
+    faults: list = field(default_factory=list)
+    """Test hook: fault plan the actors read (see actors/faults.py), e.g.
+    [{actor: generator, method: extend, call: 2, action: exit, times: 1, state_dir: /tmp/f}]."""
 
     def __post_init__(self):
         if self.draft_placement not in ("colocated", "actor"):
             raise ConfigError(f"runtime.draft_placement: expected colocated or actor, got {self.draft_placement!r}")
-        for key in ("generator_actors", "reward_actors", "prompts_per_batch", "batches_in_flight", "reward_batch_size"):
+        for key in ("generator_actors", "reward_actors", "prompts_per_batch", "batches_in_flight", "reward_batch_size",
+                    "max_attempts"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"runtime.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.call_timeout_s <= 0:
+            raise ConfigError(f"runtime.call_timeout_s: must be > 0, got {self.call_timeout_s}")
+        if self.placement_strategy not in ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ConfigError(f"runtime.placement_strategy: expected PACK, SPREAD, STRICT_PACK, STRICT_SPREAD or "
+                              f"empty, got {self.placement_strategy!r}")
 
 
 @dataclass

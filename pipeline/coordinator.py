@@ -8,6 +8,13 @@ calls are stateless and spread round-robin.
 
 Handles are anything that satisfies the Generator / Scorer protocols: Ray actor proxies in
 production (actors.RemoteProxy), plain in-process engines wrapped in ``Serialized`` in tests.
+
+Faults: a handle whose actor died or hung raises WorkerFailure. The coordinator then asks the
+failure to recover (the proxy replaces its actor, once, however many batches saw it fail) and runs
+the whole batch again from the start: its KV cache died with the actor, and per-row seeds make the
+rerun produce the same candidates. This wraps whole strategy calls, so it covers every call pattern
+(open/extend/close, score, or one ``generator.search``). After ``max_attempts`` the batch raises
+BatchFailed, naming its prompts.
 """
 
 from __future__ import annotations
@@ -16,11 +23,29 @@ import itertools
 import queue
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pipeline.decoding import STRATEGIES
 from pipeline.decoding.protocols import Generator, PromptInput, PromptResult, Scorer
 from pipeline.decoding.sampling import SamplingParams
+
+
+class WorkerFailure(Exception):
+    """An actor behind a handle died or hung. ``recover()`` replaces it (idempotent per failure)."""
+
+    def __init__(self, message: str, recover: Callable[[], None] = lambda: None):
+        super().__init__(message)
+        self.recover = recover
+
+
+class BatchFailed(Exception):
+    """A batch failed ``attempts`` times (or is about to be retried, when passed to on_retry)."""
+
+    def __init__(self, prompt_ids: list[str], attempts: int, cause: BaseException):
+        super().__init__(f"batch of {len(prompt_ids)} prompts failed after {attempts} attempts: {cause}")
+        self.prompt_ids = prompt_ids
+        self.attempts = attempts
+        self.cause = cause
 
 
 class Serialized:
@@ -55,7 +80,8 @@ class _RoundRobin:
 class Coordinator:
     def __init__(self, strategy: str, params: Any, sampling: SamplingParams, num_samples: int, seed: int,
                  generators: list[Generator], scorers: list[Scorer], prompts_per_batch: int = 4,
-                 batches_in_flight: int = 2):
+                 batches_in_flight: int = 2, max_attempts: int = 1,
+                 on_retry: Callable[[BatchFailed], None] = lambda failure: None):
         if not generators or not scorers:
             raise ValueError("need at least one generator and one scorer")
         self.strategy_name = strategy
@@ -68,14 +94,33 @@ class Coordinator:
         self.scorer = _RoundRobin(scorers)
         self.prompts_per_batch = prompts_per_batch
         self.batches_in_flight = batches_in_flight
+        self.max_attempts = max_attempts
+        self.on_retry = on_retry
+        self.retries = 0
 
     def _run_batch(self, batch: list[PromptInput], slots: queue.Queue) -> list[PromptResult]:
-        index = slots.get()
-        try:
-            results = self.strategy(batch, self.generators[index], self.scorer, self.params, self.sampling,
-                                    self.num_samples, self.seed)
-        finally:
-            slots.put(index)
+        for attempt in range(1, self.max_attempts + 1):
+            index = slots.get()
+            generator = self.generators[index]
+            # A batch's session lives in one actor: pin the batch to it (Ray proxies), so a batch
+            # that outlives a replacement fails over too, rather than asking the new actor.
+            generator = generator.pinned() if hasattr(generator, "pinned") else generator
+            try:
+                results = self.strategy(batch, generator, self.scorer, self.params, self.sampling,
+                                        self.num_samples, self.seed)
+                break
+            except WorkerFailure as exc:
+                failure = BatchFailed([p.prompt_id for p in batch], attempt, exc)
+                if attempt == self.max_attempts:
+                    raise failure from None
+                try:
+                    exc.recover()
+                except WorkerFailure as again:  # the replacement did not start: the next attempt retries it
+                    failure = BatchFailed(failure.prompt_ids, attempt, again)
+                self.retries += 1
+                self.on_retry(failure)
+            finally:
+                slots.put(index)
         if [r.prompt.prompt_id for r in results] != [p.prompt_id for p in batch]:
             raise RuntimeError(f"{self.strategy_name}: results do not match the batch's prompts")
         for r in results:
@@ -92,17 +137,19 @@ class Coordinator:
         for _ in range(self.batches_in_flight):
             for g in range(len(self.generators)):
                 slots.put(g)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coordinator") as pool:
-            pending = iter(batches)
-            running = {pool.submit(self._run_batch, b, slots) for b in itertools.islice(pending, workers)}
-            try:
-                while running:
-                    done, running = wait(running, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        yield from future.result()
-                        nxt = next(pending, None)
-                        if nxt is not None:
-                            running.add(pool.submit(self._run_batch, nxt, slots))
-            finally:
-                for future in running:
-                    future.cancel()
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coordinator")
+        pending = iter(batches)
+        running = {pool.submit(self._run_batch, b, slots) for b in itertools.islice(pending, workers)}
+        try:
+            while running:
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    yield from future.result()
+                    nxt = next(pending, None)
+                    if nxt is not None:
+                        running.add(pool.submit(self._run_batch, nxt, slots))
+            pool.shutdown()
+        finally:
+            # On failure, don't wait for batches still running: the caller shuts the actors down,
+            # which ends their calls.
+            pool.shutdown(wait=False, cancel_futures=True)

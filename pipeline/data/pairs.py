@@ -7,7 +7,8 @@
   A candidate whose text equals the chosen text is skipped.
 - Failed candidates (non-finite reward) are never used and are counted.
 - No pair (a reject with its reason) when no completed candidate has a finite reward, when no
-  other usable candidate is left, or when the best and worst scores tie.
+  other usable candidate is left, when the best and worst scores tie, or when their margin is
+  below ``min_margin`` (data.min_margin).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from pipeline.decoding.protocols import PromptResult
 
 
-def select_pair(result: PromptResult, strategy: str) -> tuple[dict | None, str | None]:
+def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0) -> tuple[dict | None, str | None]:
     """Returns (pair row, None) or (None, reason)."""
     usable = [c for c in result.candidates if not c.failed]
     completed = [c for c in usable if c.completed and not c.stopped_early]
@@ -28,6 +29,8 @@ def select_pair(result: PromptResult, strategy: str) -> tuple[dict | None, str |
     rejected = min(others, key=lambda c: (c.score, c.sample))
     if rejected.score >= chosen.score:
         return None, f"tie: best and worst reward are equal ({chosen.score:.6g})"
+    if chosen.score - rejected.score < min_margin:
+        return None, f"margin below min_margin ({chosen.score - rejected.score:.6g} < {min_margin:g})"
     p = result.prompt
     return {
         "prompt_id": p.prompt_id,

@@ -1,15 +1,29 @@
-"""Output: one Parquet part file per input shard, a _rejects/ part per shard, and _manifest.json.
+"""Output and its commit protocol: exactly-once shards on top of at-least-once execution.
 
-A part file appears whole or not at all: locally it is written to a temp file in the same
-directory and renamed with os.replace; on S3 a single PUT of the final key is atomic. A rerun
-into the same output skips shards whose part file exists (resume). Rejects are written before
-the part file, so a committed shard always has its rejects.
+Layout of an output directory or s3:// prefix:
+
+    part-NNNNN.parquet            pairs of input shard NNNNN (one fixed name per shard)
+    _rejects/part-NNNNN.parquet   every input row of the shard that has no pair, with its reason
+    _quarantine/part-NNNNN.parquet  candidates with a non-finite reward (never used in a pair)
+    _markers/part-NNNNN.json      the commit record: row counts, sha256 of each file, the shard's
+                                  input fingerprint and the config hash
+    _manifest.json, _report.json  totals over all committed shards / this run's figures
+    _SUCCESS                      written last, only after every marker was checked against its files
+
+Commit of one shard: the side files, then the part file, then the marker. Every file appears
+whole or not at all: locally it is written to a temp file in the same directory and renamed with
+os.replace; on S3 one PUT of the final key is atomic. A shard is committed when its marker exists
+and matches the config and input; a part file without a marker (a run killed between the two
+writes) is redone, and temp files left by a killed run (``.tmp-*``) are ignored and removed.
+Ray may run a batch twice (retries are at-least-once); the marker makes the output exactly-once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
 import uuid
 
 import pyarrow as pa
@@ -48,9 +62,40 @@ REJECT_SCHEMA = pa.schema([
     ("bon_equivalent_tokens", pa.int64()),
 ])
 
+# Candidates with a non-finite reward; score is its repr (nan, inf or -inf).
+QUARANTINE_SCHEMA = pa.schema([
+    ("source_row", pa.int64()),
+    ("prompt_id", pa.string()),
+    ("sample", pa.int64()),
+    ("score", pa.string()),
+    ("stopped_early", pa.bool_()),
+    ("text", pa.string()),
+])
+
+SIDE_DIRS = ("_rejects", "_quarantine")
+OWN_FILES = ("_manifest.json", "_report.json", "_SUCCESS")
+TMP_PREFIX = ".tmp-"
+
+
+class OutputConflict(Exception):
+    """The output holds shards of a different build (config or input): a user error."""
+
 
 def part_name(shard: int) -> str:
     return f"part-{shard:05d}.parquet"
+
+
+def marker_name(shard: int) -> str:
+    return f"part-{shard:05d}.json"
+
+
+def fingerprint(values: list) -> str:
+    """sha256 of a shard's raw input values, in order: the marker's input fingerprint."""
+    digest = hashlib.sha256()
+    for value in values:
+        digest.update(json.dumps(value, sort_keys=True, default=repr).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
 
 
 class OutputStore:
@@ -61,19 +106,61 @@ class OutputStore:
         self.remote = is_remote(uri)
         self.fs.makedirs(self.root, exist_ok=True)
 
-    def is_committed(self, shard: int) -> bool:
-        return self.fs.exists(join(self.root, part_name(shard)))
+    # -- reading the state of the output ----------------------------------------------------
+
+    def _refresh(self) -> None:
+        # s3fs caches listings; another process (a killed run, a concurrent writer) may have changed them.
+        if hasattr(self.fs, "invalidate_cache"):
+            self.fs.invalidate_cache()
+
+    def markers(self) -> dict[int, dict]:
+        """Every readable commit marker, by shard."""
+        self._refresh()
+        paths = [p for p in self._ls(join(self.root, "_markers"))
+                 if p.endswith(".json") and not p.rsplit("/", 1)[1].startswith(TMP_PREFIX)]
+        contents = self.fs.cat(paths) if paths else {}  # one concurrent fetch on S3
+        markers = [json.loads(contents[p]) for p in paths]
+        return {int(m["shard"]): m for m in markers}
+
+    def committed(self, expected: dict[int, tuple[str, str]]) -> set[int]:
+        """Shards already committed. ``expected`` maps shard -> (input fingerprint, config hash) of
+        this build; a marker that disagrees raises OutputConflict (one line, for the user). A marker
+        whose part file is missing or has another size is not committed (the shard is redone)."""
+        sizes = self._sizes()
+        done = set()
+        for shard, marker in self.markers().items():
+            if shard not in expected:
+                raise OutputConflict(f"{self.uri}: holds shard {shard}, but this input has {len(expected)} shards "
+                                     "(a different input or data.shard_size)")
+            fp, config_hash = expected[shard]
+            if marker["config_hash"] != config_hash:
+                raise OutputConflict(f"{self.uri}: was built with a different config (hash {marker['config_hash'][:12]}, "
+                                     f"now {config_hash[:12]}); use --overwrite to replace it, or another --output")
+            if marker["input_fingerprint"] != fp:
+                raise OutputConflict(f"{self.uri}: shard {shard} was built from different input rows; "
+                                     "use --overwrite to replace it, or another --output")
+            if sizes.get(part_name(shard)) == marker["bytes"]:
+                done.add(shard)
+        return done
+
+    def _sizes(self) -> dict[str, int]:
+        self._refresh()
+        return {entry["name"].rsplit("/", 1)[1]: entry["size"]
+                for entry in self._ls(self.root, detail=True) if entry["type"] == "file"}
+
+    def _ls(self, path: str, detail: bool = False) -> list:
+        try:  # an S3 "directory" with nothing under it does not exist
+            return self.fs.ls(path, detail=detail)
+        except FileNotFoundError:
+            return []
 
     def read_manifest(self) -> dict | None:
         path = join(self.root, "_manifest.json")
+        self._refresh()
         if not self.fs.exists(path):
             return None
         with self.fs.open(path, "r") as f:
             return json.load(f)
-
-    def commit_shard(self, shard: int, pairs: list[dict], rejects: list[dict]) -> None:
-        self._write_table(join(self.root, "_rejects", part_name(shard)), pa.Table.from_pylist(rejects, REJECT_SCHEMA))
-        self._write_table(join(self.root, part_name(shard)), pa.Table.from_pylist(pairs, PAIR_SCHEMA))
 
     def read_shard(self, shard: int) -> tuple[pa.Table, pa.Table]:
         with self.fs.open(join(self.root, part_name(shard)), "rb") as f:
@@ -85,17 +172,68 @@ class OutputStore:
                 rejects = pq.read_table(f)
         return pairs, rejects
 
-    def write_manifest(self, manifest: dict) -> None:
-        self._write_bytes(join(self.root, "_manifest.json"), json.dumps(manifest, indent=2, sort_keys=True).encode())
+    def succeeded(self) -> bool:
+        self._refresh()
+        return self.fs.exists(join(self.root, "_SUCCESS"))
 
-    def _write_table(self, path: str, table: pa.Table) -> None:
-        sink = pa.BufferOutputStream()
-        # An empty table goes out with no row group at all: a 0-row row group makes
-        # datasets.load_dataset("parquet") fail for the whole directory.
-        with pq.ParquetWriter(sink, table.schema) as writer:
-            if table.num_rows:
-                writer.write_table(table)
-        self._write_bytes(path, sink.getvalue().to_pybytes())
+    # -- writing -----------------------------------------------------------------------------
+
+    def prepare(self, overwrite: bool = False) -> None:
+        """Before a run: remove temp files of killed runs and the old _SUCCESS (this run rewrites it);
+        with ``overwrite``, remove every file of an earlier build (only ours: part-*, _markers/, ...)."""
+        self._refresh()
+        for directory in (self.root, *(join(self.root, d) for d in (*SIDE_DIRS, "_markers"))):
+            for path in self._ls(directory):
+                name = path.rsplit("/", 1)[1]
+                ours = name.startswith("part-") or (directory == self.root and name in OWN_FILES)
+                if name.startswith(TMP_PREFIX) or name == "_SUCCESS" or (overwrite and ours):
+                    self.fs.rm(path)
+        self._refresh()
+
+    def commit_shard(self, shard: int, pairs: list[dict], rejects: list[dict], input_fingerprint: str,
+                     config_hash: str, stats: dict | None = None, quarantine: list[dict] | None = None) -> dict:
+        """Write the shard's side files, its part file, then its marker (the commit point)."""
+        name = part_name(shard)
+        marker = {"shard": shard, "part": name, "input_fingerprint": input_fingerprint, "config_hash": config_hash,
+                  "stats": stats or {}, "committed_at": time.time()}
+        for key, directory, rows, schema in (("rejects", "_rejects", rejects, REJECT_SCHEMA),
+                                             ("quarantine", "_quarantine", quarantine or [], QUARANTINE_SCHEMA)):
+            payload = _parquet_bytes(pa.Table.from_pylist(rows, schema))
+            self._write_bytes(join(self.root, directory, name), payload)
+            marker[key] = {"rows": len(rows), "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+        payload = _parquet_bytes(pa.Table.from_pylist(pairs, PAIR_SCHEMA))
+        self._write_bytes(join(self.root, name), payload)
+        marker.update(rows=len(pairs), sha256=hashlib.sha256(payload).hexdigest(), bytes=len(payload))
+        self._write_bytes(join(self.root, "_markers", marker_name(shard)), json.dumps(marker, sort_keys=True).encode())
+        return marker
+
+    def verify(self, num_shards: int) -> dict[int, dict]:
+        """Check every shard's marker against its files (sha256 and row count); returns the markers.
+        Raises RuntimeError naming the first shard that fails."""
+        markers = self.markers()
+        for shard in range(num_shards):
+            marker = markers.get(shard)
+            if marker is None:
+                raise RuntimeError(f"shard {shard}: no commit marker ({join(self.uri, '_markers', marker_name(shard))})")
+            files = [(part_name(shard), marker)] + [(f"{d}/{part_name(shard)}", marker[d.strip("_")]) for d in SIDE_DIRS]
+            for rel, record in files:
+                with self.fs.open(join(self.root, rel), "rb") as f:
+                    payload = f.read()
+                if hashlib.sha256(payload).hexdigest() != record["sha256"]:
+                    raise RuntimeError(f"shard {shard}: {rel} does not match its commit marker (sha256)")
+                rows = pq.ParquetFile(pa.BufferReader(payload)).metadata.num_rows
+                if rows != record["rows"]:
+                    raise RuntimeError(f"shard {shard}: {rel} has {rows} rows, its marker says {record['rows']}")
+        return markers
+
+    def write_json(self, name: str, content: dict) -> None:
+        self._write_bytes(join(self.root, name), json.dumps(content, indent=2, sort_keys=True).encode())
+
+    def write_manifest(self, manifest: dict) -> None:
+        self.write_json("_manifest.json", manifest)
+
+    def write_success(self, content: dict) -> None:
+        self.write_json("_SUCCESS", content)
 
     def _write_bytes(self, path: str, payload: bytes) -> None:
         parent = path.rsplit("/", 1)[0]
@@ -104,9 +242,19 @@ class OutputStore:
             with self.fs.open(path, "wb") as f:  # one PUT: the key appears whole or not at all
                 f.write(payload)
             return
-        tmp = join(parent, f".tmp-{uuid.uuid4().hex}-{path.rsplit('/', 1)[1]}")
+        tmp = join(parent, f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.rsplit('/', 1)[1]}")
         with open(tmp, "wb") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    # An empty table goes out with no row group at all: a 0-row row group makes
+    # datasets.load_dataset("parquet") fail for the whole directory.
+    with pq.ParquetWriter(sink, table.schema) as writer:
+        if table.num_rows:
+            writer.write_table(table)
+    return sink.getvalue().to_pybytes()

@@ -1,0 +1,78 @@
+"""The commit protocol of pipeline.data.writer: markers, resume decisions, conflicts, _SUCCESS checks."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data.writer import OutputConflict, OutputStore, fingerprint, marker_name, part_name
+
+REJECT = {"source_row": 1, "prompt_id": None, "reason": "blank prompt", "value": "' '", "stage": "input",
+          "generated_tokens": 0, "bon_equivalent_tokens": 0}
+PAIR = {"prompt_id": "x", "prompt": "p", "chosen": "a", "rejected": "b", "chosen_score": 1.0, "rejected_score": 0.0,
+        "strategy": "sbon", "num_candidates": 2, "generated_tokens": 3, "source_row": 0}
+
+
+def test_commit_writes_data_then_marker_and_nothing_else(tmp_path):
+    store = OutputStore(str(tmp_path))
+    marker = store.commit_shard(0, [PAIR], [REJECT], fingerprint(["p", " "]), "cfg", {"pairs": 1})
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
+        "_markers/part-00000.json", "_quarantine/part-00000.parquet", "_rejects/part-00000.parquet",
+        "part-00000.parquet"]
+    on_disk = json.loads((tmp_path / "_markers" / marker_name(0)).read_text())
+    assert on_disk == json.loads(json.dumps(marker))
+    assert on_disk["rows"] == 1 and on_disk["rejects"]["rows"] == 1 and on_disk["quarantine"]["rows"] == 0
+    assert on_disk["bytes"] == (tmp_path / part_name(0)).stat().st_size and len(on_disk["sha256"]) == 64
+    assert store.committed({0: (fingerprint(["p", " "]), "cfg")}) == {0}
+    assert pq.ParquetFile(tmp_path / "_quarantine" / part_name(0)).metadata.num_row_groups == 0
+
+
+def test_data_without_marker_is_redone_and_temp_files_are_ignored(tmp_path):
+    store = OutputStore(str(tmp_path))
+    store.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    store.commit_shard(1, [PAIR], [], "fp1", "cfg")
+    (tmp_path / "_markers" / marker_name(1)).unlink()  # killed between the part file and its marker
+    (tmp_path / ".tmp-dead-part-00002.parquet").write_bytes(b"PAR1 half")  # killed mid-write
+    (tmp_path / "_markers" / ".tmp-dead-part-00002.json").write_text("{")
+    expected = {k: (f"fp{k}", "cfg") for k in range(3)}
+    assert store.committed(expected) == {0}
+    store.prepare()
+    assert not list(tmp_path.rglob(".tmp-*"))
+    assert (tmp_path / part_name(1)).exists()  # left in place; the rerun overwrites it
+    # A part file that is not the one its marker describes (truncated by hand) is not committed either.
+    (tmp_path / part_name(0)).write_bytes((tmp_path / part_name(0)).read_bytes()[:-10])
+    assert store.committed(expected) == set()
+
+
+def test_other_config_or_input_is_a_conflict_unless_overwritten(tmp_path):
+    store = OutputStore(str(tmp_path))
+    store.commit_shard(0, [PAIR], [REJECT], "fp0", "cfg-a")
+    with pytest.raises(OutputConflict, match="different config.*--overwrite"):
+        store.committed({0: ("fp0", "cfg-b")})
+    with pytest.raises(OutputConflict, match="shard 0 was built from different input rows"):
+        store.committed({0: ("fp-changed", "cfg-a")})
+    with pytest.raises(OutputConflict, match="holds shard 0, but this input has 0 shards"):
+        store.committed({})
+    (tmp_path / "notes.txt").write_text("not ours")
+    store.write_success({})
+    store.prepare(overwrite=True)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["notes.txt"]
+    assert store.committed({0: ("fp0", "cfg-b")}) == set()
+
+
+def test_verify_checks_every_marker_against_its_files(tmp_path):
+    store = OutputStore(str(tmp_path))
+    store.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    store.commit_shard(1, [], [REJECT], "fp1", "cfg")
+    assert sorted(store.verify(2)) == [0, 1]
+    with pytest.raises(RuntimeError, match="shard 2: no commit marker"):
+        store.verify(3)
+    (tmp_path / "_rejects" / part_name(1)).write_bytes(b"PAR1")
+    with pytest.raises(RuntimeError, match=r"shard 1: _rejects/part-00001.parquet does not match"):
+        store.verify(2)
+
+
+def test_fingerprint_is_order_and_type_sensitive():
+    assert fingerprint(["a", "b"]) != fingerprint(["b", "a"])
+    assert fingerprint([1]) != fingerprint(["1"])
+    assert fingerprint([None, {"x": 1}]) == fingerprint([None, {"x": 1}])

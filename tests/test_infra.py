@@ -1,0 +1,117 @@
+"""infra/ is checked, not just shipped: every YAML parses and names entry points and configs that
+exist (configs load and validate), Ray cluster configs pass Ray's own schema, Kubernetes manifests
+have their required fields, and every Dockerfile COPY/ADD source exists. Generic over the folder,
+so a new file there is checked too."""
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+INFRA = REPO / "infra"
+YAMLS = sorted(p for p in INFRA.rglob("*") if p.suffix in (".yaml", ".yml"))
+DOCKERFILES = sorted(p for p in INFRA.rglob("*") if p.name == "Dockerfile" or p.name.endswith(".Dockerfile"))
+
+
+def strings(node):
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from strings(value)
+
+
+def commands(documents) -> list[list[str]]:
+    """Every `python -m ...` command line in the documents, as argv lists."""
+    found = []
+    for text in (s for doc in documents for s in strings(doc)):
+        for match in re.finditer(r"python3? -m [^\n;&|]+", " ".join(text.split())):
+            found.append(shlex.split(match.group(0)))
+    return found
+
+
+def test_infra_holds_what_the_cluster_needs():
+    assert YAMLS and DOCKERFILES
+    kinds = set()
+    for path in YAMLS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict):
+                kinds.add(doc.get("kind") or ("ray up" if "available_node_types" in doc else None))
+    assert {"ray up", "RayJob"} <= kinds
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
+def test_yaml_parses_and_names_our_entry_points(path):
+    documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert documents, f"{path.name}: empty"
+    argvs = commands(documents)
+    assert argvs, f"{path.name}: names no `python -m` entry point"
+    for argv in argvs:
+        module = argv[argv.index("-m") + 1]
+        assert module.split(".")[0] in ("jobs", "benchmarks"), f"{path.name}: {module} is not one of ours"
+        file = REPO / (module.replace(".", "/") + ".py")
+        assert file.exists(), f"{path.name}: entry point {module} has no {file.relative_to(REPO)}"
+        if "--config" in argv:
+            config = argv[argv.index("--config") + 1]
+            assert (REPO / config).exists(), f"{path.name}: config {config} does not exist"
+            load_config(str(REPO / config))  # validates every key, placement settings included
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
+def test_cluster_configs_pass_ray_schema_and_manifests_have_required_fields(path):
+    import jsonschema
+    import ray.autoscaler
+
+    for doc in yaml.safe_load_all(path.read_text()):
+        if not isinstance(doc, dict):
+            continue
+        if "available_node_types" in doc:  # a `ray up` cluster config
+            schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+            jsonschema.validate(doc, schema)
+            assert doc["head_node_type"] in doc["available_node_types"]
+            gpus = [t["resources"].get("GPU", 0) for t in doc["available_node_types"].values()]
+            assert max(gpus) >= 1, f"{path.name}: no GPU node type"
+        elif "apiVersion" in doc:  # a Kubernetes manifest
+            assert doc.get("kind") and doc.get("metadata", {}).get("name"), f"{path.name}: kind and metadata.name"
+            if doc["kind"] == "RayJob":
+                spec = doc["spec"]
+                assert doc["apiVersion"] == "ray.io/v1" and spec["entrypoint"]
+                head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+                workers = spec["rayClusterSpec"]["workerGroupSpecs"]
+                assert head[0]["image"] and workers
+                limits = [c["resources"]["limits"] for w in workers for c in w["template"]["spec"]["containers"]]
+                assert any("nvidia.com/gpu" in lim for lim in limits), f"{path.name}: no GPU worker group"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_sources_exist_and_it_installs_the_vllm_extra(path):
+    # One instruction per line once continuations are joined; comments dropped.
+    instructions = [line.strip() for line in path.read_text().replace("\\\n", " ").splitlines()
+                    if line.strip() and not line.lstrip().startswith("#")]
+    lines = "\n".join(instructions)
+    copies = [shlex.split(i)[1:] for i in instructions if i.split()[0].upper() in ("COPY", "ADD")]
+    assert copies
+    for args in copies:
+        if any(a.startswith("--from") for a in args):
+            continue  # from another build stage
+        for source in [a for a in args if not a.startswith("--")][:-1]:
+            assert (REPO / source).exists(), f"{path.name}: COPY source {source} does not exist"
+    assert re.search(r"pip install[^\n]*\.\[vllm\]", lines), f"{path.name}: does not install the [vllm] extra"
+    assert "vllm" in (REPO / "pyproject.toml").read_text()
+    assert any(i.split()[0].upper() == "FROM" for i in instructions)
+
+
+def test_gpu_config_places_actors_with_a_placement_group():
+    config = load_config(str(REPO / "configs" / "cluster_gpu.yaml"))
+    rt = config.runtime
+    assert rt.placement_strategy in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+    assert rt.generator.num_gpus >= 1 and rt.reward.num_gpus >= 1 and config.models.device == "cuda"
