@@ -30,13 +30,29 @@ def strings(node):
             yield from strings(value)
 
 
+def exec_forms(node):
+    """Kubernetes exec-form commands: a container's ``command`` list followed by its ``args``."""
+    if isinstance(node, dict):
+        command = node.get("command")
+        if isinstance(command, list) and command and str(command[0]).split("/")[-1] in ("python", "python3"):
+            yield [str(a) for a in command + list(node.get("args") or [])]
+        for value in node.values():
+            yield from exec_forms(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from exec_forms(value)
+
+
 def commands(documents) -> list[list[str]]:
-    """Every `python -m ...` command line in the documents, as argv lists."""
+    """Every `python -m ...` command line in the documents (shell strings and exec-form lists), as
+    argv lists with ``--flag=value`` split into ``--flag value``."""
     found = []
     for text in (s for doc in documents for s in strings(doc)):
         for match in re.finditer(r"python3? -m [^\n;&|]+", " ".join(text.split())):
             found.append(shlex.split(match.group(0)))
-    return found
+    found += [argv for doc in documents for argv in exec_forms(doc) if "-m" in argv]
+    return [[part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--") else [arg])]
+            for argv in found]
 
 
 def test_infra_holds_what_the_cluster_needs():
