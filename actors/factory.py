@@ -55,7 +55,7 @@ def start_workers(config: Config) -> Workers:
         from actors.generator import GeneratorActor
         from actors.reward import RewardActor
 
-        gens = [GeneratorActor(m.generator, m.device, m.dtype, int(rt.generator.num_cpus))
+        gens = [GeneratorActor(m.generator, m.device, m.dtype, int(rt.generator.num_cpus), m.backend)
                 for _ in range(rt.generator_actors)]
         rewards = [RewardActor(m.reward, m.device, m.dtype, int(rt.reward.num_cpus), rt.reward_batch_size)
                    for _ in range(rt.reward_actors)]
@@ -72,7 +72,7 @@ def start_workers(config: Config) -> Workers:
         ray.init(runtime_env=ray_runtime_env() or None, **local)
     gen_cls = ray.remote(num_cpus=rt.generator.num_cpus, num_gpus=rt.generator.num_gpus, max_restarts=0)(GeneratorActor)
     rew_cls = ray.remote(num_cpus=rt.reward.num_cpus, num_gpus=rt.reward.num_gpus, max_restarts=0)(RewardActor)
-    gens = [gen_cls.remote(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus)))
+    gens = [gen_cls.remote(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus)), m.backend)
             for _ in range(rt.generator_actors)]
     rewards = [rew_cls.remote(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size)
                for _ in range(rt.reward_actors)]

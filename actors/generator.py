@@ -1,4 +1,5 @@
-"""GeneratorActor: loads a causal LM once and serves the Generator protocol from pipeline.engines.hf."""
+"""GeneratorActor: loads a causal LM once and serves the Generator protocol from pipeline.engines.hf
+(or pipeline.engines.vllm_engine with backend "vllm")."""
 
 from __future__ import annotations
 
@@ -10,9 +11,15 @@ from pipeline.engines.hf import HFEngine
 
 
 class GeneratorActor:
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1):
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
+                 backend: str = "hf"):
         torch.set_num_threads(max(1, num_threads))
-        self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype)
+        if backend == "vllm":
+            from pipeline.engines.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine.from_pretrained(model, dtype=dtype)
+        else:
+            self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype)
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
              sampling: SamplingParams) -> None:
