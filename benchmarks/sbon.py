@@ -10,9 +10,12 @@ Bench models: DIR/generator and DIR/reward from ``python -m jobs.make_tiny_model
 - speculative rejection at each (tau, alpha) of ``--sr`` ("TAU[,TAU...]:ALPHA"; a list of taus
   rejects at each), plus adaptive per-prompt rejection (``--adaptive Z``) next to the fixed alpha
   it starts from;
-- Best-of-M with M = round(N / speedup) of the headline SR row, as in the paper's section 6;
+- Best-of-N/4 (the paper's Best-of-25 row) and Best-of-M with M = round(N / speedup) of the
+  headline SR row, as in the paper's section 6 (plus M = round(N * token rate) when that differs:
+  equal generated tokens rather than equal wall-clock);
 - memory-budget mode (section 6.3): ``--memory INITIAL:LIVE:TAU`` starts INITIAL rows per prompt
-  and keeps LIVE past tau; its score is compared with Best-of-LIVE (same live memory after tau).
+  and keeps LIVE past tau; it sits in the N=LIVE table (same live rows, i.e. KV memory, after tau
+  as that Best-of-N), and its score against Best-of-INITIAL is printed at the end.
 
 Columns: wall-clock speedup over Best-of-N (T_BoN / T_method, Eq. 5), normalized score (Eq. 5:
 100 * (1 - (max_k s(Z_k) - max_{k accepted} s(Y_k)) / (max_k s(Z_k) - min_k s(Z_k))), averaged
@@ -176,7 +179,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=".cache/bench-models", help="bench models dir (generator/, reward/)")
     parser.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random-init Llama pair instead (speed only)")
     parser.add_argument("--prompts", help="JSONL with a prompt column (default: MODELS/prompts.jsonl)")
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--n", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--sr", nargs="+", default=["8:0.9", "8:0.75", "16:0.9", "16:0.75"],
                         help="speculative rejection settings TAU[,TAU...]:ALPHA; the first is the headline")
@@ -185,7 +188,9 @@ def main(argv=None) -> int:
     parser.add_argument("--memory", default="64:16:8", help="INITIAL:LIVE:TAU for memory-budget mode ('' skips)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--rows-per-batch", type=int, default=128, help="engine batch: prompts per batch = this / N")
+    parser.add_argument("--rows-per-batch", type=int, default=256,
+                        help="engine batch: prompts per batch = this / N (large enough that compute, not per-step "
+                             "overhead, sets the step time)")
     parser.add_argument("--reward-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -208,6 +213,7 @@ def main(argv=None) -> int:
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "seed": args.seed, "tables": {}}
     bon_runs: dict[int, Run] = {}
     points = []
+    memory_run = None
     for n in args.n:
         bon = bon_runs[n] = run(f"Bo{n}", best_of_n, BestOfNParams(), n=n, **go)
         rows = []
@@ -233,9 +239,14 @@ def main(argv=None) -> int:
             row(run(f"SBoN tau={args.adaptive_taus.split(':')[0]} a={alpha}", speculative_rejection, fixed, n=n, **go))
             row(run(f"  adaptive z={args.adaptive}", speculative_rejection, adaptive, n=n, **go))
         row(bon)
+        quarter = max(1, n // 4)
+        row(run(f"Bo{quarter} (N/4)", best_of_n, BestOfNParams(), n=quarter, **go), m=quarter)
         headline = sr_rows[0]
         m = max(1, round(n / headline["speedup"]))
         bom = row(run(f"Bo{m} (M=N/speedup)", best_of_n, BestOfNParams(), n=m, **go), m=m)
+        m_tokens = max(1, round(n * headline["token_rate"]))
+        if m_tokens != m:  # equal generated tokens rather than equal wall-clock
+            row(run(f"Bo{m_tokens} (M=N*token rate)", best_of_n, BestOfNParams(), n=m_tokens, **go), m=m_tokens)
         # Streaming vs full re-scoring on the headline setting: same scores, fewer reward tokens.
         taus, alpha = parse_sr(args.sr[0])
         rescoring = run("rescoring", speculative_rejection,
@@ -244,13 +255,11 @@ def main(argv=None) -> int:
         stream_ratio = headline["reward_tokens"] / max(1, rescoring.reward_tokens)
         if args.memory:
             initial, live, tau = (int(v) for v in args.memory.split(":"))
-            if initial >= n >= live:
+            if n == live:  # same live rows (KV memory) after tau as this table's Best-of-N
                 params = SpeculativeRejectionParams(decision_token=tau, rejection_rate=0.0, initial_candidates=initial,
                                                     max_live_candidates=live)
-                mem = run(f"memory {initial}->{live} tau={tau}", speculative_rejection, params, n=live, **go)
-                out = row(mem, m=f"{initial}>{live}")
-                if live in bon_runs:
-                    out["score_vs_bo_live"] = normalized_score(bon_runs[live].results, mem.results)
+                memory_run = run(f"memory {initial}->{live} tau={tau}", speculative_rejection, params, n=live, **go)
+                row(memory_run, m=f"{initial}>{live}")
         print("\n" + table(rows, n))
         passing = [r for r in sr_rows if r["score"] >= 98]
         best = max(passing, key=lambda r: r["speedup"]) if passing else max(sr_rows, key=lambda r: r["score"])
@@ -265,6 +274,15 @@ def main(argv=None) -> int:
         report["tables"][str(n)] = {"rows": rows, "stream_ratio": stream_ratio, "rescoring_tokens": rescoring.reward_tokens,
                                     "max_stream_score_diff": diff}
         points += [(n, r) for r in rows]
+    if memory_run is not None:
+        initial, live, _ = (int(v) for v in args.memory.split(":"))
+        summary = {"score_vs_bo_live": normalized_score(bon_runs[live].results, memory_run.results),
+                   "tokens_vs_bo_live": memory_run.tokens / bon_runs[live].tokens}
+        if initial in bon_runs:
+            summary["score_vs_bo_initial"] = normalized_score(bon_runs[initial].results, memory_run.results)
+            summary["speedup_vs_bo_initial"] = bon_runs[initial].seconds / memory_run.seconds
+        report["memory_budget"] = summary
+        print(f"\nmemory-budget {args.memory}: " + ", ".join(f"{k} {v:.3g}" for k, v in summary.items()))
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     plot(points, args.png)

@@ -4,7 +4,7 @@ trained on it, so that reward-correlation and speed figures mean something.
     python -m jobs.make_tiny_models --trained --output DIR
 
 The corpus. Each review answers a prompt such as "Write a review of the blender." and is a few
-sentences long. A hidden reviewer skill q ~ U(0, 1) drives every sentence: with probability q a
+sentences long. A hidden reviewer skill q = u^2, u ~ U(0, 1), drives every sentence: with probability q a
 sentence is a specific, on-topic remark about an aspect of the asked product (with a reason,
 again with probability q), otherwise it is filler, off-topic (an aspect of another product), rude
 or a contradiction of the review's sentiment. The closing line agrees with the sentiment with
@@ -12,14 +12,21 @@ probability q. Each sentence template has fixed points (``POINTS``), and the qua
 text is the mean of its sentences' points: a function of the text alone, so a prefix has a
 label too. Because one skill drives the whole review, early sentences predict the final quality
 imperfectly but clearly, the way partial rewards of real reward models do (paper section 4,
-Figure 2).
+Figure 2). The skill is skewed towards low values so that excellent reviews are rare: the best of
+64 samples is then clearly better than the best of 16, as with real policies and reward models
+(the paper's Best-of-25 reaches 89 of Best-of-100's normalized score); with a uniform skill the
+best of 16 was already within 2% of the best of 64, which leaves nothing for any method to win.
 
 The models (all Llama, one shared byte-level BPE tokenizer with the chat template of the random
 tiny models):
-- ``generator``: LlamaForCausalLM of 2.7M parameters (hidden 256, 4 layers, 8 heads, 4 KV heads;
-  smaller than the 5M first planned so that the build fits 10 minutes on 2 shared CPU cores), trained on prompt + review + EOS;
+- ``generator``: LlamaForCausalLM of 1.2M parameters (hidden 192, 3 layers, 8 heads, 4 KV heads),
+  trained on prompt + review + EOS for 400 steps of 16 reviews. Small on purpose: the build must
+  fit 10 minutes on 2 shared CPU cores, and a 2.7M-parameter model given the same time (100
+  steps) still wrote word salad; this one writes on-topic reviews whose quality varies as the
+  grammar's does;
 - ``draft``: a 0.3M-parameter LlamaForCausalLM trained alongside the generator on the same
-  batches, with a distillation term (KL to the generator's detached next-token distribution);
+  batches, with a distillation term (KL to the generator's detached next-token distribution),
+  for the speculative-decoding methods (DSBD);
 - ``reward``: LlamaForSequenceClassification (one label) regressed (MSE) on the quality labels
   of full reviews and of reviews cut at a random word (label: the complete sentences so far),
   on the text exactly as pipeline.engines.rewards.RewardScorer formats it.
@@ -77,7 +84,7 @@ def _opinion(rng: random.Random, aspect: str, positive: bool, reasoned: bool) ->
 
 def sample_review(rng: random.Random, product: str) -> tuple[str, list[float]]:
     """One review of ``product`` and the points of each of its sentences."""
-    skill = rng.random()
+    skill = rng.random() ** 2  # skewed: excellent reviewers are rare (the upper tail Best-of-N hunts for)
     positive = rng.random() < 0.5
     sentences, points = [], []
     for _ in range(rng.randint(3, 8)):
@@ -133,12 +140,12 @@ class BenchSettings:
     seed: int = 0
     corpus_size: int = 20000
     vocab_size: int = 1024
-    generator_steps: int = 100
+    generator_steps: int = 400
     reward_steps: int = 200
     batch_size: int = 16
     learning_rate: float = 3e-3
-    generator_hidden: int = 256
-    generator_layers: int = 4
+    generator_hidden: int = 192
+    generator_layers: int = 3
     draft_hidden: int = 96
     draft_layers: int = 2
     reward_hidden: int = 128
