@@ -7,8 +7,9 @@ STAMP := $(VENV)/.installed
 # (including one pulled in by a dependency) would download the CUDA build.
 CONSTRAINTS := infra/constraints.txt
 TINY_MODELS := .cache/tiny-models
+BENCH_MODELS := .cache/bench-models
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-sbon clean
 
 install: $(STAMP)
 
@@ -30,6 +31,13 @@ test: install
 
 bench: install $(TINY_MODELS)/generator/config.json
 	$(PY) -m benchmarks.engine_vs_generate --model $(TINY_MODELS)/generator
+
+# Trained bench models (about 10 minutes on 2 cores; cached) and the speculative-rejection benchmark.
+$(BENCH_MODELS)/generator/config.json: | $(STAMP)
+	$(PY) -m jobs.make_tiny_models --trained --output $(BENCH_MODELS)
+
+bench-sbon: install $(BENCH_MODELS)/generator/config.json
+	$(PY) -m benchmarks.sbon --models $(BENCH_MODELS) --json out/sbon.json --png out/sbon.png
 
 clean:
 	rm -rf out .cache

@@ -283,6 +283,8 @@ def main(argv=None) -> int:
             summary["speedup_vs_bo_initial"] = bon_runs[initial].seconds / memory_run.seconds
         report["memory_budget"] = summary
         print(f"\nmemory-budget {args.memory}: " + ", ".join(f"{k} {v:.3g}" for k, v in summary.items()))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     plot(points, args.png)
