@@ -138,7 +138,9 @@ class RewardScorer:
         cached = {r for g in state.groups for r in g.rows}
         new_rows = [r for r in rows if r in wanted and r not in cached]
         for start in range(0, len(new_rows), self.batch_size):
-            state.groups.append(_StreamGroup(rows=new_rows[start:start + self.batch_size]))
+            group = _StreamGroup(rows=new_rows[start:start + self.batch_size])
+            self._prefill_shared(group, [wanted[r] for r in group.rows], [r // state.num_samples for r in group.rows])
+            state.groups.append(group)
         for group in state.groups:
             scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
         self.scored += len(rows)
@@ -153,6 +155,38 @@ class RewardScorer:
             return self.sessions[session]
         except KeyError:
             raise ValueError(f"unknown reward session {session}") from None
+
+    def _prefill_shared(self, group: _StreamGroup, token_ids: list[list[int]], prompts: list[int]) -> None:
+        """A new group reads each prompt's shared head (template + prompt: the common prefix of
+        its rows' tokens) once and fans the cache out to the rows, as the generator's prefill does."""
+        heads: dict[int, list[int]] = {}
+        for ids, p in zip(token_ids, prompts):
+            head = ids[:-1] if p not in heads else heads[p][:_common_prefix(heads[p], ids)]
+            heads[p] = head[:len(ids) - 1]  # leave every row at least one token to score
+        if sum(prompts.count(p) > 1 for p in heads) == 0:
+            return  # nothing shared
+        order = sorted(heads)
+        width = max(len(heads[p]) for p in order)
+        if width == 0:
+            return
+        input_ids = torch.full((len(order), width), int(self.tokenizer.pad_token_id), dtype=torch.long)
+        mask = torch.zeros((len(order), width), dtype=torch.long)
+        for j, p in enumerate(order):  # left padding, as the generator's prefill
+            if heads[p]:
+                input_ids[j, width - len(heads[p]):] = torch.tensor(heads[p])
+                mask[j, width - len(heads[p]):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        base_model = getattr(self.model, self.model.base_model_prefix)
+        base_model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                   position_ids=position_ids.to(self.device), past_key_values=group.cache, use_cache=True)
+        self.forward_passes += 1
+        self.tokens_read += int(mask.sum())
+        index = [order.index(p) for p in prompts]
+        group.cache.batch_select_indices(torch.tensor(index, device=self.device))  # fan out: [P, W] -> [B, W]
+        group.mask = mask[index]
+        for i, p in enumerate(prompts):
+            group.ids[i] = list(heads[p])
+            group.cols[i] = list(range(width - len(heads[p]), width))
 
     def _extend_group(self, group: _StreamGroup, token_ids: list[list[int]]) -> dict[int, float]:
         """Feed each row's tokens after its common prefix with the cache; score at the last token."""
