@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", help="JSONL with a prompt column (default: MODELS/prompts.jsonl)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--n", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--sr", nargs="+", default=["8:0.9", "8:0.75", "16:0.9", "16:0.75"],
+    parser.add_argument("--sr", nargs="+", default=["16:0.9", "16:0.8", "8:0.9", "8:0.75"],
                         help="speculative rejection settings TAU[,TAU...]:ALPHA; the first is the headline")
     parser.add_argument("--adaptive", type=float, default=1.0, help="z of adaptive rejection (0: skip)")
     parser.add_argument("--adaptive-taus", default="8,16:0.75", help="TAU,TAU:ALPHA for the adaptive comparison")
@@ -293,20 +293,24 @@ def main(argv=None) -> int:
 
 
 def plot(points, path: str) -> None:
+    """One panel per N: speedup vs normalized score, each point labelled with its method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for n, r in points:
-        marker = "o" if r["method"].startswith(("SBoN", "  adaptive")) else ("s" if r["method"].startswith("Bo") else "^")
-        ax.scatter(r["speedup"], r["score"], marker=marker, label=f"N={n} {r['method'].strip()}")
-    ax.set_xlabel("wall-clock speedup over Best-of-N")
-    ax.set_ylabel("normalized score (Eq. 5)")
-    ax.axhline(98, ls="--", c="grey", lw=0.8)
-    ax.axvline(3, ls="--", c="grey", lw=0.8)
-    ax.legend(fontsize=5, loc="lower left")
+    ns = sorted({n for n, _ in points})
+    fig, axes = plt.subplots(1, len(ns), figsize=(5.5 * len(ns), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], ns):
+        for _, r in (p for p in points if p[0] == n):
+            name = r["method"].strip()
+            color = "tab:red" if name.startswith(("SBoN", "adaptive")) else (
+                "tab:blue" if name.startswith("Bo") else "tab:green")
+            ax.scatter(r["speedup"], r["score"], c=color, s=18)
+            ax.annotate(name, (r["speedup"], r["score"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.axhline(98, ls="--", c="grey", lw=0.8)
+        ax.axvline(3, ls="--", c="grey", lw=0.8)
+        ax.set(title=f"N={n}", xlabel="wall-clock speedup over Best-of-N", ylabel="normalized score (Eq. 5)")
     fig.tight_layout()
     fig.savefig(path, dpi=150)
 

@@ -29,7 +29,8 @@ tiny models):
   for the speculative-decoding methods (DSBD);
 - ``reward``: LlamaForSequenceClassification (one label) regressed (MSE) on the quality labels
   of full reviews and of reviews cut at a random word (label: the complete sentences so far),
-  on the text exactly as pipeline.engines.rewards.RewardScorer formats it.
+  on the text exactly as pipeline.engines.rewards.RewardScorer formats it. Its corpus has a
+  uniform skill, so that it has seen excellent reviews often enough to rank them.
 
 DIR/prompts.jsonl holds the benchmark prompts (every product x request pair); DIR/bench.json
 records the settings, the sizes, the final losses and the build time, and makes a rebuild with
@@ -82,9 +83,10 @@ def _opinion(rng: random.Random, aspect: str, positive: bool, reasoned: bool) ->
     return text + "."
 
 
-def sample_review(rng: random.Random, product: str) -> tuple[str, list[float]]:
-    """One review of ``product`` and the points of each of its sentences."""
-    skill = rng.random() ** 2  # skewed: excellent reviewers are rare (the upper tail Best-of-N hunts for)
+def sample_review(rng: random.Random, product: str, skill_power: float = 2.0) -> tuple[str, list[float]]:
+    """One review of ``product`` and the points of each of its sentences. The reviewer skill is
+    u ** skill_power: 2 (the policy's corpus) makes excellent reviews rare, 1 is uniform."""
+    skill = rng.random() ** skill_power
     positive = rng.random() < 0.5
     sentences, points = [], []
     for _ in range(rng.randint(3, 8)):
@@ -115,13 +117,13 @@ def quality(points: list[float]) -> float:
     return sum(points) / len(points) if points else 0.0
 
 
-def review_corpus(seed: int, size: int) -> list[dict]:
+def review_corpus(seed: int, size: int, skill_power: float = 2.0) -> list[dict]:
     """``size`` rows of {prompt, response, points}, deterministic for ``seed``."""
     rng = random.Random(seed)
     rows = []
     for _ in range(size):
         product = rng.choice(list(PRODUCTS))
-        response, points = sample_review(rng, product)
+        response, points = sample_review(rng, product, skill_power)
         rows.append({"prompt": rng.choice(ASKS).format(p=product), "response": response, "points": points})
     return rows
 
@@ -141,7 +143,7 @@ class BenchSettings:
     corpus_size: int = 20000
     vocab_size: int = 1024
     generator_steps: int = 400
-    reward_steps: int = 200
+    reward_steps: int = 300
     batch_size: int = 16
     learning_rate: float = 3e-3
     generator_hidden: int = 192
@@ -263,7 +265,10 @@ def make_bench_models(output: str | Path, settings: BenchSettings | None = None,
     torch.set_num_threads(s.threads)
     try:
         rows = review_corpus(s.seed, s.corpus_size)
-        heldout = review_corpus(s.seed + 7919, 256)
+        # The reward model learns from reviews of every quality, as real reward models learn from
+        # broad preference data rather than from the policy's own (mostly mediocre) samples.
+        judged = review_corpus(s.seed + 1, s.corpus_size, skill_power=1.0)
+        heldout = review_corpus(s.seed + 7919, 256, skill_power=1.0)
         tok = build_tokenizer(s.seed, s.vocab_size, [r["prompt"] + " " + r["response"] for r in rows[:5000]])
         torch.manual_seed(s.seed)
         generator = LlamaForCausalLM(llama_config(tok, s.generator_hidden, s.generator_layers, 8, 4))
@@ -275,7 +280,7 @@ def make_bench_models(output: str | Path, settings: BenchSettings | None = None,
         scorer = RewardScorer(reward, tok)
         bar = tqdm(total=s.generator_steps + s.reward_steps, desc="bench models", disable=not progress)
         report = train_policy_and_draft(generator, draft, tok, rows, s, bar)
-        report.update(train_reward(reward, scorer.format, tok, rows, s, bar))
+        report.update(train_reward(reward, scorer.format, tok, judged, s, bar))
         bar.close()
         report.update(reward_fit(scorer, heldout))
         for name, model in (("generator", generator), ("draft", draft), ("reward", reward)):
