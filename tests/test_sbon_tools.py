@@ -105,7 +105,7 @@ def test_sbon_benchmark_runs_on_a_synthetic_pair(tmp_path, capsys):
     from benchmarks.sbon import main
 
     rc = main(["--synthetic", "tiny", "--num-prompts", "2", "--n", "4", "--sr", "4:0.5", "--adaptive", "0",
-               "--memory", "8:4:4", "--max-new-tokens", "10", "--json", str(tmp_path / "s.json"),
+               "--memory", "8:4:4", "--max-new-tokens", "10", "--repeats", "1", "--json", str(tmp_path / "s.json"),
                "--png", str(tmp_path / "s.png")])
     assert rc == 0
     out = capsys.readouterr().out
