@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", help="JSONL with a prompt column (default: MODELS/prompts.jsonl)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--n", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--sr", nargs="+", default=["16:0.9", "16:0.8", "8:0.9", "8:0.75"],
+    parser.add_argument("--sr", nargs="+", default=["8:0.85", "8:0.9", "8:0.75", "16:0.9"],
                         help="speculative rejection settings TAU[,TAU...]:ALPHA; the first is the headline")
     parser.add_argument("--adaptive", type=float, default=1.0, help="z of adaptive rejection (0: skip)")
     parser.add_argument("--adaptive-taus", default="8,16:0.75", help="TAU,TAU:ALPHA for the adaptive comparison")
