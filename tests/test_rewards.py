@@ -85,3 +85,19 @@ def test_streaming_falls_back_to_rescoring_for_encoder_reward_models(tiny_models
         assert encoder.extend("s", [0, 1], responses[:2]) == pytest.approx(
             encoder.score(["How good is the lamp?"] * 2, responses[:2]), abs=1e-5)
     assert encoder.close("s")["tokens_read"] > 0
+
+
+def test_coordinator_keeps_a_reward_session_on_the_scorer_that_opened_it(scorer, tiny_models):
+    from pipeline.coordinator import _RoundRobin
+
+    other = RewardScorer.from_pretrained(str(tiny_models["reward"]))
+    pool = _RoundRobin([scorer, other])
+    pool.open("a", ["How good is the lamp?"], 2)
+    pool.open("b", ["Review the jacket for me."], 2)
+    assert ("a" in scorer.sessions) != ("a" in other.sessions)
+    assert ("b" in scorer.sessions) != ("b" in other.sessions)
+    for _ in range(3):  # stateless calls in between advance the round robin
+        pool.score(["x"], ["y"])
+        assert len(pool.extend("a", [0, 1], ["The bulb", "Who even"])) == 2
+    pool.close("a"), pool.close("b")
+    assert not scorer.sessions and not other.sessions

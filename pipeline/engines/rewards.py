@@ -239,7 +239,9 @@ class RewardScorer:
                 inc = score_head(part.last_hidden_state[:, -1])
         except Exception:  # an encoder that takes no cache
             return False
-        return bool(torch.allclose(full, inc, atol=1e-4, rtol=1e-3))
+        # Half precision reorders sums between the one-pass and cached paths: a looser tolerance.
+        tolerance = 1e-3 if next(self.model.parameters()).dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(full.float(), inc.float(), atol=tolerance, rtol=tolerance))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
