@@ -7,8 +7,9 @@ STAMP := $(VENV)/.installed
 # (including one pulled in by a dependency) would download the CUDA build.
 CONSTRAINTS := infra/constraints.txt
 TINY_MODELS := .cache/tiny-models
+BENCH_MODELS := .cache/bench-models
 
-.PHONY: install demo test test-reliability bench bench-sla bench-dsbd clean
+.PHONY: install demo test test-reliability bench bench-sla bench-dsbd bench-sbon clean
 
 install: $(STAMP)
 
@@ -41,6 +42,13 @@ bench-sla: install
 
 bench-dsbd: install $(TINY_MODELS)/generator/config.json
 	$(PY) -m benchmarks.dsbd --models $(TINY_MODELS)
+
+# Trained bench models (about 10 minutes on 2 cores; cached) and the speculative-rejection benchmark.
+$(BENCH_MODELS)/generator/config.json: | $(STAMP)
+	$(PY) -m jobs.make_tiny_models --trained --output $(BENCH_MODELS)
+
+bench-sbon: install $(BENCH_MODELS)/generator/config.json
+	$(PY) -m benchmarks.sbon --models $(BENCH_MODELS) --json out/sbon.json --png out/sbon.png
 
 clean:
 	rm -rf out .cache

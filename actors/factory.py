@@ -151,7 +151,7 @@ def start_workers(config: Config) -> Workers:
     generator_cls = with_faults(GeneratorActor, "generator", faults)
     reward_cls = with_faults(RewardActor, "reward", faults)
     gen_args = (m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus)))
-    gen_kwargs = {"draft": None if draft_actors else draft}
+    gen_kwargs = {"draft": None if draft_actors else draft, "backend": m.backend}
     rew_args = (m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size)
     if rt.local:
         gens = [generator_cls(*gen_args, **gen_kwargs) for _ in range(rt.generator_actors)]
@@ -203,7 +203,7 @@ def start_workers(config: Config) -> Workers:
             if i in drafts:
                 ray.kill(drafts[i], no_restart=True)
             drafts[i] = spawn_draft()
-            return spawner(generator_cls, gen_args, rt.generator, i, {"draft_actor": drafts[i]})()
+            return spawner(generator_cls, gen_args, rt.generator, i, {**gen_kwargs, "draft_actor": drafts[i]})()
 
         return spawn_pair
 

@@ -1,4 +1,5 @@
-"""GeneratorActor: loads a causal LM once and serves the Generator protocol from pipeline.engines.hf."""
+"""GeneratorActor: loads a causal LM once and serves the Generator protocol from pipeline.engines.hf
+(or pipeline.engines.vllm_engine with backend "vllm")."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ from pipeline.engines.hf import HFEngine
 
 class GeneratorActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
-                 draft: str | None = None, draft_actor=None):
+                 draft: str | None = None, draft_actor=None, backend: str = "hf"):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
-        (dsbd) find it as ``engine.drafter``."""
+        (dsbd) find it as ``engine.drafter``. ``backend``: "hf" (HFEngine) or "vllm" (VLLMEngine,
+        Best-of-N and speculative rejection only)."""
         torch.set_num_threads(max(1, num_threads))
-        self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype)
+        if backend == "vllm":
+            from pipeline.engines.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine.from_pretrained(model, dtype=dtype)
+        else:
+            self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype)
         if draft_actor is not None:
             from actors.factory import RemoteProxy
 

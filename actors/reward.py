@@ -1,4 +1,6 @@
-"""RewardActor: loads a sequence-classification reward model once and serves the Scorer protocol."""
+"""RewardActor: loads a sequence-classification reward model once and serves the Scorer protocol,
+stateless ``score`` and the streaming sessions (``open`` / ``extend`` / ``close``) whose KV cache
+lives here, so a session's calls must all reach the same actor (the coordinator pins them)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,15 @@ class RewardActor:
 
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         return self.scorer.score(prompts, responses)
+
+    def open(self, session: str, prompts: list[str], num_samples: int) -> None:
+        self.scorer.open(session, prompts, num_samples)
+
+    def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:
+        return self.scorer.extend(session, rows, responses)
+
+    def close(self, session: str) -> dict:
+        return self.scorer.close(session)
 
     def stats(self) -> dict:
         return self.scorer.stats()

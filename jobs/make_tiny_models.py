@@ -1,12 +1,15 @@
 """Build the tiny local models the demo and the tests use, deterministically for a seed.
 
     python -m jobs.make_tiny_models --output DIR [--seed 0]
+    python -m jobs.make_tiny_models --trained --output DIR    # trained bench models (jobs.bench_models)
 
 Writes DIR/generator (LlamaForCausalLM), DIR/draft (a smaller LlamaForCausalLM with the same
 tokenizer) and DIR/reward (LlamaForSequenceClassification, one label), each with its tokenizer,
 all through save_pretrained. The tokenizer is a byte-level BPE trained here with `tokenizers`
 on a corpus drawn from a small grammar, and carries a chat template, so the chat-template code
 paths run too. The weights are random: these models exercise code, they do not mean anything.
+``--trained`` builds the bench models instead (see jobs.bench_models): trained on a review grammar
+with a known quality signal, for the benchmarks.
 """
 
 from __future__ import annotations
@@ -42,13 +45,13 @@ def corpus(seed: int, lines: int = 3000) -> list[str]:
     return out
 
 
-def build_tokenizer(seed: int, vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(seed: int, vocab_size: int, texts: list[str] | None = None) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(seed), trainer=trainer)
+    tok.train_from_iterator(texts if texts is not None else corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>", additional_special_tokens=["<|user|>", "<|assistant|>"])
     fast.chat_template = CHAT_TEMPLATE
@@ -87,9 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True, help="directory to write generator/, draft/ and reward/ into")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trained", action="store_true",
+                        help="train the bench models on the review grammar (jobs.bench_models; minutes, cached)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    paths = make_tiny_models(args.output, args.seed)
+    if args.trained:
+        from jobs.bench_models import BenchSettings, make_bench_models
+
+        paths = make_bench_models(args.output, BenchSettings(seed=args.seed))
+    else:
+        paths = make_tiny_models(args.output, args.seed)
     for name, path in paths.items():
         print(f"{name}: {path}")
     print(f"built in {time.perf_counter() - start:.1f}s", file=sys.stderr)

@@ -34,10 +34,14 @@ class ModelsConfig:
     """Torch dtype for all models: float32, bfloat16 or float16."""
     device: str = "cpu"
     """Torch device inside each actor: cpu, cuda, cuda:0, ..."""
+    backend: str = "hf"
+    """Generator backend: hf (every strategy) or vllm (best_of_n and sbon only; `pip install .[vllm]`, GPU)."""
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"models.dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.backend not in ("hf", "vllm"):
+            raise ConfigError(f"models.backend: expected hf or vllm, got {self.backend!r}")
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Prompts are cut into batches (``prompts_per_batch`` prompts, decoded together as one engine
 batch). Each generator handle serves ``batches_in_flight`` batches at a time, so while one batch
 waits for the reward model at a decision token, another is decoding on the same generator: neither
-actor sits idle. A batch keeps its generator for its whole life (the KV cache lives there); reward
-calls are stateless and spread round-robin.
+actor sits idle. A batch keeps its generator for its whole life (the KV cache lives there);
+stateless reward calls are spread round-robin, and a streaming reward session (its reward-side KV
+cache) stays on the reward handle that opened it.
 
 Handles are anything that satisfies the Generator / Scorer protocols: Ray actor proxies in
 production (actors.RemoteProxy), plain in-process engines wrapped in ``Serialized`` in tests.
@@ -70,11 +71,25 @@ class _RoundRobin:
     def __init__(self, scorers: list[Scorer]):
         self._cycle = itertools.cycle(scorers)
         self._lock = threading.Lock()
+        self._sessions: dict[str, Scorer] = {}  # streaming reward session -> the handle holding its cache
 
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         with self._lock:
             scorer = next(self._cycle)
         return scorer.score(prompts, responses)
+
+    def open(self, session: str, prompts: list[str], num_samples: int) -> None:
+        with self._lock:
+            scorer = self._sessions[session] = next(self._cycle)
+        scorer.open(session, prompts, num_samples)
+
+    def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:
+        return self._sessions[session].extend(session, rows, responses)
+
+    def close(self, session: str) -> dict:
+        with self._lock:
+            scorer = self._sessions.pop(session, None)
+        return scorer.close(session) if scorer is not None else {}
 
 
 class Coordinator:

@@ -13,7 +13,9 @@ def test_demo_config_loads_with_overrides():
     assert cfg.sampling.num_samples == 4
     assert cfg.models.generator == "/x/gen"
     flat = cfg.to_dict()
-    assert flat["strategy"] == {"name": "sbon", "decision_token": 16, "rejection_rate": 0.7}
+    assert flat["strategy"] == {"name": "sbon", "decision_token": 16, "rejection_rate": 0.7,
+                                "initial_candidates": None, "max_live_candidates": None,
+                                "adaptive_rejection": None, "streaming_rewards": True}
 
 
 @pytest.mark.parametrize("raw, key", [

@@ -9,7 +9,7 @@ from pipeline.decoding import STRATEGIES
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
 from pipeline.decoding.protocols import PromptInput, RowState
 from pipeline.decoding.sampling import SamplingParams, row_seed
-from pipeline.decoding.speculative_rejection import (SpeculativeRejectionParams, rejection_cutoff,
+from pipeline.decoding.speculative_rejection import (SpeculativeRejectionParams, adaptive_cutoff, rejection_cutoff,
                                                      speculative_rejection)
 
 EOS = 0
@@ -215,3 +215,80 @@ def test_model_side_strategy_refuses_wrong_row_counts(engine, scorer, monkeypatc
         model_side_strategy("lossy")(ps, engine, scorer, None, SamplingParams(max_new_tokens=4), 2, 0)
     with pytest.raises(ValueError, match="unknown model-side method"):
         engine.search("nope", [[1, 2]], 1, [0], SamplingParams(max_new_tokens=2), None)
+
+
+def test_memory_budget_mode_starts_wide_and_keeps_the_budget():
+    gen = FakeGenerator()
+    params = SpeculativeRejectionParams(decision_token=6, rejection_rate=0.5, initial_candidates=16,
+                                        max_live_candidates=3)
+    results = speculative_rejection(prompts(2), gen, FakeScorer(), params, SAMPLING, 5, seed=4)
+    assert gen.calls[0] == ("open", 32)
+    assert len(gen.calls[1][2]) == 32 and len(gen.calls[2][2]) == 6  # 3 of 16 rows per prompt go on
+    for i, result in enumerate(results):
+        assert len(result.candidates) == 5
+        done = [c for c in result.candidates if c.completed]
+        stopped = [c for c in result.candidates if c.stopped_early]
+        assert len(done) == 3 and all(len(c.token_ids) == 24 for c in done)
+        assert len(stopped) == 2 and all(len(c.token_ids) == 6 for c in stopped)
+        # The 3 rows that went on had the best partial rewards of all 16; the 2 stopped rows
+        # returned are the next best, and the cost counts all 16 rows.
+        probe = FakeGenerator()
+        probe.open("x", [[1]], 16, [row_seed(4, f"p{i}", s) for s in range(16)], SAMPLING)
+        partial = dict(zip(range(16), FakeScorer().score([""] * 16, [r.text for r in probe.extend("x", 6)])))
+        ranked = sorted(partial, key=partial.get, reverse=True)
+        assert sorted(c.sample for c in done) == sorted(ranked[:3])
+        assert sorted(c.sample for c in stopped) == sorted(ranked[3:5])
+        assert result.generated_tokens == 16 * 6 + 3 * (24 - 6)
+        assert result.stats == {"initial_candidates": 16, "screened_out": 11}
+
+
+def test_memory_budget_mode_needs_enough_initial_candidates():
+    params = SpeculativeRejectionParams(decision_token=6, initial_candidates=4)
+    with pytest.raises(ValueError, match="at least num_samples"):
+        speculative_rejection(prompts(1), FakeGenerator(), FakeScorer(), params, SAMPLING, 8, seed=0)
+
+
+def test_adaptive_cutoff_follows_the_fit_residuals():
+    prev = [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert adaptive_cutoff(prev, [1.0, 2.0, 3.0, 4.0, 5.0], z=2.0) == pytest.approx(5.0)  # exact fit: keep the best
+    noisy = [1.0, 2.5, 2.0, 4.5, 4.0]
+    loose, tight = adaptive_cutoff(prev, noisy, z=2.0), adaptive_cutoff(prev, noisy, z=0.5)
+    assert loose < tight < 4.5
+    assert adaptive_cutoff([0.1, math.nan], [1.0, 2.0], z=1.0) is None  # too few rows to fit
+
+
+def test_adaptive_rejection_prunes_per_prompt_from_the_second_decision_token():
+    gen = FakeGenerator()
+    params = SpeculativeRejectionParams(decision_token=[4, 10], rejection_rate=0.25, adaptive_rejection=1.0)
+    results = speculative_rejection(prompts(2), gen, FakeScorer(), params, SAMPLING, 8, seed=9)
+    assert len(gen.calls[2][2]) == 12  # alpha 0.25 at the first decision token: 6 of 8 per prompt
+    for i, result in enumerate(results):
+        at_4 = {c.sample: c for c in result.candidates if c.stopped_at == 4}
+        assert len(at_4) == 2
+        # Recompute the rule from the fake's partial rewards at both decision tokens.
+        probe = FakeGenerator()
+        probe.open("x", [[1]], 8, [row_seed(9, f"p{i}", s) for s in range(8)], SAMPLING)
+        r4 = FakeScorer().score([""] * 8, [r.text for r in probe.extend("x", 4)])
+        r10 = FakeScorer().score([""] * 8, [r.text for r in probe.extend("x", 10)])
+        rows = [s for s in range(8) if s not in at_4]
+        cut = adaptive_cutoff([r4[s] for s in rows], [r10[s] for s in rows], 1.0)
+        kept = {c.sample for c in result.candidates if c.completed}
+        assert kept == {s for s in rows if r10[s] >= cut}
+        assert all(c.stopped_at == 10 for c in result.candidates if c.sample in set(rows) - kept)
+
+
+def test_streaming_rewards_match_rescoring_on_real_models(engine, scorer):
+    ps = [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in
+          enumerate(["Describe how the blender works.", "Tell me if this jacket fits."])]
+    sampling = SamplingParams(max_new_tokens=24)
+    runs, tokens = {}, {}
+    for streaming in (True, False):
+        params = SpeculativeRejectionParams(decision_token=[4, 8, 16], rejection_rate=0.4, streaming_rewards=streaming)
+        before = scorer.tokens_read
+        runs[streaming] = speculative_rejection(ps, engine, scorer, params, sampling, 6, seed=3)
+        tokens[streaming] = scorer.tokens_read - before
+    assert not scorer.sessions  # the reward session was closed
+    for a, b in zip(runs[True], runs[False]):
+        assert [(c.text, c.stopped_at) for c in a.candidates] == [(c.text, c.stopped_at) for c in b.candidates]
+        assert [c.score for c in a.candidates] == pytest.approx([c.score for c in b.candidates], abs=1e-4)
+    assert tokens[True] < tokens[False]

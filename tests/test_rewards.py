@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from pipeline.engines.rewards import RewardScorer
@@ -30,3 +31,73 @@ def test_non_finite_scores_are_nan_never_zero(tiny_models):
         poisoned.model.score.weight[0, 0] = float("-inf")  # inf - inf = nan for every input
     scores = poisoned.score(["a", "b"], ["x", "y"])
     assert all(math.isnan(s) for s in scores)
+
+
+def _growing_texts():
+    """Responses at three decision points, cut mid-word so BPE merges cross the old boundary."""
+    full = ["The motor works well even after a month. I would recommend it.",
+            "Whatever, do not ask me. The lid broke quickly.",
+            "It is okay I guess. The jar feels solid unlike my old one.",
+            "Not much to say."]
+    return [[t[:n] for t in full] for n in (9, 23, 200)]
+
+
+def test_streaming_scores_equal_full_rescoring_with_fewer_tokens(scorer):
+    assert scorer.streaming  # a Llama reward model keeps a KV cache
+    prompts = ["Review the blender for me.", "How good is the lamp?"]
+    num_samples = 2
+    rows = [0, 1, 2, 3]
+    session_start, rescoring_tokens = scorer.tokens_read, 0
+    scorer.open("s", prompts, num_samples)
+    try:
+        for step, texts in enumerate(_growing_texts()):
+            live = rows if step < 2 else [0, 2]  # rows 1 and 3 are rejected before the last point
+            responses = [texts[r] for r in live]
+            streamed = scorer.extend("s", live, responses)
+            before = scorer.tokens_read
+            full = scorer.score([prompts[r // num_samples] for r in live], responses)
+            rescoring_tokens += scorer.tokens_read - before
+            assert streamed == pytest.approx(full, abs=1e-4)
+            assert len(set(round(v, 5) for v in streamed)) == len(live)
+            assert sum(len(g.rows) for g in scorer.sessions["s"].groups) == len(live)
+    finally:
+        counters = scorer.close("s")
+    assert "s" not in scorer.sessions
+    assert 0 < counters["tokens_read"] < rescoring_tokens
+    assert scorer.tokens_read - session_start == counters["tokens_read"] + rescoring_tokens
+
+
+def test_streaming_falls_back_to_rescoring_for_encoder_reward_models(tiny_models):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from pipeline.engines.hf import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_models["reward"]))
+    torch.manual_seed(0)
+    bert = BertForSequenceClassification(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=1,
+                                                    pad_token_id=tok.pad_token_id)).eval()
+    encoder = RewardScorer(bert, tok)
+    assert not encoder.streaming
+    encoder.open("s", ["How good is the lamp?"], 2)
+    texts = _growing_texts()
+    for responses in texts:
+        assert encoder.extend("s", [0, 1], responses[:2]) == pytest.approx(
+            encoder.score(["How good is the lamp?"] * 2, responses[:2]), abs=1e-5)
+    assert encoder.close("s")["tokens_read"] > 0
+
+
+def test_coordinator_keeps_a_reward_session_on_the_scorer_that_opened_it(scorer, tiny_models):
+    from pipeline.coordinator import _RoundRobin
+
+    other = RewardScorer.from_pretrained(str(tiny_models["reward"]))
+    pool = _RoundRobin([scorer, other])
+    pool.open("a", ["How good is the lamp?"], 2)
+    pool.open("b", ["Review the jacket for me."], 2)
+    assert ("a" in scorer.sessions) != ("a" in other.sessions)
+    assert ("b" in scorer.sessions) != ("b" in other.sessions)
+    for _ in range(3):  # stateless calls in between advance the round robin
+        pool.score(["x"], ["y"])
+        assert len(pool.extend("a", [0, 1], ["The bulb", "Who even"])) == 2
+    pool.close("a"), pool.close("b")
+    assert not scorer.sessions and not other.sessions

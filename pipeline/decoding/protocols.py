@@ -125,3 +125,18 @@ class Drafter(Protocol):
               sampling: SamplingParams, seed: int) -> list[DraftLayer]:
         """Beam-sample ``depth`` layers of ``width`` nodes from the ``contexts`` (full token ids,
         prompt included), weighting context i by exp(prefix_logp[i]); ``seed`` makes it reproducible."""
+
+
+class StreamingScorer(Scorer, Protocol):
+    """A Scorer with sessions that mirror the Generator's: the reward model keeps a KV cache per
+    candidate row, so a partial reward costs only the tokens that are new since the last call
+    (pipeline.engines.rewards.RewardScorer; encoder reward models re-score in full behind it)."""
+
+    def open(self, session: str, prompts: list[str], num_samples: int) -> None:
+        """Start a session whose rows are prompt index * num_samples + sample (the generator's ids)."""
+
+    def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:
+        """Reward of each listed row's (prompt, response so far); unlisted rows leave the cache."""
+
+    def close(self, session: str) -> dict:
+        """Free the session; returns its counters (tokens_read)."""

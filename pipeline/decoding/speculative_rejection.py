@@ -20,15 +20,34 @@ is kept and the result equals Best-of-N's for the same seeds.
 ``decision_token`` may be a list: rejection then happens at each point in turn, ranking the
 candidates still in play (the paper's "multiple decision tokens" direction, section 7).
 Non-finite partial rewards mark a candidate as failed; the quantile uses finite scores only.
+
+Extensions, each from the paper's sections 6.3 and 7:
+- Streaming partial rewards (``streaming_rewards``, on by default): when the scorer has sessions
+  (protocols.StreamingScorer), the reward model keeps a KV cache per live row and each decision
+  token costs only the new chunk; rows stopped or finished leave the reward cache with the next
+  call, as they leave the generator's. Scores equal full re-scoring to float tolerance.
+- Memory-budget mode (section 6.3, ``initial_candidates`` / ``max_live_candidates``): start
+  ``initial_candidates`` rows per prompt, keep only ``max_live_candidates`` past the first decision
+  token, so peak KV memory after it is that of Best-of-``max_live_candidates`` while the search
+  started wide (the paper starts 250 and keeps 20 at token 64). The prompt's result holds the
+  ``num_samples`` rows ranked best (continued rows first, then by partial reward); the rows
+  screened out cost tokens (counted in generated_tokens) but are not returned.
+- Prompt-dependent stopping (section 7, ``adaptive_rejection`` = z): from the second decision
+  token on, each prompt fits the least-squares line of its current partial rewards on those of
+  the previous decision token (the OLS fit and confidence band of the paper's Figure 2), and keeps
+  every row whose partial reward plus z residual standard deviations reaches the current best.
+  A prompt whose ranking is stable (small residuals) is pruned hard; one whose ranking still moves
+  keeps more rows. The first decision token uses ``rejection_rate``.
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass
 
 from pipeline.decoding.best_of_n import assemble, open_session, score_rows
-from pipeline.decoding.protocols import Candidate, Generator, PromptInput, PromptResult, Scorer
+from pipeline.decoding.protocols import Candidate, Generator, PromptInput, PromptResult, RowState, Scorer
 from pipeline.decoding.sampling import SamplingParams
 
 
@@ -38,6 +57,15 @@ class SpeculativeRejectionParams:
     """tau: generated tokens before the reward model ranks the partial responses (or a list)."""
     rejection_rate: float = 0.5
     """alpha in [0, 1): the fraction of partial responses stopped at each decision token."""
+    initial_candidates: int | None = None
+    """Memory-budget mode: rows started per prompt (>= sampling.num_samples); None: num_samples."""
+    max_live_candidates: int | None = None
+    """Memory-budget mode: rows per prompt that go on past the first decision token (the budget);
+    None: the rejection_rate decides."""
+    adaptive_rejection: float | None = None
+    """z > 0 turns on prompt-dependent stopping from the second decision token on (see above)."""
+    streaming_rewards: bool = True
+    """Score partial responses through the scorer's streaming sessions when it has them."""
 
     def __post_init__(self):
         from pipeline.config import ConfigError
@@ -47,6 +75,16 @@ class SpeculativeRejectionParams:
             raise ConfigError(f"strategy.decision_token: expected a positive int or a list of them, got {self.decision_token!r}")
         if not 0 <= self.rejection_rate < 1:
             raise ConfigError(f"strategy.rejection_rate: must be in [0, 1), got {self.rejection_rate}")
+        for key in ("initial_candidates", "max_live_candidates"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"strategy.{key}: expected a positive int, got {value!r}")
+        if (self.initial_candidates is not None and self.max_live_candidates is not None
+                and self.max_live_candidates > self.initial_candidates):
+            raise ConfigError(f"strategy.max_live_candidates: {self.max_live_candidates} is more than "
+                              f"initial_candidates {self.initial_candidates}")
+        if self.adaptive_rejection is not None and not self.adaptive_rejection > 0:
+            raise ConfigError(f"strategy.adaptive_rejection: expected z > 0, got {self.adaptive_rejection}")
 
     @property
     def decision_tokens(self) -> list[int]:
@@ -63,44 +101,132 @@ def rejection_cutoff(partial_rewards: list[float], rejection_rate: float) -> flo
     return finite[len(finite) - keep]
 
 
+def budget_cutoff(partial_rewards: list[float], budget: int) -> float:
+    """The partial reward of the budget-th best finite row: keeping rows >= it keeps ``budget``
+    rows (more only on exact ties)."""
+    finite = sorted((r for r in partial_rewards if math.isfinite(r)), reverse=True)
+    return finite[min(budget, len(finite)) - 1] if finite else -math.inf
+
+
+def adaptive_cutoff(previous: list[float], current: list[float], z: float) -> float | None:
+    """Prompt-dependent r_cut: max(current) - z * sigma, sigma the residual standard deviation of
+    the least-squares fit current ~ a + b * previous over the prompt's rows. None when fewer than
+    three rows have both rewards finite (no fit: the caller uses the fixed alpha)."""
+    pairs = [(x, y) for x, y in zip(previous, current) if math.isfinite(x) and math.isfinite(y)]
+    if len(pairs) < 3:
+        return None
+    n = len(pairs)
+    mx = sum(x for x, _ in pairs) / n
+    my = sum(y for _, y in pairs) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pairs)
+    slope = sum((x - mx) * (y - my) for x, y in pairs) / sxx if sxx > 0 else 0.0
+    residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in pairs)
+    sigma = math.sqrt(residual / (n - 2))
+    return max(y for _, y in pairs) - z * sigma
+
+
+class _Rewards:
+    """Partial and final rewards for one batch: through a streaming session when the scorer has
+    one (only new tokens are read), else by full re-scoring."""
+
+    def __init__(self, scorer: Scorer, prompts: list[PromptInput], rows_per_prompt: int, streaming: bool):
+        self.scorer, self.prompts, self.rows_per_prompt = scorer, prompts, rows_per_prompt
+        self.session = None
+        if streaming and all(callable(getattr(scorer, m, None)) for m in ("open", "extend", "close")):
+            self.session = f"reward-{uuid.uuid4().hex}"
+            scorer.open(self.session, [p.raw_prompt for p in prompts], rows_per_prompt)
+
+    def __call__(self, rows: list[RowState]) -> list[float]:
+        if self.session is None:
+            return score_rows(self.scorer, self.prompts, self.rows_per_prompt, rows)
+        return self.scorer.extend(self.session, [r.row for r in rows], [r.text for r in rows])
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.scorer.close(self.session)
+
+
 def speculative_rejection(prompts: list[PromptInput], generator: Generator, scorer: Scorer,
                           params: SpeculativeRejectionParams, sampling: SamplingParams,
                           num_samples: int, seed: int) -> list[PromptResult]:
-    session = open_session(generator, prompts, num_samples, sampling, seed)
+    width = params.initial_candidates or num_samples  # rows started per prompt
+    if width < num_samples:
+        raise ValueError(f"initial_candidates ({width}) must be at least num_samples ({num_samples})")
+    session = open_session(generator, prompts, width, sampling, seed)
+    rewards = _Rewards(scorer, prompts, width, params.streaming_rewards)
     candidates: dict[int, Candidate] = {}
-    live = list(range(len(prompts) * num_samples))  # rows still decoding
+    previous: dict[int, float] = {}  # row -> partial reward at the previous decision token
+    continued: set[int] = set()  # rows that went on past the first decision token
+    live = list(range(len(prompts) * width))  # rows still decoding
     try:
-        for tau in [t for t in params.decision_tokens if t < sampling.max_new_tokens]:
+        for point, tau in enumerate(t for t in params.decision_tokens if t < sampling.max_new_tokens):
             if not live:
                 break
             rows = generator.extend(session, until=tau, keep=live)  # Alg. 1 line 2
-            scores = score_rows(scorer, prompts, num_samples, rows)  # Eq. 2
+            scores = rewards(rows)  # Eq. 2
             by_prompt: dict[int, list[int]] = {}
             for r, s in zip(rows, scores):
-                candidates[r.row] = Candidate(sample=r.row % num_samples, token_ids=r.token_ids, text=r.text,
+                candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
                                               score=s, completed=r.finished)
-                by_prompt.setdefault(r.row // num_samples, []).append(r.row)
+                by_prompt.setdefault(r.row // width, []).append(r.row)
             live = []
             for members in by_prompt.values():
-                r_cut = rejection_cutoff([candidates[m].score for m in members], params.rejection_rate)  # Eq. 3
+                partial = [candidates[m].score for m in members]
+                r_cut = None
+                if point == 0 and params.max_live_candidates is not None:
+                    r_cut = budget_cutoff(partial, params.max_live_candidates)  # section 6.3
+                elif point > 0 and params.adaptive_rejection is not None:
+                    r_cut = adaptive_cutoff([previous.get(m, math.nan) for m in members], partial,
+                                            params.adaptive_rejection)
+                if r_cut is None:
+                    r_cut = rejection_cutoff(partial, params.rejection_rate)  # Eq. 3
                 for m in members:
                     c = candidates[m]
+                    previous[m] = c.score
                     if c.completed or c.failed:
                         continue  # ended before tau: kept unchanged; failed: never continued
                     if c.score >= r_cut:  # Eq. 4
                         live.append(m)
+                        if point == 0:
+                            continued.add(m)
                     else:
                         c.stopped_early, c.stopped_at = True, tau
         if live:  # Alg. 1 line 5: finish the accepted sequences
             rows = generator.extend(session, until=sampling.max_new_tokens, keep=live)
-            for r, s in zip(rows, score_rows(scorer, prompts, num_samples, rows)):
-                candidates[r.row] = Candidate(sample=r.row % num_samples, token_ids=r.token_ids, text=r.text,
+            for r, s in zip(rows, rewards(rows)):
+                candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
                                               score=s, completed=True)
     finally:
+        rewards.close()
         generator.close(session)
-    missing = set(range(len(prompts) * num_samples)) - set(candidates)
+    missing = set(range(len(prompts) * width)) - set(candidates)
     assert not missing, f"speculative rejection lost rows {sorted(missing)[:5]}"
-    return assemble(prompts, num_samples, candidates, _bon_tokens(candidates, num_samples, sampling))
+    if width == num_samples:
+        return assemble(prompts, num_samples, candidates, _bon_tokens(candidates, num_samples, sampling))
+    return _screen(prompts, num_samples, width, candidates, continued, sampling)
+
+
+def _screen(prompts: list[PromptInput], num_samples: int, width: int, candidates: dict[int, Candidate],
+            continued: set[int], sampling: SamplingParams) -> list[PromptResult]:
+    """Memory-budget mode: each prompt returns its num_samples best-ranked rows out of ``width``
+    (rows that went on past the first decision token first, then by reward); the tokens of the
+    rows screened out still count as the prompt's cost."""
+    kept: dict[int, Candidate] = {}
+    screened_tokens, screened = [0] * len(prompts), [0] * len(prompts)
+    for i in range(len(prompts)):
+        rows = list(range(i * width, (i + 1) * width))
+        rank = sorted(rows, key=lambda r: (r in continued or candidates[r].completed,
+                                           candidates[r].score if not candidates[r].failed else -math.inf, -r),
+                      reverse=True)
+        for slot, r in enumerate(sorted(rank[:num_samples])):
+            kept[i * num_samples + slot] = candidates[r]
+        screened[i] = width - num_samples
+        screened_tokens[i] = sum(len(candidates[r].token_ids) for r in rank[num_samples:])
+    results = assemble(prompts, num_samples, kept, _bon_tokens(kept, num_samples, sampling))
+    for i, result in enumerate(results):
+        result.generated_tokens += screened_tokens[i]
+        result.stats = {"initial_candidates": width, "screened_out": screened[i]}
+    return results
 
 
 def _bon_tokens(candidates: dict[int, Candidate], num_samples: int, sampling: SamplingParams) -> dict[int, int]:

@@ -4,14 +4,32 @@ The text is built with the reward tokenizer's chat template when it has one (use
 assistant turn), else as prompt followed by response. Sequences longer than the model's context
 are cut from the left, so the response, which the score is about, is always seen. A non-finite
 score is returned as NaN: the caller marks that candidate as failed; it is never turned into 0.
+
+Two ways to score:
+- ``score(prompts, responses)``: stateless, every call reads prompt and response in full.
+- Streaming sessions, mirroring the generator's (``open`` / ``extend`` / ``close``): a session
+  holds a reward-side KV cache per candidate row, and ``extend`` feeds only the tokens that are
+  new since the row was last scored, so a partial reward at a decision token costs one chunk,
+  not a re-read (the paper's "multiple decision tokens" direction, section 7: decoder reward
+  models can keep a KV cache). Rows not passed to ``extend`` leave the cache at once.
+  Encoder reward models (and any model whose incremental scores do not match full re-scoring,
+  checked once at load) fall back to full re-scoring inside the same API.
+
+How a row stays exact: the row's formatted text (template head + response + template tail) is
+tokenized in full at every call; the longest common prefix with the tokens already cached is
+kept, the cached positions after it are masked out (a BPE merge across the old boundary, or the
+template tail of the previous call), and only the rest is fed, at its true position ids. The
+score is read at the last token, as full re-scoring reads it, so the two agree to float
+tolerance (tests/test_rewards.py).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, DynamicCache
 
 from pipeline.engines.hf import DTYPES, load_tokenizer
 
@@ -33,6 +51,11 @@ class RewardScorer:
                               int(tokenizer.model_max_length or 10**9))
         self.forward_passes = 0
         self.scored = 0
+        self.tokens_read = 0
+        """Reward-model tokens run through the model (stateless and streaming): its compute."""
+        self.sessions: dict[str, _StreamSession] = {}
+        self.streaming = self._supports_streaming()
+        """True for decoder reward models whose cached scores match full re-scoring."""
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
@@ -60,9 +83,212 @@ class RewardScorer:
                                    truncation=True, max_length=self.max_length, add_special_tokens=add_special)
             logits = self.model(**batch.to(self.device)).logits  # [B, 1]
             self.forward_passes += 1
+            self.tokens_read += int(batch["attention_mask"].sum())
             scores.extend(float(v) if math.isfinite(v) else math.nan for v in logits[:, 0].float().tolist())
         self.scored += len(texts)
         return scores
 
     def stats(self) -> dict:
-        return {"forward_passes": self.forward_passes, "scored": self.scored}
+        return {"forward_passes": self.forward_passes, "scored": self.scored, "tokens_read": self.tokens_read,
+                "open_sessions": len(self.sessions)}
+
+    # -- streaming sessions ------------------------------------------------------------------
+
+    def open(self, session: str, prompts: list[str], num_samples: int) -> None:
+        """Start a session for rows ``prompt index * num_samples + sample`` (the generator's row ids)."""
+        if session in self.sessions:
+            raise ValueError(f"reward session {session} is already open")
+        self.sessions[session] = _StreamSession(prompts=list(prompts), num_samples=num_samples)
+
+    @torch.inference_mode()
+    def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:
+        """Scores of (prompt of row, response so far) for each row. Rows of the session not listed
+        here leave its caches. Equal to ``score`` on the same texts, to float tolerance."""
+        state = self._stream(session)
+        if len(rows) != len(responses):
+            raise ValueError(f"{len(rows)} rows but {len(responses)} responses")
+        prompts = [state.prompt_of(r) for r in rows]
+        listed = set(rows)
+        for group in state.groups:  # rejected and finished rows leave the cache now
+            group.keep([i for i, r in enumerate(group.rows) if r in listed])
+        state.groups = [g for g in state.groups if g.rows]
+        before = self.tokens_read
+        try:
+            return self._extend_rows(state, rows, prompts, responses)
+        finally:
+            state.tokens_read += self.tokens_read - before
+
+    def _extend_rows(self, state: _StreamSession, rows: list[int], prompts: list[str],
+                     responses: list[str]) -> list[float]:
+        if not self.streaming:
+            return self.score(prompts, responses)
+        add_special = not bool(self.tokenizer.chat_template)
+        token_ids = self.tokenizer([self.format(p, r) for p, r in zip(prompts, responses)],
+                                   add_special_tokens=add_special).input_ids
+        scores: dict[int, float] = {}
+        too_long = [i for i, ids in enumerate(token_ids) if len(ids) > self.max_length]
+        if too_long:  # past the context: score statelessly (cut from the left) and stop caching
+            for i, v in zip(too_long, self.score([prompts[i] for i in too_long], [responses[i] for i in too_long])):
+                scores[rows[i]] = v
+            dropped = {rows[i] for i in too_long}
+            for group in state.groups:
+                group.keep([i for i, r in enumerate(group.rows) if r not in dropped])
+            state.groups = [g for g in state.groups if g.rows]
+        wanted = {rows[i]: token_ids[i] for i in range(len(rows)) if rows[i] not in scores}
+        cached = {r for g in state.groups for r in g.rows}
+        new_rows = [r for r in rows if r in wanted and r not in cached]
+        for start in range(0, len(new_rows), self.batch_size):
+            group = _StreamGroup(rows=new_rows[start:start + self.batch_size])
+            self._prefill_shared(group, [wanted[r] for r in group.rows], [r // state.num_samples for r in group.rows])
+            state.groups.append(group)
+        for group in state.groups:
+            scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
+        self.scored += len(rows)
+        return [scores[r] for r in rows]
+
+    def close(self, session: str) -> dict:
+        state = self.sessions.pop(session, None)
+        return {"tokens_read": state.tokens_read if state else 0}
+
+    def _stream(self, session: str) -> _StreamSession:
+        try:
+            return self.sessions[session]
+        except KeyError:
+            raise ValueError(f"unknown reward session {session}") from None
+
+    def _prefill_shared(self, group: _StreamGroup, token_ids: list[list[int]], prompts: list[int]) -> None:
+        """A new group reads each prompt's shared head (template + prompt: the common prefix of
+        its rows' tokens) once and fans the cache out to the rows, as the generator's prefill does."""
+        heads: dict[int, list[int]] = {}
+        for ids, p in zip(token_ids, prompts):
+            head = ids[:-1] if p not in heads else heads[p][:_common_prefix(heads[p], ids)]
+            heads[p] = head[:len(ids) - 1]  # leave every row at least one token to score
+        if sum(prompts.count(p) > 1 for p in heads) == 0:
+            return  # nothing shared
+        order = sorted(heads)
+        width = max(len(heads[p]) for p in order)
+        if width == 0:
+            return
+        input_ids = torch.full((len(order), width), int(self.tokenizer.pad_token_id), dtype=torch.long)
+        mask = torch.zeros((len(order), width), dtype=torch.long)
+        for j, p in enumerate(order):  # left padding, as the generator's prefill
+            if heads[p]:
+                input_ids[j, width - len(heads[p]):] = torch.tensor(heads[p])
+                mask[j, width - len(heads[p]):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        base_model = getattr(self.model, self.model.base_model_prefix)
+        base_model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                   position_ids=position_ids.to(self.device), past_key_values=group.cache, use_cache=True)
+        self.forward_passes += 1
+        self.tokens_read += int(mask.sum())
+        index = [order.index(p) for p in prompts]
+        group.cache.batch_select_indices(torch.tensor(index, device=self.device))  # fan out: [P, W] -> [B, W]
+        group.mask = mask[index]
+        for i, p in enumerate(prompts):
+            group.ids[i] = list(heads[p])
+            group.cols[i] = list(range(width - len(heads[p]), width))
+
+    def _extend_group(self, group: _StreamGroup, token_ids: list[list[int]]) -> dict[int, float]:
+        """Feed each row's tokens after its common prefix with the cache; score at the last token."""
+        chunks, starts = [], []
+        for i, ids in enumerate(token_ids):
+            common = _common_prefix(group.ids[i], ids)
+            if common == len(ids):  # nothing new (e.g. a finished row re-listed): re-read the last token
+                common -= 1
+            if common < len(group.ids[i]):  # positions past the common prefix no longer count
+                group.mask[i, group.cols[i][common:]] = 0
+                group.ids[i], group.cols[i] = group.ids[i][:common], group.cols[i][:common]
+            chunks.append(ids[common:])
+            starts.append(common)
+        width = max(len(c) for c in chunks)
+        base = group.mask.shape[1]
+        input_ids = torch.full((len(chunks), width), int(self.tokenizer.pad_token_id), dtype=torch.long)
+        position_ids = torch.zeros((len(chunks), width), dtype=torch.long)
+        chunk_mask = torch.zeros((len(chunks), width), dtype=group.mask.dtype)
+        for i, (chunk, start) in enumerate(zip(chunks, starts)):  # left-pad so column -1 is every row's last token
+            pad = width - len(chunk)
+            input_ids[i, pad:] = torch.tensor(chunk)
+            position_ids[i, pad:] = torch.arange(start, start + len(chunk))
+            chunk_mask[i, pad:] = 1
+            group.ids[i] = group.ids[i] + chunk
+            group.cols[i] = group.cols[i] + list(range(base + pad, base + width))
+        group.mask = torch.cat([group.mask, chunk_mask], dim=1)  # [B, L + W]
+        base_model = getattr(self.model, self.model.base_model_prefix)
+        out = base_model(input_ids=input_ids.to(self.device), attention_mask=group.mask.to(self.device),
+                         position_ids=position_ids.to(self.device), past_key_values=group.cache, use_cache=True)
+        logits = self.model.score(out.last_hidden_state[:, -1])  # [B, 1]
+        self.forward_passes += 1
+        fed = int(chunk_mask.sum())
+        self.tokens_read += fed
+        return {r: float(v) if math.isfinite(v) else math.nan for r, v in zip(group.rows, logits[:, 0].float().tolist())}
+
+    def _supports_streaming(self) -> bool:
+        """Decoder check: a score computed in two cached chunks must equal the one-pass score."""
+        score_head = getattr(self.model, "score", None)
+        base_model = getattr(self.model, getattr(self.model, "base_model_prefix", ""), None)
+        if score_head is None or base_model is None:
+            return False
+        ids = torch.tensor([[int(self.tokenizer.pad_token_id or 0) + 1 + i for i in range(6)]], device=self.device)
+        try:
+            with torch.inference_mode():
+                full = score_head(base_model(input_ids=ids).last_hidden_state[:, -1])
+                cache = DynamicCache(config=self.model.config)
+                base_model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
+                part = base_model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True,
+                                  position_ids=torch.arange(4, 6, device=self.device)[None])
+                inc = score_head(part.last_hidden_state[:, -1])
+        except Exception:  # an encoder that takes no cache
+            return False
+        # Half precision reorders sums between the one-pass and cached paths: a looser tolerance.
+        tolerance = 1e-3 if next(self.model.parameters()).dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(full.float(), inc.float(), atol=tolerance, rtol=tolerance))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class _StreamGroup:
+    """Up to batch_size rows that share one reward-side KV cache."""
+
+    rows: list[int]
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    mask: torch.Tensor = None  # [B, L] 1 = a cached position that counts
+    ids: list[list[int]] = None  # per row: the tokens its counted positions hold, in order
+    cols: list[list[int]] = None  # per row: the cache column of each of those tokens
+
+    def __post_init__(self):
+        if self.mask is None:
+            self.mask = torch.zeros((len(self.rows), 0), dtype=torch.long)
+            self.ids = [[] for _ in self.rows]
+            self.cols = [[] for _ in self.rows]
+
+    def keep(self, index: list[int]) -> None:
+        if len(index) == len(self.rows):
+            return
+        if index and self.cache.get_seq_length() > 0:
+            self.cache.batch_select_indices(torch.tensor(index, device=self.cache.layers[0].keys.device))
+        elif not index:
+            self.cache = DynamicCache()
+        self.mask = self.mask[index]
+        self.rows = [self.rows[i] for i in index]
+        self.ids = [self.ids[i] for i in index]
+        self.cols = [self.cols[i] for i in index]
+
+
+@dataclass
+class _StreamSession:
+    prompts: list[str]
+    num_samples: int
+    groups: list[_StreamGroup] = field(default_factory=list)
+    tokens_read: int = 0
+
+    def prompt_of(self, row: int) -> str:
+        if not 0 <= row < len(self.prompts) * self.num_samples:
+            raise ValueError(f"row {row} is outside this reward session")
+        return self.prompts[row // self.num_samples]

@@ -1,0 +1,116 @@
+"""Speculative-rejection tooling: the paper's metrics (Eq. 5/6, appendix D), the counterfactual
+job, the bench-model grammar and build (toy sizes), and the benchmark's synthetic path."""
+
+import json
+import math
+import random
+
+import pytest
+
+from pipeline.decoding.sbon_analysis import PromptRewards, correlations, grid, normalized_score, simulate
+
+
+def test_normalized_score_is_eq5():
+    assert normalized_score([1.0, 3.0, 5.0], 5.0) == 100.0
+    assert normalized_score([1.0, 3.0, 5.0], 3.0) == 50.0
+    assert normalized_score([1.0, 3.0, 5.0], -9.0) == 0.0  # floored at Best-of-N's worst
+    assert math.isnan(normalized_score([2.0, 2.0], 2.0))
+
+
+def test_simulate_replays_algorithm_1_on_collected_rewards():
+    p = PromptRewards(lengths=[10, 10, 3, 10], final=[1.0, 4.0, 0.5, 2.0],
+                      partial={4: [0.9, 0.1, 0.5, 0.8]})
+    # alpha 0.5 keeps the top 2 partials (0.9 and 0.8); row 2 ended before tau and is kept as is.
+    score, rate = simulate(p, 4, 0.5)
+    assert score == pytest.approx(100 * (1 - (4.0 - 2.0) / (4.0 - 0.5)))
+    assert rate == pytest.approx((10 + 4 + 3 + 10) / 33)
+    assert simulate(p, 4, 0.0) == (100.0, 1.0)
+    cells = grid([p, p], [4], [0.0, 0.5])
+    assert [(c["tau"], c["alpha"]) for c in cells] == [(4, 0.0), (4, 0.5)]
+    assert cells[1]["score"] == pytest.approx(score)
+
+
+def test_correlations_per_prompt():
+    p = PromptRewards(lengths=[5] * 4, final=[1.0, 2.0, 3.0, 4.0], partial={2: [0.1, 0.2, 0.3, 0.4], 3: [4, 3, 2, 1]})
+    assert correlations(p, 2) == pytest.approx((1.0, 1.0))
+    assert correlations(p, 3) == pytest.approx((-1.0, -1.0))
+    flat = PromptRewards(lengths=[5] * 3, final=[1.0, 1.0, 1.0], partial={2: [0.1, 0.2, 0.3]})
+    assert all(math.isnan(v) for v in correlations(flat, 2))
+
+
+def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
+    from jobs.counterfactual import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Review the lamp for me."}\n{"prompt": "How good is the camera?"}\n')
+    out = tmp_path / "cf"
+    rc = main(["--model", str(tiny_models["generator"]), "--reward-model", str(tiny_models["reward"]),
+               "--prompts", str(prompts), "--n", "4", "--taus", "4", "8", "--alphas", "0.5", "0.75",
+               "--max-new-tokens", "12", "--output", str(out), "--no-progress"])
+    assert rc == 0
+    report = json.loads((out / "counterfactual.json").read_text())
+    assert report["prompts"] == 2 and report["streaming_reward"]
+    assert len(report["grid"]) == 4 and all(c["score"] <= 100 for c in report["grid"])
+    assert [len(c["final"]) for c in report["completions"]] == [4, 4]
+    assert (out / "tradeoff.png").stat().st_size > 0 and (out / "correlations.png").stat().st_size > 0
+
+
+def test_counterfactual_job_bad_input_exits_2(tmp_path, capsys):
+    from jobs.counterfactual import main
+
+    rc = main(["--model", "x", "--reward-model", "y", "--prompts", str(tmp_path / "missing.jsonl")])
+    assert rc == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_review_grammar_labels_are_the_mean_sentence_points():
+    from jobs.bench_models import POINTS, cut_at_word, quality, review_corpus
+
+    rows = review_corpus(0, 200)
+    assert review_corpus(0, 5) == rows[:5]
+    for r in rows:
+        assert len(r["points"]) == r["response"].count(".") + r["response"].count("?")
+        assert set(r["points"]) <= set(POINTS.values())
+    labels = [quality(r["points"]) for r in rows]
+    assert min(labels) < 0 < max(labels)
+    prefix, label = cut_at_word(random.Random(1), "It is a thing. Who even cares. The lens", [0.0, -3.0, 2.0])
+    assert rows and prefix and label in (0.0, -1.5, quality([0.0, -3.0, 2.0]))
+    assert cut_at_word(random.Random(0), "Who even cares. It is", [-3.0, 0.0]) in (
+        ("Who", 0.0), ("Who even", 0.0), ("Who even cares.", -3.0), ("Who even cares. It", -3.0),
+        ("Who even cares. It is", -3.0))
+
+
+def test_trained_bench_models_toy_build_is_cached(tmp_path):
+    from jobs.bench_models import BenchSettings, make_bench_models
+    from pipeline.engines.hf import HFEngine
+    from pipeline.engines.rewards import RewardScorer
+
+    toy = BenchSettings(corpus_size=64, vocab_size=300, generator_steps=2, reward_steps=2, batch_size=4,
+                        generator_hidden=32, generator_layers=1, draft_hidden=16, draft_layers=1,
+                        reward_hidden=32, reward_layers=1)
+    paths = make_bench_models(tmp_path, toy, progress=False)
+    stamp = (tmp_path / "bench.json").stat().st_mtime_ns
+    assert make_bench_models(tmp_path, toy, progress=False) == paths
+    assert (tmp_path / "bench.json").stat().st_mtime_ns == stamp  # cached: nothing rebuilt
+    report = json.loads((tmp_path / "bench.json").read_text())["report"]
+    assert report["generator_parameters"] > report["draft_parameters"] > 0
+    engine = HFEngine.from_pretrained(str(paths["generator"]))
+    draft = HFEngine.from_pretrained(str(paths["draft"]))
+    assert engine.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+    assert RewardScorer.from_pretrained(str(paths["reward"])).streaming
+    assert len(paths["prompts"].read_text().splitlines()) == 32
+
+
+def test_sbon_benchmark_runs_on_a_synthetic_pair(tmp_path, capsys):
+    from benchmarks.sbon import main
+
+    rc = main(["--synthetic", "tiny", "--num-prompts", "2", "--n", "4", "--sr", "4:0.5", "--adaptive", "0",
+               "--memory", "8:4:4", "--max-new-tokens", "10", "--repeats", "1", "--json", str(tmp_path / "s.json"),
+               "--png", str(tmp_path / "s.png")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Bo4" in out and "streaming / re-scoring reward-model tokens" in out
+    report = json.loads((tmp_path / "s.json").read_text())
+    methods = [r["method"] for r in report["tables"]["4"]["rows"]]
+    assert methods[0].startswith("SBoN") and "Bo4" in methods and any(m.startswith("memory") for m in methods)
+    assert report["tables"]["4"]["max_stream_score_diff"] < 1e-3
