@@ -166,7 +166,15 @@ def test_rerun_redoes_shards_without_marker_and_ignores_temp_files(mixed_build, 
     assert main(build_args(tiny_models, prompts, out)) == 0
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["shards_written"] == [1] and manifest["shards_skipped"] == [0, 2]
-    assert pq.read_table(out / "part-00001.parquet").equals(reference)  # same seeds, same rows
+    # Same seeds, same rows. Scores may differ in the last float bits: the reward model batches the
+    # redone shard's rows with different company (padding) than the first run did.
+    redone = pq.read_table(out / "part-00001.parquet").to_pylist()
+    want = reference.to_pylist()
+    score_keys = ("chosen_score", "rejected_score")
+    assert [{k: v for k, v in r.items() if k not in score_keys} for r in redone] == \
+        [{k: v for k, v in r.items() if k not in score_keys} for r in want]
+    for key in score_keys:
+        assert [r[key] for r in redone] == pytest.approx([r[key] for r in want], abs=1e-5)
     assert (out / "_SUCCESS").exists() and not list(out.rglob(".tmp-*"))
     ids = datasets.load_dataset("parquet", data_files=str(out / "part-*.parquet"), split="train")["prompt_id"]
     assert len(ids) == len(set(ids)) == len(GOOD_PROMPTS)
