@@ -80,7 +80,10 @@ class _RoundRobin:
 
     def open(self, session: str, prompts: list[str], num_samples: int) -> None:
         with self._lock:
-            scorer = self._sessions[session] = next(self._cycle)
+            scorer = next(self._cycle)
+            # Pinned like a generator batch: if this actor is replaced, the session's later calls
+            # fail over (WorkerFailure, batch retried) instead of asking a new actor without the cache.
+            scorer = self._sessions[session] = scorer.pinned() if hasattr(scorer, "pinned") else scorer
         scorer.open(session, prompts, num_samples)
 
     def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:

@@ -106,7 +106,7 @@ def test_ray_job_stop_then_resubmit_resumes(head, tiny_models, tmp_path):
     out = tmp_path / "out"
     # Slow the reward model down (one batch at a time, >= 2 s each) so the build is still running
     # when it is stopped.
-    slow = json.dumps([{"actor": "reward", "method": "score", "action": "delay", "seconds": 1.0, "times": None}])
+    slow = json.dumps([{"actor": "reward", "method": "extend", "action": "delay", "seconds": 1.0, "times": None}])
 
     def submit(job_id, *extra):
         return [RAY, "job", "submit", "--address", address, "--submission-id", job_id, "--working-dir", str(REPO),

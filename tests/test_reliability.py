@@ -80,7 +80,7 @@ def test_actor_that_exits_mid_shard_is_replaced_and_its_batch_resubmitted(cluste
 
 
 def test_hung_actor_is_killed_after_the_timeout_and_replaced(cluster, tiny_models, prompts, reference, tmp_path):
-    fault = {"actor": "reward", "method": "score", "call": 2, "action": "hang", "times": 1,
+    fault = {"actor": "reward", "method": "extend", "call": 2, "action": "hang", "times": 1,
              "state_dir": str(tmp_path / "faults")}
     started = time.monotonic()
     rc = main(args(tiny_models, prompts, tmp_path / "out", "--set", "runtime.call_timeout_s=10", faults=[fault]))
@@ -115,7 +115,7 @@ def test_build_metrics_are_ray_metrics_on_a_cluster(cluster):
 def test_sigkill_of_the_driver_leaves_no_half_written_shard_and_the_rerun_resumes(tiny_models, prompts, reference,
                                                                                   tmp_path):
     out = tmp_path / "out"
-    slow = {"actor": "reward", "method": "score", "action": "delay", "seconds": 0.4, "times": None}
+    slow = {"actor": "reward", "method": "extend", "action": "delay", "seconds": 0.4, "times": None}
     proc = subprocess.Popen([sys.executable, "-m", "jobs.build_dataset",
                              *args(tiny_models, prompts, out, "--set", "runtime.local=true", faults=[slow])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
