@@ -169,3 +169,17 @@ def test_aded_build_strategy_in_process_with_a_built_trigram_matrix(tiny_models,
     assert manifest["pairs"] == 2 and manifest["config"]["strategy"]["name"] == "aded"
     # Best-of-N sampling, distribution unchanged: what the build sampled is what best_of_n samples
     assert manifest["generated_tokens"] == manifest["bon_equivalent_tokens"]
+
+
+
+def test_aded_bad_trigram_file_is_a_config_error(tiny_models, tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not an npz")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": GOOD_PROMPTS[0]}])
+    args = ["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(tmp_path / "out"),
+            "--set", f"models.generator={tiny_models['generator']}", "--set", f"models.reward={tiny_models['reward']}",
+            "--set", "runtime.local=true", "--strategy", "aded", "--set", f"strategy.trigram={bad}", "--no-progress"]
+    assert main(args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "strategy.trigram" in errors[0] and str(bad) in errors[0]
+    assert not (tmp_path / "out" / "_markers").exists()

@@ -368,6 +368,18 @@ class ADEDParams:
         if not 0 < self.increment <= self.max_prob:
             raise ConfigError(f"strategy.increment: must be in (0, max_prob], got {self.increment}")
 
+    def check_models(self, models) -> None:
+        """Called by plan_build before any actor starts: a bad ``trigram`` file is a config error
+        (exit 2, one line), not a failure inside the generator actor."""
+        from pipeline.config import ConfigError
+        from pipeline.engines.trigram import TrigramMatrix
+
+        if self.trigram and "://" not in self.trigram:
+            try:
+                TrigramMatrix.load(self.trigram)
+            except ValueError as exc:
+                raise ConfigError(f"strategy.trigram: {exc}") from None
+
 
 _MATRICES: dict[tuple, object] = {}
 
