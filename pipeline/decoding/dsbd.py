@@ -353,13 +353,21 @@ def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], param
 def dsbd_search(engine, prompts: list[list[int]], num_samples: int, seeds: list[int], sampling: SamplingParams,
                 params: DSBDParams) -> list[SearchOutput]:
     """MODEL_SIDE["dsbd"]: each candidate is one DSBD generation seeded by its row seed.
-    ``engine`` needs ``.model``, ``.tokenizer``, ``.device``, ``.eos_ids`` and ``.drafter``
-    (a Drafter: the draft model in-process or a DraftActor proxy, see actors/generator.py)."""
+    ``engine`` needs ``.model``, ``.tokenizer``, ``.device``, ``.eos_ids`` and may have ``.drafter``
+    (a Drafter: the draft model in-process or a DraftActor proxy, see actors/generator.py). With
+    none (no models.draft), ADED drafts: pipeline.decoding.aded.ADEDLayerDrafter over a tri-gram
+    matrix that starts empty and learns from each batch's prompts and verified beams."""
     from pipeline.engines.tree import TreeSession
 
     drafter = getattr(engine, "drafter", None)
     if drafter is None:
-        raise ValueError("dsbd needs a draft model: set models.draft")
+        from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
+        from pipeline.engines.trigram import TrigramMatrix
+
+        drafter = engine.drafter = ADEDLayerDrafter(ADEDDrafter(TrigramMatrix()),
+                                                    engine.model.get_output_embeddings().out_features)
+    if hasattr(drafter, "reset"):
+        drafter.reset()  # an adaptive drafter starts each batch from the same state (reproducible)
     eos = set() if sampling.ignore_eos else set(engine.eos_ids)
     outputs = []
     for i, prompt in enumerate(prompts):
