@@ -359,15 +359,15 @@ def dsbd_search(engine, prompts: list[list[int]], num_samples: int, seeds: list[
     matrix that starts empty and learns from each batch's prompts and verified beams."""
     from pipeline.engines.tree import TreeSession
 
+    from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
+    from pipeline.engines.trigram import TrigramMatrix
+
     drafter = getattr(engine, "drafter", None)
     if drafter is None:
-        from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
-        from pipeline.engines.trigram import TrigramMatrix
-
         drafter = engine.drafter = ADEDLayerDrafter(ADEDDrafter(TrigramMatrix()),
                                                     engine.model.get_output_embeddings().out_features)
-    if hasattr(drafter, "reset"):
-        drafter.reset()  # an adaptive drafter starts each batch from the same state (reproducible)
+    if isinstance(drafter, ADEDLayerDrafter):
+        drafter.reset()  # each batch starts from the same matrix: reproducible, resumable
     eos = set() if sampling.ignore_eos else set(engine.eos_ids)
     outputs = []
     for i, prompt in enumerate(prompts):
