@@ -370,3 +370,23 @@ def test_drafter_resumes_from_its_last_forest(tiny_models):
         for a, b in zip(got, want):
             torch.testing.assert_close(a.q_beam, b.q_beam, atol=1e-5, rtol=0)
         reuse.draft(contexts, [0.0, -1.0], 3, 2, sampling, 7)  # back to the first forest
+
+
+def test_dsbd_aded_drafter_starts_from_strategy_trigram(engine, tmp_path):
+    from pipeline.config import ConfigError
+    from pipeline.engines.trigram import TrigramMatrix
+
+    prompt = engine.tokenizer("Write a review of the lamp.").input_ids
+    path = str(tmp_path / "m.npz")
+    TrigramMatrix.from_sequences([prompt + prompt]).save(path)
+    params = DSBDParams(draft_width=2, num_draft_layers=2, trigram=path)
+    params.check_models(None)
+    try:
+        out = dsbd_search(engine, [prompt], 1, [3], SamplingParams(max_new_tokens=4, ignore_eos=True), params)
+        assert len(out[0].rows[0].token_ids) == 4
+        assert len(engine.drafter.initial) == len(TrigramMatrix.load(path)) > 0
+    finally:
+        engine.__dict__.pop("drafter", None)
+    (tmp_path / "bad.npz").write_bytes(b"no")
+    with pytest.raises(ConfigError, match="strategy.trigram"):
+        DSBDParams(trigram=str(tmp_path / "bad.npz")).check_models(None)

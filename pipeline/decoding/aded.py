@@ -440,14 +440,19 @@ class ADEDParams:
     def check_models(self, models) -> None:
         """Called by plan_build before any actor starts: a bad ``trigram`` file is a config error
         (exit 2, one line), not a failure inside the generator actor."""
-        from pipeline.config import ConfigError
-        from pipeline.engines.trigram import TrigramMatrix
+        check_trigram(self.trigram)
 
-        if self.trigram and "://" not in self.trigram:
-            try:
-                TrigramMatrix.load(self.trigram)
-            except ValueError as exc:
-                raise ConfigError(f"strategy.trigram: {exc}") from None
+
+def check_trigram(path: str) -> None:
+    """``strategy.trigram`` (aded, and dsbd without a draft model) must be a saved tri-gram matrix."""
+    from pipeline.config import ConfigError
+    from pipeline.engines.trigram import TrigramMatrix
+
+    if path and "://" not in path:
+        try:
+            TrigramMatrix.load(path)
+        except ValueError as exc:
+            raise ConfigError(f"strategy.trigram: {exc}") from None
 
 
 _MATRICES: dict[tuple, object] = {}
