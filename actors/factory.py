@@ -119,15 +119,14 @@ class Workers:
 
 
 def _draft_model(config: Config) -> str | None:
-    """The draft model to load, only for strategies that draft (pipeline.decoding.USES_DRAFT)."""
-    from pipeline.config import ConfigError
+    """The draft model to load, only for strategies that draft (pipeline.decoding.USES_DRAFT).
+    None when models.draft is empty: the strategy then drafts with ADED (the generator's engine
+    gets a pipeline.decoding.aded.ADEDLayerDrafter on first use, see dsbd_search)."""
     from pipeline.decoding import USES_DRAFT
 
     if config.strategy.name not in USES_DRAFT:
         return None
-    if not config.models.draft:
-        raise ConfigError(f"models.draft: strategy {config.strategy.name!r} needs a draft model")
-    return config.models.draft
+    return config.models.draft or None
 
 
 def ray_runtime_env(storage_options: dict | None = None) -> dict:

@@ -15,7 +15,7 @@ class GeneratorActor:
                  draft: str | None = None, draft_actor=None, backend: str = "hf"):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
-        (dsbd) find it as ``engine.drafter``. ``backend``: "hf" (HFEngine) or "vllm" (VLLMEngine,
+        (dsbd) find it as ``engine.drafter``; with neither, dsbd_search gives the engine an ADED drafter. ``backend``: "hf" (HFEngine) or "vllm" (VLLMEngine,
         Best-of-N and speculative rejection only)."""
         torch.set_num_threads(max(1, num_threads))
         if backend == "vllm":

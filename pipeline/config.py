@@ -29,7 +29,7 @@ class ModelsConfig:
     reward: str = ""
     """Reward model: an HF model directory or hub id (AutoModelForSequenceClassification, 1 label)."""
     draft: str | None = None
-    """Draft model for speculative methods (unused by best_of_n and sbon)."""
+    """Draft model for speculative methods (unused by best_of_n and sbon); empty: dsbd drafts with ADED."""
     dtype: str = "float32"
     """Torch dtype for all models: float32, bfloat16 or float16."""
     device: str = "cpu"

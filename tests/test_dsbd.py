@@ -178,13 +178,14 @@ def exact_beam_sampling(width: int, steps: int, start: int = 0) -> dict[tuple, f
     return out
 
 
-def decoder_pvalue(drafter, runs: int = 2500) -> float:
-    exact = exact_beam_sampling(width=2, steps=3)
+def decoder_pvalue(drafter, runs: int = 2500, prompt: tuple = (0,), stats: DecodeStats | None = None) -> float:
+    exact = exact_beam_sampling(width=2, steps=3, start=prompt[-1])
     keys = sorted(exact)
     counts = dict.fromkeys(keys, 0)
     params = DSBDParams(draft_width=3, num_draft_layers=2)
     for seed in range(runs):
-        counts[tuple(dsbd_decode(BigramTarget(), drafter, [0], params, SAMPLING, seed, fixed_width=2))] += 1
+        counts[tuple(dsbd_decode(BigramTarget(), drafter, list(prompt), params, SAMPLING, seed, stats=stats,
+                                 fixed_width=2))] += 1
     expected = torch.tensor([exact[k] for k in keys], dtype=torch.float64)
     return chisquare([counts[k] for k in keys], (expected / expected.sum() * runs).numpy()).pvalue
 
@@ -236,9 +237,94 @@ def test_dsbd_search_on_tiny_models(engine_with_draft, memory_mode):
     assert [[r.token_ids for r in o.rows] for o in again] == [[r.token_ids for r in o.rows] for o in out]
 
 
-def test_dsbd_needs_a_draft(engine):
-    with pytest.raises(ValueError, match="models.draft"):
-        dsbd_search(engine, [[1, 2]], 2, [1, 2], SAMPLING, DSBDParams())
+# -- ADED as the drafter (no draft model) ------------------------------------------------------
+
+
+def aded_layer_drafter(**kw):
+    from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
+    from pipeline.engines.trigram import TrigramMatrix
+
+    matrix = TrigramMatrix.from_sequences([[2, 1, 0, 0, 1, 2, 2, 0, 1, 1, 0]])
+    return ADEDLayerDrafter(ADEDDrafter(matrix, iterations=12, **kw), vocab_size=V)
+
+
+class MislabelledADED:
+    """ADED's deterministic drafts, but reported as drawn from a uniform q_beam: must be caught."""
+
+    def __init__(self):
+        self.inner = aded_layer_drafter()
+
+    def draft(self, *args):
+        layers = self.inner.draft(*args)
+        for layer in layers:
+            layer.q_beam = torch.full_like(layer.q_beam, 1 / layer.q_beam.numel())
+        return layers
+
+
+def test_aded_layer_drafter_is_one_hot_follows_the_matrix_and_learns():
+    drafter = aded_layer_drafter()
+    layers = drafter.draft([[2, 2, 1], [1, 2, 1]], [-1.0, -0.5], 3, 3, SAMPLING, 0)
+    assert len(layers) == 3 and all(len(layer.tokens) == 3 and len(set(layer.tokens)) == 1 for layer in layers)
+    assert layers[0].parents == [1, 1, 1] and all(layer.parents == [0, 0, 0] for layer in layers[1:])
+    assert [layer.q_beam.numel() for layer in layers] == [2 * V, 3 * V, 3 * V]
+    assert all(layer.q_beam.sum() == 1 and layer.q_beam.max() == 1 for layer in layers)
+    assert layers[0].q_beam[1 * V + layers[0].tokens[0]] == 1
+    # (2, 1) -> 0 is the matrix's only continuation; the chosen context (weight -0.5) was observed.
+    assert layers[0].tokens[0] == 0
+    matrix = drafter.drafter.matrix
+    assert matrix.probability(1, 2, 1) > 0
+    drafter.draft([[1, 2, 1, 2, 2]], [0.0], 1, 2, SAMPLING, 1)  # extends the last context: the new tri-grams
+    assert matrix.probability(2, 1, 2) > 0 and matrix.probability(1, 2, 2) > 0
+    drafter.reset()
+    assert matrix is not drafter.drafter.matrix and drafter.drafter.matrix.probability(2, 1, 2) == 0
+
+
+def test_dsbd_with_the_aded_drafter_is_distributed_as_beam_sampling():
+    """One-hot q_beam from ADED's deterministic drafts keeps Theorem 3.1: the final beam is
+    distributed as under beam sampling, with drafts accepted along the way; the tri-gram matrix
+    adapts across the runs (no reset)."""
+    stats = DecodeStats()
+    drafter = aded_layer_drafter()
+    before = len(drafter.drafter.matrix)
+    assert decoder_pvalue(drafter, runs=2000, prompt=(2, 1, 0), stats=stats) > 1e-3
+    assert stats.draft_layers_accepted > 0 and len(drafter.drafter.matrix) > before
+
+
+def test_the_distribution_test_catches_aded_drafts_with_a_wrong_q():
+    assert decoder_pvalue(MislabelledADED(), runs=2000, prompt=(2, 1, 0)) < 1e-6
+
+
+def test_speculative_decode_with_the_aded_drafter_is_distributed_as_multinomial_sampling():
+    from pipeline.decoding.speculative import speculative_decode
+
+    exact = exact_beam_sampling(width=1, steps=3)
+    keys = sorted(exact)
+    counts = dict.fromkeys(keys, 0)
+    runs = 2000
+    drafter, stats = aded_layer_drafter(), DecodeStats()
+    for seed in range(runs):
+        counts[tuple(speculative_decode(BigramTarget(), drafter, [1, 2, 0], 2, SAMPLING, seed, stats=stats))] += 1
+    expected = torch.tensor([exact[k] for k in keys], dtype=torch.float64)
+    assert chisquare([counts[k] for k in keys], (expected / expected.sum() * runs).numpy()).pvalue > 1e-3
+    assert stats.steps > stats.target_forwards  # some drafts were accepted
+
+
+def test_dsbd_without_a_draft_model_drafts_with_aded(engine):
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [engine.tokenizer(t).input_ids for t in ("Write a review of the lamp.", "Describe how")]
+    params = DSBDParams(draft_width=2, num_draft_layers=2)
+    assert getattr(engine, "drafter", None) is None
+    try:
+        out = dsbd_search(engine, prompts, 1, [3, 4], sampling, params)
+        from pipeline.decoding.aded import ADEDLayerDrafter
+
+        assert isinstance(engine.drafter, ADEDLayerDrafter) and len(engine.drafter.drafter.matrix) > 0
+        assert [sorted(r.row for r in o.rows) for o in out] == [[0], [1]]
+        assert all(len(r.token_ids) == 6 for o in out for r in o.rows)
+        again = dsbd_search(engine, prompts, 1, [3, 4], sampling, params)  # the matrix is reset per batch
+        assert [[r.token_ids for r in o.rows] for o in again] == [[r.token_ids for r in o.rows] for o in out]
+    finally:
+        engine.__dict__.pop("drafter", None)
 
 
 def test_dsbd_decode_stats_count_layers():
@@ -284,3 +370,23 @@ def test_drafter_resumes_from_its_last_forest(tiny_models):
         for a, b in zip(got, want):
             torch.testing.assert_close(a.q_beam, b.q_beam, atol=1e-5, rtol=0)
         reuse.draft(contexts, [0.0, -1.0], 3, 2, sampling, 7)  # back to the first forest
+
+
+def test_dsbd_aded_drafter_starts_from_strategy_trigram(engine, tmp_path):
+    from pipeline.config import ConfigError
+    from pipeline.engines.trigram import TrigramMatrix
+
+    prompt = engine.tokenizer("Write a review of the lamp.").input_ids
+    path = str(tmp_path / "m.npz")
+    TrigramMatrix.from_sequences([prompt + prompt]).save(path)
+    params = DSBDParams(draft_width=2, num_draft_layers=2, trigram=path)
+    params.check_models(None)
+    try:
+        out = dsbd_search(engine, [prompt], 1, [3], SamplingParams(max_new_tokens=4, ignore_eos=True), params)
+        assert len(out[0].rows[0].token_ids) == 4
+        assert len(engine.drafter.initial) == len(TrigramMatrix.load(path)) > 0
+    finally:
+        engine.__dict__.pop("drafter", None)
+    (tmp_path / "bad.npz").write_bytes(b"no")
+    with pytest.raises(ConfigError, match="strategy.trigram"):
+        DSBDParams(trigram=str(tmp_path / "bad.npz")).check_models(None)

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from actors import start_workers  # noqa: E402
 from jobs.build_dataset import main  # noqa: E402
-from pipeline.config import ConfigError, config_from_dict  # noqa: E402
+from pipeline.config import config_from_dict  # noqa: E402
+from pipeline.decoding.dsbd import DSBDParams  # noqa: E402
 from pipeline.decoding.sampling import SamplingParams  # noqa: E402
 from tests.conftest import GOOD_PROMPTS, write_jsonl  # noqa: E402
 
@@ -38,9 +39,23 @@ def config(tiny_models, placement: str, local: bool = False, draft: bool = True)
     })
 
 
-def test_dsbd_without_a_draft_model_is_a_config_error(tiny_models):
-    with pytest.raises(ConfigError, match="models.draft"):
-        start_workers(config(tiny_models, "colocated", local=True, draft=False))
+def test_dsbd_without_a_draft_model_starts_workers_that_draft_with_aded(tiny_models):
+    workers = start_workers(config(tiny_models, "colocated", local=True, draft=False))
+    out = workers.generators[0].search("dsbd", [[1, 40, 41]], 1, [0], SamplingParams(max_new_tokens=4),
+                                       DSBDParams(draft_width=2))
+    assert len(out[0].rows[0].token_ids) <= 4 and out[0].stats["drafted_tokens"] > 0
+
+
+def test_build_job_with_dsbd_and_no_draft_model_in_process(tiny_models, tmp_path):
+    """No models.draft: DSBD drafts with ADED (issue 4, item 9); a batch's pairs are reproducible."""
+    prompt_file = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
+    no_draft = ("--set", "models.draft=", "--set", "runtime.local=true")
+    manifest, rows = build(tiny_models, prompt_file, tmp_path / "a", *no_draft)
+    assert manifest["pairs"] == 2 and not manifest["config"]["models"]["draft"]
+    assert {r["strategy"] for r in rows} == {"dsbd"} and all(r["num_candidates"] == 2 for r in rows)
+    _, again = build(tiny_models, prompt_file, tmp_path / "b", *no_draft)
+    keys = ("prompt_id", "chosen", "rejected", "chosen_score", "rejected_score")
+    assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in rows]
 
 
 def build(tiny_models, prompt_file, out, *extra):

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from pipeline.decoding.protocols import RowState, SearchOutput
+from pipeline.decoding.protocols import DraftLayer, RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams, sample_next
 from pipeline.engines.tree import TokenTree
 
@@ -198,6 +198,75 @@ class ADEDDrafter:
     def observe(self, context: list[int], new_tokens: int) -> None:
         if self.adaptive:  # each new tri-gram once (Algorithm 2 over the last new_tokens + 2 tokens)
             self.matrix.update(context, new_tokens + 2, self.increment, self.max_prob)
+
+
+@dataclass
+class ADEDLayerDrafter:
+    """ADED as a DSBD / speculative-decoding Drafter (pipeline.decoding.protocols.Drafter), for when
+    no draft model is configured (issue 4, item 9).
+
+    Per call it drafts from the highest-weighted context (largest prefix_logp; ties: the first):
+    the MCTS (appendix Algorithm 1, Eq. 2-3) over the tri-gram matrix runs ``depth`` levels deep
+    and its most-visited leaf's path is the draft; a path shorter than ``depth`` goes on with the
+    matrix's most probable continuation, and where the matrix knows none, repeats the last token.
+    Given the MCTS's random stream (seeded by ``seed``, independent of the verifier's uniforms) this
+    is a deterministic choice, so each layer holds ``width`` copies of one node and its q_beam is
+    one-hot over (parent, token): the nodes ARE iid draws from it, which is all DSBD's Theorem 3.1
+    and Leviathan et al.'s acceptance (accept x with p(x), else resample from norm(max(0, p - q)))
+    need for the output to keep the target's distribution. Layer 1's parent is the chosen context;
+    deeper layers continue node 0 of the layer above (a passed layer always accepted node 0: after a
+    rejection p'(x) = 0 for the one drafted x, so later copies are rejected too).
+
+    Adaptive update (appendix Algorithm 2): the contexts DSBD drafts from are the prompt plus
+    target-verified tokens, so before drafting, the tokens of the chosen context that are new since
+    the last call (beyond their common prefix with it; all of it, prompt included, for a new row)
+    go to ``ADEDDrafter.observe``. ``reset()`` restores the matrix it started with; dsbd_search
+    calls it once per batch so that a batch's output depends only on its prompts and seeds
+    (reproducible, resumable), while the matrix adapts across the batch's rows and iterations."""
+
+    drafter: ADEDDrafter
+    vocab_size: int
+    """The target's output vocabulary: q_beam rows have this many tokens."""
+    initial: object = field(init=False)
+    seen: list[int] = field(init=False, default_factory=list)
+
+    def __post_init__(self):
+        self.initial = self.drafter.matrix.copy()
+
+    def reset(self) -> None:
+        self.drafter.matrix = self.initial.copy()
+        self.seen = []
+
+    def draft(self, contexts: list[list[int]], prefix_logp: list[float], width: int, depth: int,
+              sampling: SamplingParams, seed: int) -> list[DraftLayer]:
+        best = max(range(len(contexts)), key=lambda i: (prefix_logp[i], -i))
+        context = list(contexts[best])
+        common = 0
+        for a, b in zip(context, self.seen):
+            if a != b:
+                break
+            common += 1
+        if len(context) > common:
+            self.drafter.observe(context, len(context) - common)
+        self.seen = context
+        matrix = self.drafter.matrix
+        found = mcts_drafts(matrix, context, self.drafter.iterations, depth, 1, self.drafter.c1, self.drafter.c2,
+                            random.Random(seed))
+        path = found[0] if found else []
+        state = context + path
+        while len(path) < depth:
+            conts = matrix.continuations(state[-2], state[-1]) if len(state) >= 2 else []
+            token = conts[0][0] if conts else state[-1]
+            path.append(token)
+            state.append(token)
+        layers = []
+        for level, token in enumerate(path):
+            parents = len(contexts) if level == 0 else width
+            parent = best if level == 0 else 0
+            q_beam = torch.zeros(parents * self.vocab_size)
+            q_beam[parent * self.vocab_size + token] = 1.0
+            layers.append(DraftLayer([parent] * width, [token] * width, q_beam))
+        return layers
 
 
 @dataclass
@@ -371,14 +440,19 @@ class ADEDParams:
     def check_models(self, models) -> None:
         """Called by plan_build before any actor starts: a bad ``trigram`` file is a config error
         (exit 2, one line), not a failure inside the generator actor."""
-        from pipeline.config import ConfigError
-        from pipeline.engines.trigram import TrigramMatrix
+        check_trigram(self.trigram)
 
-        if self.trigram and "://" not in self.trigram:
-            try:
-                TrigramMatrix.load(self.trigram)
-            except ValueError as exc:
-                raise ConfigError(f"strategy.trigram: {exc}") from None
+
+def check_trigram(path: str) -> None:
+    """``strategy.trigram`` (aded, and dsbd without a draft model) must be a saved tri-gram matrix."""
+    from pipeline.config import ConfigError
+    from pipeline.engines.trigram import TrigramMatrix
+
+    if path and "://" not in path:
+        try:
+            TrigramMatrix.load(path)
+        except ValueError as exc:
+            raise ConfigError(f"strategy.trigram: {exc}") from None
 
 
 _MATRICES: dict[tuple, object] = {}

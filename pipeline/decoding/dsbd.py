@@ -62,6 +62,9 @@ class DSBDParams:
     """W_min of Eq. 6."""
     memory_mode: bool = False
     """Section 3.4: keep only the lowest-perplexity output beam (one KV cache row) between iterations."""
+    trigram: str = ""
+    """With no models.draft, ADED drafts: its starting tri-gram matrix (.npz from TrigramMatrix.save,
+    e.g. jobs.build_trigram); empty: it starts empty and learns from the prompts and beams."""
 
     def __post_init__(self):
         from pipeline.config import ConfigError
@@ -72,6 +75,12 @@ class DSBDParams:
             raise ConfigError(f"strategy.min_width: {self.min_width} exceeds draft_width {self.draft_width}")
         if not 0 <= self.acceptance_threshold <= 1:
             raise ConfigError(f"strategy.acceptance_threshold: must be in [0, 1], got {self.acceptance_threshold}")
+
+    def check_models(self, models) -> None:
+        """plan_build, before any actor starts: a bad ``trigram`` file is a config error (exit 2)."""
+        from pipeline.decoding.aded import check_trigram
+
+        check_trigram(self.trigram)
 
 
 # -- the math (pure functions over tensors) ---------------------------------------------------
@@ -353,13 +362,22 @@ def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], param
 def dsbd_search(engine, prompts: list[list[int]], num_samples: int, seeds: list[int], sampling: SamplingParams,
                 params: DSBDParams) -> list[SearchOutput]:
     """MODEL_SIDE["dsbd"]: each candidate is one DSBD generation seeded by its row seed.
-    ``engine`` needs ``.model``, ``.tokenizer``, ``.device``, ``.eos_ids`` and ``.drafter``
-    (a Drafter: the draft model in-process or a DraftActor proxy, see actors/generator.py)."""
+    ``engine`` needs ``.model``, ``.tokenizer``, ``.device``, ``.eos_ids`` and may have ``.drafter``
+    (a Drafter: the draft model in-process or a DraftActor proxy, see actors/generator.py). With
+    none (no models.draft), ADED drafts: pipeline.decoding.aded.ADEDLayerDrafter over a tri-gram
+    matrix that starts as ``params.trigram`` (or empty) and learns from each batch's prompts and
+    verified beams; it is made on the first call and keeps that starting matrix."""
     from pipeline.engines.tree import TreeSession
+
+    from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
+    from pipeline.engines.trigram import TrigramMatrix
 
     drafter = getattr(engine, "drafter", None)
     if drafter is None:
-        raise ValueError("dsbd needs a draft model: set models.draft")
+        matrix = TrigramMatrix.load(params.trigram) if params.trigram else TrigramMatrix()
+        drafter = engine.drafter = ADEDLayerDrafter(ADEDDrafter(matrix), engine.model.get_output_embeddings().out_features)
+    if isinstance(drafter, ADEDLayerDrafter):
+        drafter.reset()  # each batch starts from the same matrix: reproducible, resumable
     eos = set() if sampling.ignore_eos else set(engine.eos_ids)
     outputs = []
     for i, prompt in enumerate(prompts):
