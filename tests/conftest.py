@@ -29,6 +29,18 @@ def scorer(tiny_models):
     return RewardScorer.from_pretrained(str(tiny_models["reward"]))
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """A fresh local Ray cluster on loopback for one test module; address="local" so that it never
+    attaches to another cluster this machine happens to run."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     with open(path, "w") as f:
         for row in rows:

@@ -21,13 +21,6 @@ pytestmark = pytest.mark.integration
 SAMPLING = SamplingParams(max_new_tokens=10)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def config(tiny_models, placement: str, local: bool = False, draft: bool = True):
     return config_from_dict({
         "models": {"generator": str(tiny_models["generator"]), "reward": str(tiny_models["reward"]),

@@ -17,13 +17,6 @@ from tests.conftest import GOOD_PROMPTS, MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def config(tiny_models, **runtime):
     return config_from_dict({
         "models": {"generator": str(tiny_models["generator"]), "reward": str(tiny_models["reward"])},

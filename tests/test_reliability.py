@@ -25,13 +25,6 @@ EXPECTED_IDS = sorted(prompt_id(p) for p in GOOD_PROMPTS)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("in") / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS])
 

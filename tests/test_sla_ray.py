@@ -19,13 +19,6 @@ from tests.test_reward_transformer import synthetic_pairs  # noqa: E402
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_sla_on_ray_actors_matches_in_process(cluster, tiny_models, scorer, tmp_path):
     tok = load_tokenizer(str(tiny_models["generator"]))
     rt = RewardTransformer.from_pretrained(str(tiny_models["generator"]), hidden_size=16)
