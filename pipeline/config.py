@@ -238,6 +238,10 @@ def _names(types) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
+# Strategies the vLLM backend serves (the others run model-side on the HF engine).
+VLLM_STRATEGIES = {"best_of_n", "sbon", "speculative_rejection"}
+
+
 def config_from_dict(raw: dict) -> Config:
     raw = dict(raw or {})
     strategy = dict(raw.pop("strategy", None) or {})
@@ -246,6 +250,9 @@ def config_from_dict(raw: dict) -> Config:
     strategy_config = StrategyConfig(name=name, params=strategy)
     cfg = _build(Config, raw, "config")
     cfg.strategy = strategy_config
+    if cfg.models.backend == "vllm" and name not in VLLM_STRATEGIES:
+        raise ConfigError(f"models.backend: vllm serves {', '.join(sorted(VLLM_STRATEGIES))} only, "
+                          f"not strategy {name!r}; use backend hf")
     return cfg
 
 

@@ -38,6 +38,7 @@ def test_unknown_keys_are_named(raw, key):
     ({"strategy": {"name": "nope"}}, "unknown strategy"),
     ({"data": {"overlength": "drop"}}, "data.overlength"),
     ({"sampling": {"top_p": 0}}, "top_p"),
+    ({"models": {"backend": "vllm"}, "strategy": {"name": "dsbd"}}, "vllm serves"),
 ])
 def test_invalid_values_are_rejected(raw, needle):
     with pytest.raises(ConfigError, match=needle):
