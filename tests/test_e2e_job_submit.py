@@ -23,10 +23,51 @@ REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all sockets held open together, so no port repeats)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def start_head(env: dict, log) -> tuple[subprocess.Popen, str, int]:
+    """`ray start --head` on free ports. Ray's fixed default ports (agent 52365, client 10001) may be
+    taken by other local clusters, and Ray picks its own remaining ports at random, which can
+    collide with ours: a head that exits while starting is retried on fresh ports."""
+    for attempt in range(3):
+        dashboard, gcs_port, agent, agent_grpc, metrics, runtime_env, client = free_ports(7)
+        # --block keeps `ray start` in the foreground as the owner of this cluster's processes:
+        # SIGTERM to it stops exactly this cluster. (`ray stop` would stop every Ray cluster here.)
+        head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                                 f"--port={gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                                 "--num-cpus=2", f"--dashboard-agent-listen-port={agent}",
+                                 f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+                                 f"--runtime-env-agent-port={runtime_env}", f"--ray-client-server-port={client}",
+                                 "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        address = f"http://127.0.0.1:{dashboard}"
+        # Ready when a job can be submitted (the dashboard answers before its job agent is up).
+        deadline = time.time() + 180
+        while subprocess.run([RAY, "job", "submit", "--address", address, "--no-wait", "--", "true"], env=env,
+                             capture_output=True, timeout=60).returncode != 0:
+            if head.poll() is not None:
+                break
+            assert time.time() < deadline, open(log.name).read()[-2000:]
+            time.sleep(2)
+        else:
+            return head, address, gcs_port
+        try:
+            os.killpg(head.pid, 9)  # whatever the failed head had started
+        except ProcessLookupError:
+            pass
+        log.write(f"\n--- head exited with {head.returncode} (attempt {attempt + 1}); retrying on new ports ---\n")
+        log.flush()
+    raise AssertionError(open(log.name).read()[-2000:])
 
 
 @pytest.fixture(scope="module")
@@ -34,28 +75,9 @@ def head(tmp_path_factory):
     # A private token: the cluster and the job client authenticate with it, nothing else is trusted.
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            "RAY_USAGE_STATS_ENABLED": "0"}
-    dashboard = free_port()
-    address = f"http://127.0.0.1:{dashboard}"
-    # --block keeps `ray start` in the foreground as the owner of this cluster's processes: SIGTERM to
-    # it stops exactly this cluster. (`ray stop` would stop every Ray cluster on the machine.)
     log = open(tmp_path_factory.mktemp("ray-head") / "ray-start.log", "w")
-    gcs_port = free_port()
-    head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2",
-                             # Ray's fixed default ports (agent 52365, client 10001) may be taken by
-                             # other local clusters on this machine: the job agent then never comes up.
-                             f"--dashboard-agent-listen-port={free_port()}",
-                             f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
-                             f"--runtime-env-agent-port={free_port()}", f"--ray-client-server-port={free_port()}",
-                             "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    head, address, gcs_port = start_head(env, log)
     try:
-        # Ready when a job can be submitted (the dashboard answers before its job agent is up).
-        deadline = time.time() + 180
-        while subprocess.run([RAY, "job", "submit", "--address", address, "--no-wait", "--", "true"], env=env,
-                             capture_output=True, timeout=60).returncode != 0:
-            assert head.poll() is None and time.time() < deadline, open(log.name).read()[-2000:]
-            time.sleep(2)
         yield env, address
     finally:
         head.terminate()
