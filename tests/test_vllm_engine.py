@@ -104,3 +104,8 @@ def test_real_vllm_best_of_n_and_sbon(tiny_models):
     results = speculative_rejection(prompts, engine, scorer, SpeculativeRejectionParams(8, 0.5), sampling, 4, 0)
     assert len(results[0].candidates) == 4 and sum(c.stopped_early for c in results[0].candidates) >= 1
     assert len(best_of_n(prompts, engine, scorer, BestOfNParams(), sampling, 4, 0)[0].candidates) == 4
+
+
+def test_model_side_methods_are_refused_by_the_vllm_backend():
+    with pytest.raises(ValueError, match="not the model-side method 'dsbd'"):
+        fake_engine().search("dsbd", [[1, 2]], 2, [0, 1], None, None)

@@ -150,7 +150,8 @@ class VLLMEngine:
                 "open_sessions": len(self.sessions)}
 
     def search(self, method: str, *args, **kwargs):
-        raise NotImplementedError(f"the vLLM backend serves best_of_n and sbon only, not the model-side method {method!r}")
+        # Config refuses this pairing up front (pipeline.config.VLLM_STRATEGIES); this guards direct use.
+        raise ValueError(f"the vLLM backend serves best_of_n and sbon only, not the model-side method {method!r}")
 
     def _session(self, session: str) -> _Session:
         try:
