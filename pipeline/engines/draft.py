@@ -17,7 +17,7 @@ from pipeline.decoding.dsbd import beam_distribution
 from pipeline.decoding.protocols import DraftLayer
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import inverse_cdf
-from pipeline.engines.hf import DTYPES
+from pipeline.engines.hf import DTYPES, left_pad
 
 
 class HFDrafter:
@@ -75,15 +75,9 @@ class HFDrafter:
         return cache, mask, positions, logq
 
     def _prefill(self, contexts: list[list[int]]):
-        longest = max(len(c) for c in contexts)
-        ids = torch.zeros((len(contexts), longest), dtype=torch.long)
-        mask = torch.zeros((len(contexts), longest), dtype=torch.long)
-        for i, c in enumerate(contexts):
-            ids[i, longest - len(c):] = torch.tensor(c)
-            mask[i, longest - len(c):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask, position_ids = left_pad(contexts, 0, self.device)
         cache = DynamicCache(config=self.model.config)
-        logq = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)  # [W_L, V]
+        logq = self._forward(ids, mask, position_ids, cache)  # [W_L, V]
         return cache, mask, mask.sum(-1), logq
 
     @torch.inference_mode()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForSequenceClassification, DynamicCache
 
-from pipeline.engines.hf import DTYPES, load_tokenizer
+from pipeline.engines.hf import DTYPES, left_pad, load_tokenizer
 
 
 class RewardScorer:
@@ -169,21 +169,17 @@ class RewardScorer:
         width = max(len(heads[p]) for p in order)
         if width == 0:
             return
-        input_ids = torch.full((len(order), width), int(self.tokenizer.pad_token_id), dtype=torch.long)
-        mask = torch.zeros((len(order), width), dtype=torch.long)
-        for j, p in enumerate(order):  # left padding, as the generator's prefill
-            if heads[p]:
-                input_ids[j, width - len(heads[p]):] = torch.tensor(heads[p])
-                mask[j, width - len(heads[p]):] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        # left padding, as the generator's prefill
+        input_ids, mask, position_ids = left_pad([heads[p] for p in order], int(self.tokenizer.pad_token_id),
+                                                 self.device)
         base_model = getattr(self.model, self.model.base_model_prefix)
-        base_model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                   position_ids=position_ids.to(self.device), past_key_values=group.cache, use_cache=True)
+        base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=group.cache,
+                   use_cache=True)
         self.forward_passes += 1
         self.tokens_read += int(mask.sum())
         index = [order.index(p) for p in prompts]
         group.cache.batch_select_indices(torch.tensor(index, device=self.device))  # fan out: [P, W] -> [B, W]
-        group.mask = mask[index]
+        group.mask = mask[index].cpu()  # kept on the host; moved per forward pass
         for i, p in enumerate(prompts):
             group.ids[i] = list(heads[p])
             group.cols[i] = list(range(width - len(heads[p]), width))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from pipeline.engines.hf import left_pad
 from pipeline.engines.tree import TokenTree, TreeVerification, commit_paths, verify_tree
 
 
@@ -31,15 +32,9 @@ class TreeTarget:
     @torch.inference_mode()
     def open(self, prompts: list[list[int]], num_samples: int) -> torch.Tensor:
         """Prefill the left-padded prompts once, then repeat each for its num_samples rows. [R, V]."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask, position_ids = left_pad(prompts, self.pad_id, self.device)
         self.cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.forward_passes += 1
         self.cache.batch_repeat_interleave(num_samples)
