@@ -45,7 +45,7 @@ bench-dsbd: install $(TINY_MODELS)/generator/config.json
 
 # Trained bench models (about 10 minutes on 2 cores; cached) and the speculative-rejection benchmark.
 $(BENCH_MODELS)/generator/config.json: | $(STAMP)
-	$(PY) -m jobs.make_tiny_models --trained --output $(BENCH_MODELS)
+	$(PY) -m jobs.bench_models --output $(BENCH_MODELS)
 
 bench-sbon: install $(BENCH_MODELS)/generator/config.json
 	$(PY) -m benchmarks.sbon --models $(BENCH_MODELS) --json out/sbon.json --png out/sbon.png

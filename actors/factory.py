@@ -1,101 +1,27 @@
 """The one factory that chooses local (in-process) or Ray execution for the workers.
 
-On Ray each actor sits behind a RemoteProxy, a stable slot the coordinator holds: when its actor
-dies (RayActorError) or a call outlives ``runtime.call_timeout_s`` (the actor is killed), the proxy
-raises WorkerFailure, whose recovery starts a replacement actor with the same options (same
-placement-group bundle) and swaps it into the slot. The coordinator then resubmits the batch.
+On Ray each actor sits behind a RemoteProxy (actors.remote), a stable slot the coordinator holds,
+which replaces a dead or hung actor with one started the same way (same placement-group bundle).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from actors.faults import parse_faults, with_faults
 from pipeline.config import Config
-from pipeline.coordinator import Serialized, WorkerFailure
+from pipeline.coordinator import Serialized
+
+from actors.remote import RemoteProxy
+from pipeline.methods import method
 
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
            "AWS_DEFAULT_REGION", "AWS_REGION")
-STARTUP_TIMEOUT_S = 300.0
 # storage_options keys (s3fs) and the AWS variables that carry the same setting to a worker.
 STORAGE_ENV = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN",
                "endpoint_url": "AWS_ENDPOINT_URL"}
-
-
-class RemoteProxy:
-    """Blocking method calls on a Ray actor, so algorithm code sees a plain object. Each
-    coordinator thread blocks on its own call; many calls are in flight at once."""
-
-    def __init__(self, handle: Any = None, *, spawn: Callable[[], Any] | None = None, name: str = "actor",
-                 timeout_s: float | None = None):
-        """Either an actor ``handle`` (no replacement: a dead actor stays dead and its batches fail
-        after their attempts) or ``spawn``, which starts the actor now and again after each failure."""
-        if (handle is None) == (spawn is None):
-            raise ValueError("give an actor handle or a spawn function")
-        self._spawn = spawn
-        self._handle = spawn() if spawn is not None else handle
-        self._lock = threading.Lock()
-        self.name = name
-        self.timeout_s = timeout_s
-        self.restarts = 0
-
-    @property
-    def handle(self) -> Any:
-        return self._handle
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self.call(self._handle, name, args, kwargs)
-
-    def pinned(self) -> _Pinned:
-        """A view bound to the current actor, for a stateful sequence of calls (a decoding session
-        lives in one actor's memory): once that actor is replaced, its calls fail instead of
-        reaching the new actor, which never saw the session."""
-        return _Pinned(self, self._handle)
-
-    def call(self, handle: Any, name: str, args: tuple, kwargs: dict) -> Any:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        try:
-            return ray.get(getattr(handle, name).remote(*args, **kwargs), timeout=self.timeout_s)
-        except RayActorError as exc:
-            cause = f"{self.name} actor died during {name}() ({type(exc).__name__})"
-        except GetTimeoutError:
-            ray.kill(handle, no_restart=True)
-            cause = f"{self.name} actor hung: {name}() took over {self.timeout_s:g}s; killed"
-        raise WorkerFailure(cause, lambda: self.replace(handle))
-
-    def replace(self, failed: Any) -> None:
-        """Start a new actor in place of ``failed``, unless another thread already did."""
-        import ray
-
-        with self._lock:
-            if self._handle is not failed or self._spawn is None:
-                return
-            ray.kill(failed, no_restart=True)
-            self._handle = self._spawn()
-            self.restarts += 1
-            try:  # a fresh actor loads its model first: give it at least STARTUP_TIMEOUT_S
-                ray.get(self._handle.stats.remote(), timeout=max(self.timeout_s or 0, STARTUP_TIMEOUT_S))
-            except Exception as exc:  # noqa: BLE001 - a replacement that cannot start is one more failure
-                raise WorkerFailure(f"replacement {self.name} actor failed to start ({exc})",
-                                    lambda: self.replace(self._handle)) from None
-
-
-class _Pinned:
-    def __init__(self, proxy: RemoteProxy, handle: Any):
-        self._proxy = proxy
-        self._handle = handle
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self._proxy.call(self._handle, name, args, kwargs)
 
 
 @dataclass
@@ -119,12 +45,9 @@ class Workers:
 
 
 def _draft_model(config: Config) -> str | None:
-    """The draft model to load, only for strategies that draft (pipeline.decoding.USES_DRAFT).
-    None when models.draft is empty: the strategy then drafts with ADED (the generator's engine
-    gets a pipeline.decoding.aded.ADEDLayerDrafter on first use, see dsbd_search)."""
-    from pipeline.decoding import USES_DRAFT
-
-    if config.strategy.name not in USES_DRAFT:
+    """The draft model to load, only for strategies that draft (their registry record's uses_draft).
+    None when models.draft is empty: the strategy then drafts with ADED (pipeline.decoding.dsbd.search)."""
+    if not method(config.strategy.name).uses_draft:
         return None
     return config.models.draft or None
 

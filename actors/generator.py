@@ -15,8 +15,8 @@ class GeneratorActor:
                  draft: str | None = None, draft_actor=None, backend: str = "hf"):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
-        (dsbd) find it as ``engine.drafter``; with neither, dsbd_search gives the engine an ADED drafter. ``backend``: "hf" (HFEngine) or "vllm" (VLLMEngine,
-        Best-of-N and speculative rejection only)."""
+        (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``: "hf"
+        (HFEngine) or "vllm" (VLLMEngine, for the methods whose registry record lists it)."""
         torch.set_num_threads(max(1, num_threads))
         if backend == "vllm":
             from pipeline.engines.vllm_engine import VLLMEngine
@@ -25,7 +25,7 @@ class GeneratorActor:
         else:
             self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype)
         if draft_actor is not None:
-            from actors.factory import RemoteProxy
+            from actors.remote import RemoteProxy
 
             self.engine.drafter = RemoteProxy(draft_actor)
         elif draft:

@@ -39,8 +39,8 @@ from jobs.make_tiny_models import ASKS, SUBJECTS, corpus, make_tiny_models
 from pipeline.decoding.aded import ADEDDrafter, RetrievalDrafter, aded_decode
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
-from pipeline.engines.tree_target import TreeTarget
-from pipeline.engines.trigram import TrigramMatrix
+from pipeline.decoding.trigram import TrigramMatrix
+from pipeline.engines.adapters import TreeTarget
 
 
 def fine_tune(engine: HFEngine, sequences: list[list[int]], steps: int, seed: int = 0) -> float:
@@ -67,7 +67,7 @@ def fine_tune(engine: HFEngine, sequences: list[list[int]], steps: int, seed: in
 
 class _NoDraft:
     def propose(self, context):
-        from pipeline.engines.tree import TokenTree
+        from pipeline.decoding.tree import TokenTree
 
         return TokenTree([], [])
 

@@ -24,8 +24,8 @@ DSBD in memory mode (gamma 2, t 0.5 and 0.9, each W_S). Then:
 - draft placement: one DSBD setting with the draft in-process vs in a Ray DraftActor (a round
   trip per iteration); --no-ray skips it.
 
-Models: --models DIR holds DIR/generator and DIR/draft (e.g. `python -m jobs.make_tiny_models
---trained --output DIR`, prompts from DIR/prompts.jsonl when present, else configs/prompts/demo.jsonl);
+Models: --models DIR holds DIR/generator and DIR/draft (e.g. `python -m jobs.bench_models
+--output DIR`, prompts from DIR/prompts.jsonl when present, else configs/prompts/demo.jsonl);
 without it the random tiny models are built in a temp dir. Random
 weights make perplexity nearly flat, so quality differences there mean little; speed ratios still
 hold. --random-large builds a random-init ~1B target and ~100M draft (bf16 on cuda) so decoding is
@@ -56,7 +56,7 @@ from pipeline.decoding.dsbd import DecodeStats, DSBDParams, beam_sampling, dsbd_
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import speculative_decode
 from pipeline.engines.draft import HFDrafter
-from pipeline.engines.tree import TreeSession
+from pipeline.engines.adapters import TreeSession
 
 GRIDS = {"quick": {"W_S": [2, 3, 4], "gamma": [2, 3], "t": [0.7, 0.9]},
          "paper": {"W_S": [2, 3, 4, 5, 6], "gamma": [2, 3], "t": [0.7, 0.9]},
@@ -193,7 +193,7 @@ def placement(args, draft_model, target, prompts, seeds, sampling, label) -> dic
     import ray
 
     from actors.draft import DraftActor
-    from actors.factory import RemoteProxy
+    from actors.remote import RemoteProxy
 
     source = args.model_dir
     if source is None:

@@ -4,7 +4,7 @@ Table 1 of "Accelerating Best-of-N via Speculative Rejection".
     python -m benchmarks.sbon [--models DIR] [--n 16 64] [--sr 8:0.9 16:0.8 ...] [--device cpu|cuda]
     python -m benchmarks.sbon --synthetic 1b --device cuda      # speed only, random ~1B Llama pair
 
-Bench models: DIR/generator and DIR/reward from ``python -m jobs.make_tiny_models --trained
+Bench models: DIR/generator and DIR/reward from ``python -m jobs.bench_models
 --output DIR`` (built here when missing; cached). Rows, for each N:
 - Best-of-N (the reference: speedup 1, score 100);
 - speculative rejection at each (tau, alpha) of ``--sr`` ("TAU[,TAU...]:ALPHA"; a list of taus

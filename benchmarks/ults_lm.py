@@ -35,7 +35,7 @@ from jobs.make_tiny_models import ASKS, SUBJECTS, corpus, make_tiny_models
 from pipeline.decoding.ults import (DirichletPrior, EmpiricalPrior, beam_search, collect_softmax,
                                     fit_level_beliefs, ults_search)
 from pipeline.engines.hf import HFEngine
-from pipeline.engines.path_cache import PathCacheExpander
+from pipeline.engines.adapters import PathCacheExpander
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """Trained bench models: a review grammar with a known quality signal, and small Llama models
 trained on it, so that reward-correlation and speed figures mean something.
 
-    python -m jobs.make_tiny_models --trained --output DIR
+    python -m jobs.bench_models --output DIR [--seed 0]
 
 The corpus. Each review answers a prompt such as "Write a review of the blender." and is a few
 sentences long. A hidden reviewer skill q = u^2, u ~ U(0, 1), drives every sentence: with probability q a
@@ -295,3 +295,22 @@ def make_bench_models(output: str | Path, settings: BenchSettings | None = None,
     finally:
         torch.set_num_threads(threads)
     return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True, help="directory to write generator/, draft/ and reward/ into")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    for name, path in make_bench_models(args.output, BenchSettings(seed=args.seed)).items():
+        print(f"{name}: {path}")
+    print(f"built in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,7 +16,8 @@ import sys
 from tqdm.auto import tqdm
 
 from pipeline.engines.hf import load_tokenizer
-from pipeline.engines.trigram import TrigramMatrix
+from pipeline.decoding.trigram import TrigramMatrix
+from pipeline.engines.trigram import save_trigram
 
 
 def read_documents(path: str) -> list[str]:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sequences = [tokenizer(doc, add_special_tokens=False).input_ids for doc in tqdm(docs, desc="tokenizing")]
     matrix = TrigramMatrix.from_sequences(sequences, args.top_t)
-    matrix.save(args.output)
+    save_trigram(matrix, args.output)
     print(f"{len(docs)} documents, {len(matrix.table)} contexts, {len(matrix)} continuations -> {args.output}")
     return 0
 

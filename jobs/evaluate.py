@@ -22,14 +22,14 @@ from pipeline.data.prompts import InputError
 
 
 def parse_args(argv):
-    from pipeline.evaluation import METHODS
+    from pipeline.evaluation import CHOICES
 
     parser = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="policy or Reward Transformer directory")
     parser.add_argument("--judge", required=True, help="reward model (sequence classifier) that judges")
     parser.add_argument("--prompts", required=True, help="JSONL/Parquet/saved dataset with a prompt column")
     parser.add_argument("--prompt-column", default="prompt")
-    parser.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(CHOICES)}")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=None, help="evaluate the first P valid prompts")
     parser.add_argument("--num-samples", type=int, default=8, help="N of speculative rejection")
@@ -58,21 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError
     from pipeline.decoding.sla import SLAParams
     from pipeline.engines.reward_transformer import has_trained_channel
-    from pipeline.evaluation import METHODS, compare, format_report
+    from pipeline.evaluation import CHOICES, DEFAULT_METHODS, compare, format_report
 
     try:
         sla_params = SLAParams(args.search_depth, args.search_width, args.step_size)
         trained = has_trained_channel(args.model)
         if args.methods:
             methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-            unknown = [m for m in methods if m not in METHODS]
+            unknown = [m for m in methods if m not in CHOICES]
             if unknown:
-                raise ConfigError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+                raise ConfigError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(CHOICES)}")
             if "sla" in methods and not trained:
                 raise ConfigError(f"--model: 'sla' needs a trained reward channel, {args.model!r} has none "
                                   "(train one with python -m jobs.train_reward_transformer)")
         else:
-            methods = [m for m in METHODS if m != "sla" or trained]
+            methods = [m for m in DEFAULT_METHODS if m != "sla" or trained]
             if not trained:
                 print(f"note: {args.model} has no trained reward channel; sla skipped", file=sys.stderr)
     except ConfigError as exc:

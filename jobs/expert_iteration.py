@@ -49,13 +49,13 @@ def round_config(args, r: int, generator: str, pairs: Path):
     does not take (e.g. SLA's step_size while round 0 runs sbon) wait for the round that does."""
     import dataclasses
 
-    from pipeline.decoding import STRATEGY_PARAMS
+    from pipeline.methods import method
 
     strategy = args.strategy_after if r > 0 and args.strategy_after else None
     plain = [o for o in args.overrides if not o.startswith("strategy.")]
     name = strategy or load_config(args.config, plain + [o for o in args.overrides if o.startswith("strategy.name=")]
                                    ).strategy.name
-    known = {f.name for f in dataclasses.fields(STRATEGY_PARAMS[name])} | {"name"}
+    known = {f.name for f in dataclasses.fields(method(name).params)} | {"name"}
     overrides = [o for o in args.overrides
                  if not o.startswith("strategy.") or o.split("=", 1)[0].split(".", 1)[1] in known]
     # The round's own settings come last: they win over the user's --set.

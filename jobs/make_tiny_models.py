@@ -1,15 +1,13 @@
 """Build the tiny local models the demo and the tests use, deterministically for a seed.
 
     python -m jobs.make_tiny_models --output DIR [--seed 0]
-    python -m jobs.make_tiny_models --trained --output DIR    # trained bench models (jobs.bench_models)
 
 Writes DIR/generator (LlamaForCausalLM), DIR/draft (a smaller LlamaForCausalLM with the same
 tokenizer) and DIR/reward (LlamaForSequenceClassification, one label), each with its tokenizer,
 all through save_pretrained. The tokenizer is a byte-level BPE trained here with `tokenizers`
 on a corpus drawn from a small grammar, and carries a chat template, so the chat-template code
 paths run too. The weights are random: these models exercise code, they do not mean anything.
-``--trained`` builds the bench models instead (see jobs.bench_models): trained on a review grammar
-with a known quality signal, for the benchmarks.
+The trained bench models (``python -m jobs.bench_models --output DIR``) build on these builders.
 """
 
 from __future__ import annotations
@@ -90,16 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True, help="directory to write generator/, draft/ and reward/ into")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trained", action="store_true",
-                        help="train the bench models on the review grammar (jobs.bench_models; minutes, cached)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    if args.trained:
-        from jobs.bench_models import BenchSettings, make_bench_models
-
-        paths = make_bench_models(args.output, BenchSettings(seed=args.seed))
-    else:
-        paths = make_tiny_models(args.output, args.seed)
+    paths = make_tiny_models(args.output, args.seed)
     for name, path in paths.items():
         print(f"{name}: {path}")
     print(f"built in {time.perf_counter() - start:.1f}s", file=sys.stderr)

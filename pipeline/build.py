@@ -28,6 +28,7 @@ from pipeline.data.prompts import PromptFormatter, Reject, read_raw_rows, valida
 from pipeline.data.writer import OutputStore, fingerprint
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import load_tokenizer
+from pipeline.methods import method
 
 
 class ShardFailed(RuntimeError):
@@ -106,9 +107,9 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
         raise ConfigError(f"models.generator: cannot load {config.models.generator!r} "
                           f"({str(exc).splitlines()[0]})") from None
     # A strategy may need more of its models than loading them checks (SLA: a trained reward channel).
-    check_models = getattr(config.strategy.params, "check_models", None)
+    check_models = method(config.strategy.name).check_models
     if check_models is not None:
-        check_models(config.models)
+        check_models(config.strategy.params, config.models)
     context = getattr(model_config, "max_position_embeddings", None)
     context = int(context or tokenizer.model_max_length)
     max_prompt = data.max_prompt_tokens or context - config.sampling.max_new_tokens

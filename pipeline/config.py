@@ -15,11 +15,10 @@ from typing import Any
 
 import yaml
 
-from pipeline.decoding import STRATEGY_PARAMS
+from pipeline.errors import ConfigError
+from pipeline.methods import METHODS, method
 
-
-class ConfigError(ValueError):
-    """A user error in the config: the message names the key."""
+__all__ = ["Config", "ConfigError", "config_from_dict", "load_config"]
 
 
 @dataclass
@@ -35,7 +34,8 @@ class ModelsConfig:
     device: str = "cpu"
     """Torch device inside each actor: cpu, cuda, cuda:0, ..."""
     backend: str = "hf"
-    """Generator backend: hf (every strategy) or vllm (best_of_n and sbon only; `pip install .[vllm]`, GPU)."""
+    """Generator backend: hf (every strategy) or vllm (the strategies whose record lists it: best_of_n
+    and sbon; `pip install .[vllm]`, GPU)."""
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -163,14 +163,12 @@ class RuntimeConfig:
 @dataclass
 class StrategyConfig:
     name: str = "sbon"
-    """Decoding method: one of pipeline.decoding.STRATEGIES."""
+    """Decoding method: a name (or alias) in the method registry, pipeline.methods."""
     params: Any = None
-    """The method's own parameters (its dataclass in pipeline.decoding); written flat in YAML."""
+    """The method's own parameters (its record's params dataclass); written flat in YAML."""
 
     def __post_init__(self):
-        if self.name not in STRATEGY_PARAMS:
-            raise ConfigError(f"strategy.name: unknown strategy {self.name!r}; choose from {sorted(STRATEGY_PARAMS)}")
-        cls = STRATEGY_PARAMS[self.name]
+        cls = method(self.name).params
         if self.params is None or isinstance(self.params, dict):
             self.params = _build(cls, self.params or {}, "strategy")
         elif not isinstance(self.params, cls):
@@ -238,10 +236,6 @@ def _names(types) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
-# Strategies the vLLM backend serves (the others run model-side on the HF engine).
-VLLM_STRATEGIES = {"best_of_n", "sbon", "speculative_rejection"}
-
-
 def config_from_dict(raw: dict) -> Config:
     raw = dict(raw or {})
     strategy = dict(raw.pop("strategy", None) or {})
@@ -250,8 +244,9 @@ def config_from_dict(raw: dict) -> Config:
     strategy_config = StrategyConfig(name=name, params=strategy)
     cfg = _build(Config, raw, "config")
     cfg.strategy = strategy_config
-    if cfg.models.backend == "vllm" and name not in VLLM_STRATEGIES:
-        raise ConfigError(f"models.backend: vllm serves {', '.join(sorted(VLLM_STRATEGIES))} only, "
+    if cfg.models.backend not in method(name).backends:
+        served = sorted(n for n, m in METHODS.items() if cfg.models.backend in m.backends)
+        raise ConfigError(f"models.backend: {cfg.models.backend} serves {', '.join(served)} only, "
                           f"not strategy {name!r}; use backend hf")
     return cfg
 
@@ -275,10 +270,8 @@ def switch_strategy(raw: dict, name: str) -> list[str]:
     """Point ``raw`` at strategy ``name``, keeping only the parameters it knows; returns the dropped
     keys (the YAML may hold another strategy's parameters, e.g. ``--strategy best_of_n`` on an sbon
     config)."""
-    if name not in STRATEGY_PARAMS:
-        raise ConfigError(f"strategy.name: unknown strategy {name!r}; choose from {sorted(STRATEGY_PARAMS)}")
     current = dict(raw.get("strategy") or {})
-    known = {f.name for f in dataclasses.fields(STRATEGY_PARAMS[name])}
+    known = {f.name for f in dataclasses.fields(method(name).params)}
     dropped = sorted(k for k in current if k != "name" and k not in known)
     raw["strategy"] = {"name": name, **{k: v for k, v in current.items() if k in known}}
     return dropped

@@ -26,9 +26,9 @@ import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
-from pipeline.decoding import STRATEGIES
 from pipeline.decoding.protocols import Generator, PromptInput, PromptResult, Scorer
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.methods import method
 
 
 class WorkerFailure(Exception):
@@ -103,7 +103,7 @@ class Coordinator:
         if not generators or not scorers:
             raise ValueError("need at least one generator and one scorer")
         self.strategy_name = strategy
-        self.strategy = STRATEGIES[strategy]
+        self.strategy = method(strategy).run
         self.params = params
         self.sampling = sampling
         self.num_samples = num_samples

@@ -8,9 +8,12 @@ reward model that labeled the training pairs.
   same ratio of wall time (both measured in this run, on the same model and prompts).
 
 Methods and their settings follow section 5: temperature 0.8, top-p 0.9, top-k 50, beam search
-with 4 beams, SLA (d, k, n from SLAParams; children sampled at ``sla_temperature``), and
-speculative rejection (Best-of-N with early stopping, N = ``num_samples``, which picks its
-response with the judge itself, so its win rate is an upper reference, not a like-for-like one).
+with 4 beams (the sampling baselines), and any method of the registry (pipeline.methods), run
+through its record as a build runs it: SLA (d, k, n from SLAParams; children sampled at
+``sla_temperature``; one search per prompt) and speculative rejection (Best-of-N with early
+stopping, N = ``num_samples``, which picks its response with the judge itself, so its win rate is
+an upper reference, not a like-for-like one) by default; the others with their default parameters
+and N = ``num_samples``. A method's response is its best completed candidate by the judge.
 """
 
 from __future__ import annotations
@@ -22,13 +25,19 @@ import torch
 
 from pipeline.decoding.protocols import PromptInput
 from pipeline.decoding.sampling import SamplingParams, row_seed
-from pipeline.decoding.sla import SLAParams, sla
-from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+from pipeline.decoding.sla import SLAParams
+from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams
+from pipeline.methods import METHODS as REGISTRY
+from pipeline.methods import method as registered
 
-METHODS = ("greedy", "temperature", "top_p", "top_k", "beam", "sla", "sbon")
+# The baselines: sampling settings of section 5 (HFEngine.generate), and HF beam search.
 SAMPLING = {"greedy": {"temperature": 0.0}, "temperature": {"temperature": 0.8}, "top_p": {"top_p": 0.9},
             "top_k": {"top_k": 50}}
 BEAMS = 4
+CHOICES = (*SAMPLING, "beam", *REGISTRY)
+"""Everything ``decode`` runs: the baselines, then every registered method."""
+DEFAULT_METHODS = ("greedy", "temperature", "top_p", "top_k", "beam", "sla", "sbon")
+"""What jobs.evaluate compares when not told (Table 1's rows, plus speculative rejection)."""
 
 
 @dataclass
@@ -54,20 +63,21 @@ def decode(method: str, engine, scorer, prompts: list[PromptInput], max_new_toke
         texts, tokens = [r.text for r in rows], sum(len(r.token_ids) for r in rows)
     elif method == "beam":
         texts, tokens = _beam_search(engine, ids, max_new_tokens)
-    elif method == "sla":
-        outputs = sla(engine, ids, 1, seeds, SamplingParams(max_new_tokens=max_new_tokens, temperature=sla_temperature),
-                      sla_params or SLAParams())
-        texts, tokens = [o.rows[0].text for o in outputs], sum(o.generated_tokens for o in outputs)
-    elif method == "sbon":
-        params = SpeculativeRejectionParams(decision_token=max(1, max_new_tokens // 4), rejection_rate=0.5)
-        results = speculative_rejection(prompts, engine, scorer, params, SamplingParams(max_new_tokens=max_new_tokens),
-                                        num_samples, seed)
+    elif method in REGISTRY:
+        record = registered(method)
+        params, sampling, n = record.params(), SamplingParams(max_new_tokens=max_new_tokens), num_samples
+        if method == "sla":  # one search per prompt, children at sla_temperature
+            params, n = sla_params or SLAParams(), 1
+            sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=sla_temperature)
+        elif method == "sbon":
+            params = SpeculativeRejectionParams(decision_token=max(1, max_new_tokens // 4), rejection_rate=0.5)
+        results = record.run(prompts, engine, scorer, params, sampling, n, seed)
         # The best completed candidate by the judge (every one failing: the first, so no prompt is lost).
         texts = [max((c for c in r.candidates if c.completed and not c.failed), key=lambda c: c.score,
                      default=r.candidates[0]).text for r in results]
         tokens = sum(r.generated_tokens for r in results)
     else:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(CHOICES)}")
     wall = time.perf_counter() - start
     return MethodRun(method, texts, tokens, wall, None if method == "beam" else engine.forward_passes - passes)
 

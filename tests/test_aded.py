@@ -14,9 +14,10 @@ from jobs.build_dataset import main
 from pipeline.decoding.aded import (ADEDDrafter, RetrievalDrafter, aded_decode, exploration, mcts_drafts,
                                     merge_drafts)
 from pipeline.decoding.sampling import SamplingParams, filter_logits
-from pipeline.engines.tree import TokenTree
-from pipeline.engines.tree_target import TreeTarget
-from pipeline.engines.trigram import TrigramMatrix
+from pipeline.decoding.tree import TokenTree
+from pipeline.decoding.trigram import TrigramMatrix
+from pipeline.engines.adapters import TreeTarget
+from pipeline.engines.trigram import load_trigram, save_trigram
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 
@@ -26,11 +27,11 @@ def test_trigram_matrix_eq1_top_t_and_round_trip(tmp_path):
     # (1, 2) is followed by 3 twice, 4 once, 5 once: C(1,2,3) / C(1,2) = 2 / 4, top 2 kept
     assert m.continuations(1, 2) == [(3, 0.5), (4, 0.25)]
     assert m.continuations(2, 3) == [(1, 1.0)]
-    m.save(tmp_path / "m.npz")
-    loaded = TrigramMatrix.load(str(tmp_path / "m.npz"))
+    save_trigram(m, str(tmp_path / "m.npz"))
+    loaded = load_trigram(str(tmp_path / "m.npz"))
     assert loaded.table == m.table and loaded.top_t == 2
     with pytest.raises(ValueError, match="not a saved tri-gram matrix"):
-        TrigramMatrix.load(str(tmp_path / "missing.npz"))
+        load_trigram(str(tmp_path / "missing.npz"))
 
 
 def test_trigram_adaptive_update_increment_cap_insert():
@@ -155,7 +156,7 @@ def test_aded_build_strategy_in_process_with_a_built_trigram_matrix(tiny_models,
     matrix_path = tmp_path / "m.npz"
     assert build_trigram(["--corpus", str(corpus), "--tokenizer", str(tiny_models["generator"]),
                           "--output", str(matrix_path)]) == 0
-    assert len(TrigramMatrix.load(str(matrix_path))) > 10
+    assert len(load_trigram(str(matrix_path))) > 10
     assert build_trigram(["--corpus", str(tmp_path / "nope.txt"), "--tokenizer", str(tiny_models["generator"]),
                           "--output", str(matrix_path)]) == 2
 

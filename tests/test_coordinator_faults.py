@@ -5,11 +5,10 @@ bounded, and progress observers see the right counts."""
 import pytest
 
 from pipeline.coordinator import BatchFailed, Coordinator, Serialized, WorkerFailure
-from pipeline.decoding import MODEL_SIDE, STRATEGIES
 from pipeline.decoding.best_of_n import BestOfNParams
 from pipeline.decoding.protocols import PromptInput, SearchOutput
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.decoding.search import model_side_strategy
+from pipeline.methods import METHODS, Method
 from pipeline.observability import BuildMetrics, ProgressBars
 from tests.conftest import GOOD_PROMPTS
 
@@ -61,13 +60,12 @@ def test_a_failed_batch_is_recovered_and_rerun_with_the_same_candidates(engine, 
 
 
 def test_model_side_search_calls_are_covered_too(engine, scorer, monkeypatch):
-    def echo(engine_, token_ids, num_samples, seeds, sampling, params):
-        rows = engine_.generate(token_ids, num_samples, seeds, sampling)
+    def echo(host, token_ids, num_samples, seeds, sampling, params):
+        rows = host.engine.generate(token_ids, num_samples, seeds, sampling)
         return [SearchOutput([r for r in rows if r.row // num_samples == i], 8 * num_samples)
                 for i in range(len(token_ids))]
 
-    monkeypatch.setitem(MODEL_SIDE, "echo_search", echo)
-    monkeypatch.setitem(STRATEGIES, "echo_search", model_side_strategy("echo_search"))
+    monkeypatch.setitem(METHODS, "echo_search", Method("echo_search", BestOfNParams, "test method", search=echo))
     expected = run(Serialized(engine), scorer, engine, strategy="echo_search")
     flaky = Flaky(engine, "search", {1})
     assert run(flaky, scorer, engine, strategy="echo_search") == expected and flaky.restarts == 1

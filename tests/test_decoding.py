@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from pipeline.decoding import STRATEGIES
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
 from pipeline.decoding.protocols import PromptInput, RowState
 from pipeline.decoding.sampling import SamplingParams, row_seed
@@ -71,9 +70,14 @@ def prompts(n=3):
 SAMPLING = SamplingParams(max_new_tokens=24)
 
 
-def test_registry_names():
-    assert STRATEGIES["sbon"] is STRATEGIES["speculative_rejection"] is speculative_rejection
-    assert STRATEGIES["best_of_n"] is best_of_n
+def test_registry_resolves_aliases_and_names_the_choices():
+    from pipeline.errors import ConfigError
+    from pipeline.methods import method
+
+    assert method("speculative_rejection") is method("sbon") and method("sbon").run is speculative_rejection
+    assert method("best_of_n").run is best_of_n and method("best_of_n").search is None
+    with pytest.raises(ConfigError, match=r"unknown strategy 'beam'.*'best_of_n'.*'speculative_rejection'"):
+        method("beam")
 
 
 def test_cutoff_is_the_alpha_lower_quantile():
@@ -156,7 +160,8 @@ def test_candidate_counts_on_real_models(engine, scorer, strategy):
     cfg = config_from_dict({"strategy": {"name": strategy}})
     ps = [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in
           enumerate(["Write a review of the lamp.", "Explain why the phone broke."])]
-    results = STRATEGIES[strategy](ps, engine, scorer, cfg.strategy.params, SamplingParams(max_new_tokens=40), 6, 0)
+    from pipeline.methods import method
+    results = method(strategy).run(ps, engine, scorer, cfg.strategy.params, SamplingParams(max_new_tokens=40), 6, 0)
     assert [len(r.candidates) for r in results] == [6, 6]
     assert sorted(c.sample for c in results[0].candidates) == list(range(6))
 
@@ -176,23 +181,29 @@ def test_alpha_zero_equals_best_of_n_on_real_models(engine, scorer):
         assert best_a.score == pytest.approx(best_b.score, abs=1e-5)
 
 
-def _ancestral(engine, prompts, num_samples, seeds, sampling, params):
+def _ancestral(host, prompts, num_samples, seeds, sampling, params):
     """A model-side method for the test: plain sampling, run inside the engine."""
     from pipeline.decoding.protocols import SearchOutput
-    rows = engine.generate(prompts, num_samples, seeds, sampling)
+    rows = host.engine.generate(prompts, num_samples, seeds, sampling)
     per = [rows[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
     return [SearchOutput(rows=r, generated_tokens=sum(len(x.token_ids) for x in r) + 1, stats={"calls": 1})
             for r in per]
 
 
+def register(monkeypatch, name, search):
+    """A model-side method for the test: one record, as a new method file would add."""
+    from pipeline.methods import METHODS, Method
+    record = Method(name, BestOfNParams, "test method", search=search)
+    monkeypatch.setitem(METHODS, name, record)
+    return record
+
+
 def test_model_side_strategy_matches_best_of_n(engine, scorer, monkeypatch):
-    from pipeline.decoding import MODEL_SIDE
-    from pipeline.decoding.search import model_side_strategy
-    monkeypatch.setitem(MODEL_SIDE, "ancestral", _ancestral)
+    record = register(monkeypatch, "ancestral", _ancestral)
     ps = [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in
           enumerate(["Describe the kettle.", "Is the chair comfortable?"])]
     sampling = SamplingParams(max_new_tokens=12)
-    got = model_side_strategy("ancestral")(ps, engine, scorer, None, sampling, 3, 5)
+    got = record.run(ps, engine, scorer, None, sampling, 3, 5)
     want = best_of_n(ps, engine, scorer, BestOfNParams(), sampling, 3, seed=5)
     for a, b in zip(got, want):
         assert [c.text for c in a.candidates] == [c.text for c in b.candidates]
@@ -201,18 +212,15 @@ def test_model_side_strategy_matches_best_of_n(engine, scorer, monkeypatch):
 
 
 def test_model_side_strategy_refuses_wrong_row_counts(engine, scorer, monkeypatch):
-    from pipeline.decoding import MODEL_SIDE
-    from pipeline.decoding.search import model_side_strategy
-
-    def lossy(engine, prompts, num_samples, seeds, sampling, params):
-        out = _ancestral(engine, prompts, num_samples, seeds, sampling, params)
+    def lossy(host, prompts, num_samples, seeds, sampling, params):
+        out = _ancestral(host, prompts, num_samples, seeds, sampling, params)
         out[0].rows = out[0].rows[1:]
         return out
 
-    monkeypatch.setitem(MODEL_SIDE, "lossy", lossy)
+    record = register(monkeypatch, "lossy", lossy)
     ps = [PromptInput("a", "Hi", "Hi", engine.tokenizer("Hi").input_ids)]
     with pytest.raises(RuntimeError, match="expected 2 rows"):
-        model_side_strategy("lossy")(ps, engine, scorer, None, SamplingParams(max_new_tokens=4), 2, 0)
+        record.run(ps, engine, scorer, None, SamplingParams(max_new_tokens=4), 2, 0)
     with pytest.raises(ValueError, match="unknown model-side method"):
         engine.search("nope", [[1, 2]], 1, [0], SamplingParams(max_new_tokens=2), None)
 

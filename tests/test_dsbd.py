@@ -12,11 +12,10 @@ import torch
 from scipy.stats import chisquare
 
 from pipeline.decoding.dsbd import (Beam, DecodeStats, DSBDParams, accepted_count_distribution, acceptance_chain,
-                                    beam_distribution, beam_sampling, dsbd_decode, dsbd_search, dynamic_width,
-                                    verify_layer)
+                                    beam_sampling, dsbd_decode, dynamic_width, verify_layer)
+from pipeline.decoding.dsbd import search as dsbd_search
 from pipeline.decoding.protocols import DraftLayer
-from pipeline.decoding.sampling import SamplingParams
-from pipeline.decoding.speculative import inverse_cdf
+from pipeline.decoding.sampling import SamplingParams, beam_distribution, inverse_cdf
 
 SAMPLING = SamplingParams(max_new_tokens=3)
 
@@ -227,13 +226,13 @@ def test_dsbd_search_on_tiny_models(engine_with_draft, memory_mode):
     sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
     params = DSBDParams(draft_width=3, num_draft_layers=2, memory_mode=memory_mode)
     seeds = [11, 12, 13, 14]
-    out = dsbd_search(engine, prompts, 2, seeds, sampling, params)
+    out = dsbd_search(engine.search_host, prompts, 2, seeds, sampling, params)
     assert [sorted(r.row for r in o.rows) for o in out] == [[0, 1], [2, 3]]
     assert all(len(r.token_ids) == 12 for o in out for r in o.rows)
     stats = out[0].stats
     # Forest verification: fewer target passes than generated positions.
     assert 0 < stats["target_forwards"] < stats["steps"]
-    again = dsbd_search(engine, prompts, 2, seeds, sampling, params)
+    again = dsbd_search(engine.search_host, prompts, 2, seeds, sampling, params)
     assert [[r.token_ids for r in o.rows] for o in again] == [[r.token_ids for r in o.rows] for o in out]
 
 
@@ -242,7 +241,7 @@ def test_dsbd_search_on_tiny_models(engine_with_draft, memory_mode):
 
 def aded_layer_drafter(**kw):
     from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
-    from pipeline.engines.trigram import TrigramMatrix
+    from pipeline.decoding.trigram import TrigramMatrix
 
     matrix = TrigramMatrix.from_sequences([[2, 1, 0, 0, 1, 2, 2, 0, 1, 1, 0]])
     return ADEDLayerDrafter(ADEDDrafter(matrix, iterations=12, **kw), vocab_size=V)
@@ -313,18 +312,18 @@ def test_dsbd_without_a_draft_model_drafts_with_aded(engine):
     sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
     prompts = [engine.tokenizer(t).input_ids for t in ("Write a review of the lamp.", "Describe how")]
     params = DSBDParams(draft_width=2, num_draft_layers=2)
-    assert getattr(engine, "drafter", None) is None
-    try:
-        out = dsbd_search(engine, prompts, 1, [3, 4], sampling, params)
-        from pipeline.decoding.aded import ADEDLayerDrafter
+    from pipeline.decoding.aded import ADEDLayerDrafter
+    from pipeline.engines.adapters import HFSearchHost
 
-        assert isinstance(engine.drafter, ADEDLayerDrafter) and len(engine.drafter.drafter.matrix) > 0
-        assert [sorted(r.row for r in o.rows) for o in out] == [[0], [1]]
-        assert all(len(r.token_ids) == 6 for o in out for r in o.rows)
-        again = dsbd_search(engine, prompts, 1, [3, 4], sampling, params)  # the matrix is reset per batch
-        assert [[r.token_ids for r in o.rows] for o in again] == [[r.token_ids for r in o.rows] for o in out]
-    finally:
-        engine.__dict__.pop("drafter", None)
+    host = HFSearchHost(engine)  # fresh per-engine state
+    assert host.drafter is None
+    out = dsbd_search(host, prompts, 1, [3, 4], sampling, params)
+    drafter = host.remember(("dsbd-aded-drafter", ""), lambda: None)  # the engine keeps the one it made
+    assert isinstance(drafter, ADEDLayerDrafter) and len(drafter.drafter.matrix) > 0
+    assert [sorted(r.row for r in o.rows) for o in out] == [[0], [1]]
+    assert all(len(r.token_ids) == 6 for o in out for r in o.rows)
+    again = dsbd_search(host, prompts, 1, [3, 4], sampling, params)  # the matrix is reset per batch
+    assert [[r.token_ids for r in o.rows] for o in again] == [[r.token_ids for r in o.rows] for o in out]
 
 
 def test_dsbd_decode_stats_count_layers():
@@ -374,19 +373,22 @@ def test_drafter_resumes_from_its_last_forest(tiny_models):
 
 def test_dsbd_aded_drafter_starts_from_strategy_trigram(engine, tmp_path):
     from pipeline.config import ConfigError
-    from pipeline.engines.trigram import TrigramMatrix
+    from pipeline.decoding.trigram import TrigramMatrix
+    from pipeline.engines.adapters import HFSearchHost
+    from pipeline.engines.trigram import load_trigram, save_trigram
+    from pipeline.methods import method
 
     prompt = engine.tokenizer("Write a review of the lamp.").input_ids
     path = str(tmp_path / "m.npz")
-    TrigramMatrix.from_sequences([prompt + prompt]).save(path)
+    save_trigram(TrigramMatrix.from_sequences([prompt + prompt]), path)
     params = DSBDParams(draft_width=2, num_draft_layers=2, trigram=path)
-    params.check_models(None)
-    try:
-        out = dsbd_search(engine, [prompt], 1, [3], SamplingParams(max_new_tokens=4, ignore_eos=True), params)
-        assert len(out[0].rows[0].token_ids) == 4
-        assert len(engine.drafter.initial) == len(TrigramMatrix.load(path)) > 0
-    finally:
-        engine.__dict__.pop("drafter", None)
+    check = method("dsbd").check_models
+    check(params, None)
+    host = HFSearchHost(engine)
+    out = dsbd_search(host, [prompt], 1, [3], SamplingParams(max_new_tokens=4, ignore_eos=True), params)
+    assert len(out[0].rows[0].token_ids) == 4
+    drafter = host.remember(("dsbd-aded-drafter", path), lambda: None)
+    assert len(drafter.initial) == len(load_trigram(path)) > 0
     (tmp_path / "bad.npz").write_bytes(b"no")
     with pytest.raises(ConfigError, match="strategy.trigram"):
-        DSBDParams(trigram=str(tmp_path / "bad.npz")).check_models(None)
+        check(DSBDParams(trigram=str(tmp_path / "bad.npz")), None)

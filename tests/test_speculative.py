@@ -10,7 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from pipeline.decoding.speculative import inverse_cdf, residual_distribution, speculative_sampling
+from pipeline.decoding.sampling import inverse_cdf, residual_distribution
+from pipeline.decoding.speculative import speculative_sampling
 
 V = 4
 GAMMA = 3

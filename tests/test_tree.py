@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pipeline.engines.tree import TokenTree, commit_paths, tree_inputs, verify_tree
+from pipeline.decoding.tree import TokenTree
+from pipeline.engines.tree import commit_paths, tree_inputs, verify_tree
 
 ATOL = 1e-4
 

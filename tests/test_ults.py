@@ -11,7 +11,7 @@ from benchmarks.ults_toy import ToyTreeExpander, run_alpha
 from jobs.build_dataset import main
 from pipeline.decoding.ults import (DirichletPrior, EmpiricalPrior, _fit_beta, beam_search,
                                     fit_level_beliefs, ults_search)
-from pipeline.engines.path_cache import PathCacheExpander
+from pipeline.engines.adapters import PathCacheExpander
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 
@@ -35,10 +35,11 @@ def test_log_space_dirichlet_matches_numpy_order_statistics():
     assert np.all(np.isfinite(tiny)) and np.median(tiny[:, 0]) > 0.9
 
 
-def test_level_beliefs_follow_algorithm_1_and_are_cached():
+def test_level_beliefs_follow_algorithm_1_and_are_deterministic():
     prior = DirichletPrior(0.2, 8)
     beliefs = fit_level_beliefs(prior, 5, 2000, seed=3)
-    assert fit_level_beliefs(DirichletPrior(0.2, 8), 5, 2000, seed=3) is beliefs
+    # a pure function of (prior, depth, samples, seed): the engine's host keeps one fit per key
+    np.testing.assert_array_equal(fit_level_beliefs(DirichletPrior(0.2, 8), 5, 2000, seed=3).params, beliefs.params)
     means = beliefs.params[1:, 0] / beliefs.params[1:, :].sum(1)
     assert np.all(np.diff(means) < 0)  # more tokens to go: a smaller best remaining likelihood
     # B_1 is the law of max_j c_j; B_2 that of max_j c_j * Delta_j: check against direct simulation
@@ -164,11 +165,19 @@ def test_batched_expansion_of_several_nodes_and_trees_per_forward_pass():
 
 def test_ults_model_side_with_empirical_prior_returns_distinct_top_leaves(engine):
     from pipeline.decoding.sampling import SamplingParams
-    from pipeline.decoding.ults import ULTSParams, ults_model_side
+    from pipeline.decoding.ults import ULTSParams, search
 
     prompts = [engine.tokenizer(p).input_ids for p in GOOD_PROMPTS[:2]]
     params = ULTSParams(prior="empirical", empirical_samples=16, k_max=3, belief_samples=200)
-    outs = ults_model_side(engine, prompts, 3, list(range(6)), SamplingParams(max_new_tokens=6), params)
+    from pipeline.engines.adapters import HFSearchHost
+
+    host = HFSearchHost(engine)
+    outs = search(host, prompts, 3, list(range(6)), SamplingParams(max_new_tokens=6), params)
+    # the empirical prior is the engine's: collected once, reused by the next batch
+    prior = host.remember(("ults-empirical-prior", 16), lambda: None)
+    assert prior is not None and 0 < prior.probs.shape[0] <= 16
+    search(host, prompts[::-1], 3, list(range(6)), SamplingParams(max_new_tokens=6), params)
+    assert host.remember(("ults-empirical-prior", 16), lambda: None) is prior
     assert [sorted(r.row for r in o.rows) for o in outs] == [[0, 1, 2], [3, 4, 5]]
     for out in outs:
         seqs = [tuple(r.token_ids) for r in out.rows]

@@ -3,7 +3,7 @@
 Terms:
 - LLM representative: a tri-gram matrix P(w_i | w_{i-2}, w_{i-1}) (Eq. 1), top t continuations per
   context, updated from the model's own verified output (appendix Algorithm 2); see
-  pipeline.engines.trigram.TrigramMatrix, seen here through ``LLMRepresentative``.
+  pipeline.decoding.trigram.TrigramMatrix, seen here through ``LLMRepresentative``.
 - Draft maker: Monte-Carlo tree search (appendix Algorithm 1) from the last two context tokens.
   Selection maximises PUCT(s, a) = Q(s, a) + E * P(s, a) * sqrt(sum_b N(s, b)) / (1 + N(s, a))
   (Eq. 2 / 17) with E = C1 + log((sum_b N(s, b) + C2 + 1) / C2) (Eq. 3 / 16); P is the tri-gram
@@ -38,9 +38,10 @@ from typing import Protocol
 
 import torch
 
+from pipeline.errors import ConfigError
 from pipeline.decoding.protocols import DraftLayer, RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams, sample_next
-from pipeline.engines.tree import TokenTree
+from pipeline.decoding.tree import TokenTree
 
 
 class LLMRepresentative(Protocol):
@@ -64,7 +65,7 @@ class TreeDrafter(Protocol):
 
 
 class TreeVerifier(Protocol):
-    """The target side (pipeline.engines.tree_target.TreeTarget)."""
+    """The target side (pipeline.engines.adapters.TreeTarget)."""
 
     def open(self, prompts: list[list[int]], num_samples: int) -> torch.Tensor: ...
 
@@ -220,7 +221,7 @@ class ADEDLayerDrafter:
     Adaptive update (appendix Algorithm 2): the contexts DSBD drafts from are the prompt plus
     target-verified tokens, so before drafting, the tokens of the chosen context that are new since
     the last call (beyond their common prefix with it; all of it, prompt included, for a new row)
-    go to ``ADEDDrafter.observe``. ``reset()`` restores the matrix it started with; dsbd_search
+    go to ``ADEDDrafter.observe``. ``reset()`` restores the matrix it started with; dsbd's search
     calls it once per batch so that a batch's output depends only on its prompts and seeds
     (reproducible, resumable), while the matrix adapts across the batch's rows and iterations."""
 
@@ -406,7 +407,7 @@ def aded_decode(target: TreeVerifier, drafter: TreeDrafter, prompts: list[list[i
 @dataclass
 class ADEDParams:
     trigram: str = ""
-    """A saved tri-gram matrix (.npz from TrigramMatrix.save); empty: start from the prompts alone."""
+    """A saved tri-gram matrix (.npz, pipeline.engines.trigram.save_trigram); empty: start from the prompts alone."""
     top_t: int = 12
     """t: continuations kept per context."""
     iterations: int = 150
@@ -427,8 +428,6 @@ class ADEDParams:
     """Algorithm 2's cap (the paper gives no value)."""
 
     def __post_init__(self):
-        from pipeline.config import ConfigError
-
         for key in ("top_t", "iterations", "draft_depth", "candidates"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"strategy.{key}: must be >= 1, got {getattr(self, key)}")
@@ -437,50 +436,43 @@ class ADEDParams:
         if not 0 < self.increment <= self.max_prob:
             raise ConfigError(f"strategy.increment: must be in (0, max_prob], got {self.increment}")
 
-    def check_models(self, models) -> None:
-        """Called by plan_build before any actor starts: a bad ``trigram`` file is a config error
-        (exit 2, one line), not a failure inside the generator actor."""
-        check_trigram(self.trigram)
+
+class ADEDHost(Protocol):
+    """What ADED's model-side search needs of the generator's engine
+    (pipeline.engines.adapters.HFSearchHost)."""
+
+    eos_ids: set[int]
+    device: object
+
+    def tree_target(self) -> TreeVerifier: ...
+
+    def load_trigram(self, path: str, top_t: int) -> LLMRepresentative:
+        """The saved matrix at ``path``, or an empty one keeping ``top_t`` continuations."""
+
+    def remember(self, key: tuple, make):
+        """Per-engine state: ``make()`` the first time ``key`` is asked for, the same object after."""
+
+    def decode(self, token_lists: list[list[int]]) -> list[str]: ...
 
 
-def check_trigram(path: str) -> None:
-    """``strategy.trigram`` (aded, and dsbd without a draft model) must be a saved tri-gram matrix."""
-    from pipeline.config import ConfigError
-    from pipeline.engines.trigram import TrigramMatrix
-
-    if path and "://" not in path:
-        try:
-            TrigramMatrix.load(path)
-        except ValueError as exc:
-            raise ConfigError(f"strategy.trigram: {exc}") from None
-
-
-_MATRICES: dict[tuple, object] = {}
-
-
-def aded_model_side(engine, prompts: list[list[int]], num_samples: int, seeds: list[int],
-                    sampling: SamplingParams, params: ADEDParams) -> list[SearchOutput]:
-    """MODEL_SIDE['aded']: Best-of-N sampling where every row is decoded with ADED drafts verified
-    by the target (output distribution unchanged). The tri-gram matrix lives for the engine's
-    lifetime, so it keeps adapting across batches."""
-    from pipeline.engines.tree_target import TreeTarget
-    from pipeline.engines.trigram import TrigramMatrix
-
-    key = (id(engine), params.trigram, params.top_t)
-    if key not in _MATRICES:
-        _MATRICES[key] = TrigramMatrix.load(params.trigram) if params.trigram else TrigramMatrix(params.top_t)
-    matrix = _MATRICES[key]
+def search(host: ADEDHost, prompts: list[list[int]], num_samples: int, seeds: list[int],
+           sampling: SamplingParams, params: ADEDParams) -> list[SearchOutput]:
+    """Model-side ``aded``: Best-of-N sampling where every row is decoded with ADED drafts verified
+    by the target (output distribution unchanged). The tri-gram matrix is the engine's (made on
+    the first call), so it keeps adapting across batches."""
+    matrix = host.remember(("aded-trigram", params.trigram, params.top_t),
+                           lambda: host.load_trigram(params.trigram, params.top_t))
     drafter = ADEDDrafter(matrix, params.iterations, params.draft_depth, params.candidates, params.c1, params.c2,
                           params.adaptive, params.increment, params.max_prob, seed=seeds[0] if seeds else 0)
     if params.adaptive:
         for prompt in prompts:  # the input's tri-grams too (ADED Fig. 2)
             matrix.update(prompt, len(prompt), params.increment, params.max_prob)
-    target = TreeTarget(engine.model, engine.device, engine.pad_id)
-    tokens, stats = aded_decode(target, drafter, prompts, num_samples, seeds, sampling, engine.eos_ids, engine.device)
+    tokens, stats = aded_decode(host.tree_target(), drafter, prompts, num_samples, seeds, sampling, host.eos_ids,
+                                host.device)
     outputs = []
     for i in range(len(prompts)):
         ids = list(range(i * num_samples, (i + 1) * num_samples))
-        texts = engine.tokenizer.batch_decode([tokens[r] for r in ids], skip_special_tokens=True)
+        texts = host.decode([tokens[r] for r in ids])
         mine = [(step, n) for r, step, n in stats.accepted_per_step if r in ids]
         outputs.append(SearchOutput(
             rows=[RowState(row=r, token_ids=tokens[r], text=t, finished=True) for r, t in zip(ids, texts)],

@@ -44,10 +44,12 @@ from typing import Protocol
 
 import torch
 
+from pipeline.errors import ConfigError
+from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
 from pipeline.decoding.protocols import Drafter, DraftLayer, RowState, SearchOutput
-from pipeline.decoding.sampling import SamplingParams, filter_logits
-from pipeline.decoding.speculative import inverse_cdf, residual_distribution
-from pipeline.engines.tree import TokenTree
+from pipeline.decoding.sampling import (SamplingParams, beam_distribution, cut_response, inverse_cdf,
+                                        residual_distribution)
+from pipeline.decoding.tree import TokenTree
 
 
 @dataclass
@@ -67,8 +69,6 @@ class DSBDParams:
     e.g. jobs.build_trigram); empty: it starts empty and learns from the prompts and beams."""
 
     def __post_init__(self):
-        from pipeline.config import ConfigError
-
         if self.draft_width < 1 or self.num_draft_layers < 1 or self.min_width < 1:
             raise ConfigError("strategy: draft_width, num_draft_layers and min_width must be >= 1")
         if self.min_width > self.draft_width:
@@ -76,23 +76,8 @@ class DSBDParams:
         if not 0 <= self.acceptance_threshold <= 1:
             raise ConfigError(f"strategy.acceptance_threshold: must be in [0, 1], got {self.acceptance_threshold}")
 
-    def check_models(self, models) -> None:
-        """plan_build, before any actor starts: a bad ``trigram`` file is a config error (exit 2)."""
-        from pipeline.decoding.aded import check_trigram
-
-        check_trigram(self.trigram)
-
 
 # -- the math (pure functions over tensors) ---------------------------------------------------
-
-
-def beam_distribution(prefix_logp: torch.Tensor, next_logp: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """p_beam of Eq. 1: prefix_logp [W] (log p of each beam), next_logp [W, V] -> probs [W * V],
-    flat index beam * V + token, with the warping T applied to the joint."""
-    joint = (prefix_logp.to(next_logp.device)[:, None] + next_logp).reshape(1, -1).float()  # [1, W * V]
-    if sampling.temperature == 0:
-        return torch.nn.functional.one_hot(joint.argmax(-1), joint.shape[-1])[0].float()
-    return filter_logits(joint, sampling).softmax(-1)[0]
 
 
 def acceptance_chain(p: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tensor:
@@ -173,7 +158,7 @@ def verify_layer(p_beam: torch.Tensor, q_beam: torch.Tensor, candidates: list[in
 
 
 class ForestTarget(Protocol):
-    """The target model's side (pipeline.engines.tree.TreeSession): rows = beams, each row's
+    """The target model's side (pipeline.engines.adapters.TreeSession): rows = beams, each row's
     cache holds its beam except the last token, which is the root of the row's next tree."""
 
     def open(self, prompt: list[int]) -> None:
@@ -221,15 +206,6 @@ def _uniforms(generator: torch.Generator):
 
 def _best(beams: list[Beam]) -> Beam:
     return max(beams, key=lambda b: b.logp)
-
-
-def cut_response(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """A decoded sequence as a response: at most max_new_tokens, ending before its first EOS."""
-    tokens = tokens[:max_new_tokens]
-    for i, t in enumerate(tokens):
-        if t in eos_ids:
-            return tokens[:i]
-    return tokens
 
 
 def _finish(beams: list[Beam], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
@@ -359,35 +335,43 @@ def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], param
 # -- the model-side method ------------------------------------------------------------------
 
 
-def dsbd_search(engine, prompts: list[list[int]], num_samples: int, seeds: list[int], sampling: SamplingParams,
-                params: DSBDParams) -> list[SearchOutput]:
-    """MODEL_SIDE["dsbd"]: each candidate is one DSBD generation seeded by its row seed.
-    ``engine`` needs ``.model``, ``.tokenizer``, ``.device``, ``.eos_ids`` and may have ``.drafter``
-    (a Drafter: the draft model in-process or a DraftActor proxy, see actors/generator.py). With
-    none (no models.draft), ADED drafts: pipeline.decoding.aded.ADEDLayerDrafter over a tri-gram
-    matrix that starts as ``params.trigram`` (or empty) and learns from each batch's prompts and
-    verified beams; it is made on the first call and keeps that starting matrix."""
-    from pipeline.engines.tree import TreeSession
+class DSBDHost(Protocol):
+    """What DSBD's model-side search needs of the generator's engine
+    (pipeline.engines.adapters.HFSearchHost)."""
 
-    from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
-    from pipeline.engines.trigram import TrigramMatrix
+    eos_ids: set[int]
+    vocab_size: int
+    drafter: Drafter | None
+    """The configured draft model (in-process or a DraftActor proxy); None: ADED drafts."""
 
-    drafter = getattr(engine, "drafter", None)
+    def forest_target(self) -> ForestTarget: ...
+
+    def load_trigram(self, path: str, top_t: int): ...
+
+    def remember(self, key: tuple, make): ...
+
+    def decode(self, token_lists: list[list[int]]) -> list[str]: ...
+
+
+def search(host: DSBDHost, prompts: list[list[int]], num_samples: int, seeds: list[int], sampling: SamplingParams,
+           params: DSBDParams) -> list[SearchOutput]:
+    """Model-side ``dsbd``: each candidate is one DSBD generation seeded by its row seed. With no
+    draft model (``host.drafter`` None), ADED drafts: an ADEDLayerDrafter over a tri-gram matrix
+    that starts as ``params.trigram`` (or empty), kept by the engine, and reset to that start at
+    every call so that a batch's output depends only on its prompts and seeds."""
+    drafter = host.drafter
     if drafter is None:
-        matrix = TrigramMatrix.load(params.trigram) if params.trigram else TrigramMatrix()
-        drafter = engine.drafter = ADEDLayerDrafter(ADEDDrafter(matrix), engine.model.get_output_embeddings().out_features)
+        drafter = host.remember(("dsbd-aded-drafter", params.trigram), lambda: ADEDLayerDrafter(
+            ADEDDrafter(host.load_trigram(params.trigram, 12)), host.vocab_size))
     if isinstance(drafter, ADEDLayerDrafter):
         drafter.reset()  # each batch starts from the same matrix: reproducible, resumable
-    eos = set() if sampling.ignore_eos else set(engine.eos_ids)
+    eos = set() if sampling.ignore_eos else set(host.eos_ids)
     outputs = []
     for i, prompt in enumerate(prompts):
         rows, total = [], DecodeStats()
         for s in range(num_samples):
             row = i * num_samples + s
-            target = TreeSession(engine.model, engine.device)
-            tokens = dsbd_decode(target, drafter, prompt, params, sampling, seeds[row], eos, total)
-            text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-            rows.append(RowState(row=row, token_ids=tokens, text=text, finished=True))
-        stats = total.as_dict()
-        outputs.append(SearchOutput(rows=rows, generated_tokens=total.beam_steps + total.drafted, stats=stats))
+            tokens = dsbd_decode(host.forest_target(), drafter, prompt, params, sampling, seeds[row], eos, total)
+            rows.append(RowState(row=row, token_ids=tokens, text=host.decode([tokens])[0], finished=True))
+        outputs.append(SearchOutput(rows=rows, generated_tokens=total.beam_steps + total.drafted, stats=total.as_dict()))
     return outputs

@@ -1,4 +1,5 @@
-"""Shared sampling math: per-row seeds and temperature / top-k / top-p sampling.
+"""Shared sampling math: per-row seeds, temperature / top-k / top-p sampling, and the
+distributions speculative verification draws from (residuals, beam sampling's p_beam).
 
 Every candidate row owns a ``torch.Generator`` seeded from (base seed, prompt_id, sample index),
 so a candidate's tokens do not depend on which other rows share its batch, which actor ran it,
@@ -65,3 +66,37 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[t
     # right=True: tokens with zero mass own an empty interval and are never drawn.
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # [B]
     return tokens.clamp_(max=logits.shape[-1] - 1)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over the last dim. Where p <= q everywhere (no residual mass: the
+    rejection that would lead here has probability 0) it returns p, so the result is always a
+    distribution."""
+    r = (p - q).clamp_(min=0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample index per row of ``probs`` [..., V] from uniforms ``u`` [...] in [0, 1)."""
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None].to(cdf.dtype), right=True)[..., 0]
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def beam_distribution(prefix_logp: torch.Tensor, next_logp: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """p_beam of Eq. 1: prefix_logp [W] (log p of each beam), next_logp [W, V] -> probs [W * V],
+    flat index beam * V + token, with the warping T applied to the joint."""
+    joint = (prefix_logp.to(next_logp.device)[:, None] + next_logp).reshape(1, -1).float()  # [1, W * V]
+    if sampling.temperature == 0:
+        return torch.nn.functional.one_hot(joint.argmax(-1), joint.shape[-1])[0].float()
+    return filter_logits(joint, sampling).softmax(-1)[0]
+
+
+def cut_response(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """A decoded sequence as a response: at most max_new_tokens, ending before its first EOS."""
+    tokens = tokens[:max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[:i]
+    return tokens

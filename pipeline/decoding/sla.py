@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pipeline.errors import ConfigError
 from pipeline.decoding.protocols import RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams, sample_next
 
@@ -43,23 +44,10 @@ class SLAParams:
     """n: tokens per action (node), the granularity of commits (default 10)."""
 
     def __post_init__(self):
-        from pipeline.config import ConfigError
-
         for key in ("search_depth", "search_width", "step_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"strategy.{key}: must be a positive integer, got {value!r}")
-
-    def check_models(self, models: Any) -> None:
-        """SLA reads rewards from the generator's own channel: refuse a generator without one."""
-        from pipeline.config import ConfigError
-        from pipeline.engines.reward_transformer import CHANNEL_WEIGHTS, has_trained_channel
-
-        path = models.generator
-        if "://" not in path and not has_trained_channel(path):
-            raise ConfigError(f"models.generator: strategy 'sla' needs a Reward Transformer with a trained reward "
-                              f"channel, but {path!r} has no trained {CHANNEL_WEIGHTS}; train one with "
-                              f"python -m jobs.train_reward_transformer")
 
 
 class TreeRows(Protocol):
@@ -229,8 +217,13 @@ def streaming_looking_ahead(model: SelfRewardingLM, prompts: list[list[int]], nu
     return outputs
 
 
-def sla(engine, prompts: list[list[int]], num_samples: int, seeds: list[int], sampling: SamplingParams,
-        params: SLAParams) -> list[SearchOutput]:
-    """MODEL_SIDE entry: ``engine`` (pipeline.engines.hf.HFEngine) serves SelfRewardingLM through
-    ``self_rewarding_lm()``, which refuses a model without a trained reward channel."""
-    return streaming_looking_ahead(engine.self_rewarding_lm(), prompts, num_samples, seeds, sampling, params)
+class SLAHost(Protocol):
+    def self_rewarding_lm(self) -> SelfRewardingLM:
+        """The generator as a SelfRewardingLM; ValueError when it has no trained reward channel."""
+
+
+def search(host: SLAHost, prompts: list[list[int]], num_samples: int, seeds: list[int], sampling: SamplingParams,
+           params: SLAParams) -> list[SearchOutput]:
+    """Model-side ``sla``: the generator's engine serves SelfRewardingLM
+    (pipeline.engines.adapters.SelfRewardDecoder)."""
+    return streaming_looking_ahead(host.self_rewarding_lm(), prompts, num_samples, seeds, sampling, params)

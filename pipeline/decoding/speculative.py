@@ -13,21 +13,8 @@ from __future__ import annotations
 
 import torch
 
-
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) over the last dim. Where p <= q everywhere (no residual mass: the
-    rejection that would lead here has probability 0) it returns p, so the result is always a
-    distribution."""
-    r = (p - q).clamp_(min=0)
-    total = r.sum(-1, keepdim=True)
-    return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Sample index per row of ``probs`` [..., V] from uniforms ``u`` [...] in [0, 1)."""
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None].to(cdf.dtype), right=True)[..., 0]
-    return idx.clamp_(max=probs.shape[-1] - 1)
+from pipeline.decoding.sampling import beam_distribution, cut_response, inverse_cdf, residual_distribution
+from pipeline.decoding.tree import TokenTree
 
 
 def speculative_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
@@ -60,9 +47,6 @@ def speculative_decode(target, drafter, prompt: list[int], num_draft_tokens: int
     pipeline.decoding.dsbd.ForestTarget, the chain as a tree), ``speculative_sampling`` keeps a
     prefix and adds one token, and the cache is cut to the accepted prefix. ``stats`` is a
     pipeline.decoding.dsbd.DecodeStats."""
-    from pipeline.decoding.dsbd import beam_distribution, cut_response
-    from pipeline.engines.tree import TokenTree
-
     g = torch.Generator().manual_seed(seed)
     target.open(prompt)
     tokens: list[int] = []

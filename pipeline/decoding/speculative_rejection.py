@@ -47,6 +47,7 @@ import uuid
 from dataclasses import dataclass
 
 from pipeline.decoding.best_of_n import assemble, open_session, score_rows
+from pipeline.errors import ConfigError
 from pipeline.decoding.protocols import Candidate, Generator, PromptInput, PromptResult, RowState, Scorer
 from pipeline.decoding.sampling import SamplingParams
 
@@ -68,8 +69,6 @@ class SpeculativeRejectionParams:
     """Score partial responses through the scorer's streaming sessions when it has them."""
 
     def __post_init__(self):
-        from pipeline.config import ConfigError
-
         taus = self.decision_token if isinstance(self.decision_token, list) else [self.decision_token]
         if not taus or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in taus):
             raise ConfigError(f"strategy.decision_token: expected a positive int or a list of them, got {self.decision_token!r}")

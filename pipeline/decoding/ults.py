@@ -14,7 +14,7 @@ Terms (paper sections 3.1-3.5):
   a free loc/scale lets the MLE put support above 1 (a value above any possible likelihood) or
   cut off the lower tail, and the 4-parameter Beta MLE is ill-posed (the likelihood is unbounded
   when a or b < 1 and loc/scale touch the data), which is exactly the regime of peaked LLM
-  softmaxes. Fits are cached per (prior, depth, branching, samples, seed).
+  softmaxes. The model-side search keeps its fits per engine.
 - Posterior (section 3.3): the path likelihood c_{x0->x} is observed, so samples of v_x are
   log c_{x0->x} + log Delta with Delta ~ B_{remaining}. Everything is kept in log space.
 - Algorithm 2: selection descends from the root to the child that is most often the argmax of
@@ -31,7 +31,7 @@ Beyond the authors' code (which expands one node per model call and re-runs the 
 several trees (prompts) advance in lockstep and their selected nodes are expanded in one batched
 forward pass; ``expansions_per_step`` > 1 also selects several distinct nodes per tree per step
 (each next descent skips the nodes already picked). The expander keeps each expanded node's KV
-entries and reuses them along paths (pipeline.engines.path_cache), so an expansion feeds one
+entries and reuses them along paths (pipeline.engines.adapters.PathCacheExpander), so an expansion feeds one
 token, not the prefix. A leaf is a node at the depth cap or one whose token is EOS. The score of
 a sequence is its total log-likelihood, or (``score="mean"``) the length-normalised one.
 """
@@ -46,6 +46,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pipeline.errors import ConfigError
 from pipeline.decoding.protocols import RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams
 
@@ -177,19 +178,12 @@ def _fit_beta(x: np.ndarray) -> tuple[float, float]:
     return float(a), float(b)
 
 
-_BELIEF_CACHE: dict[tuple, LevelBeliefs] = {}
-
-
 def fit_level_beliefs(prior: Prior, depth: int, num_samples: int = 1000, seed: int = 0) -> LevelBeliefs:
     """Algorithm 1: Beta beliefs B_r over Delta for r = 1..depth remaining tokens, fitted bottom-up.
 
     r = 1 (a node whose children are leaves): Delta = max_j c_j. r > 1: Delta = max_j c_j * Delta_j,
-    Delta_j ~ B_{r-1}. Cost O(branching * num_samples + depth * num_samples * TOP_CHILDREN), paid once per
-    (prior, depth, branching, num_samples, seed) and cached in this process."""
-    key = (prior.key, depth, num_samples, seed)
-    cached = _BELIEF_CACHE.get(key)
-    if cached is not None:
-        return cached
+    Delta_j ~ B_{r-1}. Cost O(branching * num_samples + depth * num_samples * TOP_CHILDREN); the model-side
+    search keeps the result per engine (one fit per (prior, depth, num_samples))."""
     rng = np.random.default_rng(seed)
     params = np.ones((depth + 1, 2))
     # One set of N prior draws serves every level (fresh Delta draws each time), as the authors'
@@ -202,9 +196,7 @@ def fit_level_beliefs(prior: Prior, depth: int, num_samples: int = 1000, seed: i
             a, b = params[r - 1]
             delta = _max_weighted(c, lambda shape, a=a, b=b: rng.beta(a, b, size=shape))
         params[r] = _fit_beta(delta)
-    beliefs = LevelBeliefs(params)
-    _BELIEF_CACHE[key] = beliefs
-    return beliefs
+    return LevelBeliefs(params)
 
 
 # -- the search tree (Algorithm 2) -----------------------------------------------------------
@@ -414,8 +406,8 @@ class LikelihoodTree:
 
 
 class NodeExpander(Protocol):
-    """Gives the children's log-probabilities of tree nodes; pipeline.engines.path_cache implements
-    it over an HF model with KV reuse along paths, the toy benchmark over a stored tree."""
+    """Gives the children's log-probabilities of tree nodes; pipeline.engines.adapters.PathCacheExpander
+    implements it over an HF model with KV reuse along paths, the toy benchmark over a stored tree."""
 
     def roots(self, prompts: list[list[int]]) -> torch.Tensor:
         """Prefill: next-token log-probabilities after each prompt, [P, V]. Tree t = prompt t."""
@@ -567,8 +559,6 @@ class ULTSParams:
     """Nodes each prompt's tree expands per batched forward pass."""
 
     def __post_init__(self):
-        from pipeline.config import ConfigError
-
         if self.prior not in ("dirichlet", "empirical"):
             raise ConfigError(f"strategy.prior: expected dirichlet or empirical, got {self.prior!r}")
         if self.acquisition not in ("descendant", "posterior"):
@@ -582,9 +572,6 @@ class ULTSParams:
         for key in ("k_max", "branching", "belief_samples", "expansions_per_step", "empirical_samples"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"strategy.{key}: must be >= 1, got {getattr(self, key)}")
-
-
-_EMPIRICAL: dict[tuple, EmpiricalPrior] = {}
 
 
 def collect_softmax(expander: NodeExpander, prompts: list[list[int]], count: int, depth: int) -> np.ndarray:
@@ -607,31 +594,44 @@ def collect_softmax(expander: NodeExpander, prompts: list[list[int]], count: int
     return np.concatenate(vectors)[:count]
 
 
-def make_prior(params: ULTSParams, expander: NodeExpander, prompts: list[list[int]], vocab: int,
-               max_depth: int, cache_key: object) -> Prior:
+class ULTSHost(Protocol):
+    """What ULTS's model-side search needs of the generator's engine
+    (pipeline.engines.adapters.HFSearchHost)."""
+
+    eos_ids: set[int]
+    vocab_size: int
+
+    def node_expander(self) -> NodeExpander: ...
+
+    def remember(self, key: tuple, make):
+        """Per-engine state: ``make()`` the first time ``key`` is asked for, the same object after."""
+
+    def decode(self, token_lists: list[list[int]]) -> list[str]: ...
+
+
+def make_prior(params: ULTSParams, host: ULTSHost, expander: NodeExpander, prompts: list[list[int]],
+               max_depth: int) -> Prior:
+    """The Dirichlet prior, or the engine's empirical prior (collected once, from the first prompts
+    it is asked for)."""
     if params.prior == "dirichlet":
-        return DirichletPrior(params.alpha, vocab)
-    key = (cache_key, params.empirical_samples)
-    if key not in _EMPIRICAL:
-        per_prompt = math.ceil(params.empirical_samples / len(prompts))
-        _EMPIRICAL[key] = EmpiricalPrior(collect_softmax(expander, prompts, params.empirical_samples,
-                                                         min(max_depth, per_prompt)))
-    return _EMPIRICAL[key]
+        return DirichletPrior(params.alpha, host.vocab_size)
+    per_prompt = math.ceil(params.empirical_samples / len(prompts))
+    return host.remember(("ults-empirical-prior", params.empirical_samples), lambda: EmpiricalPrior(
+        collect_softmax(expander, prompts, params.empirical_samples, min(max_depth, per_prompt))))
 
 
-def ults_model_side(engine, prompts: list[list[int]], num_samples: int, seeds: list[int],
-                    sampling: SamplingParams, params: ULTSParams) -> list[SearchOutput]:
-    """MODEL_SIDE['ults']: one ULTS tree per prompt; the num_samples best leaves (distinct sequences)
+def search(host: ULTSHost, prompts: list[list[int]], num_samples: int, seeds: list[int],
+           sampling: SamplingParams, params: ULTSParams) -> list[SearchOutput]:
+    """Model-side ``ults``: one ULTS tree per prompt; the num_samples best leaves (distinct sequences)
     are the candidates. ULTS maximises likelihood, so of the sampling settings only max_new_tokens
     (the depth) and ignore_eos apply; the seeds only drive the posterior samples."""
-    from pipeline.engines.path_cache import PathCacheExpander
-
-    expander = PathCacheExpander(engine.model, engine.device)
-    eos = set() if sampling.ignore_eos else set(engine.eos_ids)
-    vocab = int(engine.model.config.vocab_size)
-    prior = make_prior(params, expander, prompts, vocab, sampling.max_new_tokens, id(engine.model))
-    beliefs = fit_level_beliefs(prior, sampling.max_new_tokens, params.belief_samples, seed=0)
-    results = ults_search(expander, prompts, beliefs, sampling.max_new_tokens, max(params.branching, num_samples),
+    expander = host.node_expander()
+    eos = set() if sampling.ignore_eos else set(host.eos_ids)
+    depth = sampling.max_new_tokens
+    prior = make_prior(params, host, expander, prompts, depth)
+    beliefs = host.remember(("ults-beliefs", prior.key, depth, params.belief_samples),
+                            lambda: fit_level_beliefs(prior, depth, params.belief_samples, seed=0))
+    results = ults_search(expander, prompts, beliefs, depth, max(params.branching, num_samples),
                           params.epsilon, params.k_max, eos, params.belief_samples, params.acquisition, params.score,
                           expansions_per_step=params.expansions_per_step, min_leaves=num_samples,
                           seeds=[seeds[i * num_samples] for i in range(len(prompts))])
@@ -640,7 +640,7 @@ def ults_model_side(engine, prompts: list[list[int]], num_samples: int, seeds: l
         leaves = res.leaves[:num_samples]
         if len(leaves) < num_samples:
             raise RuntimeError(f"ults: prompt {i} ended with {len(leaves)} leaves, need {num_samples}")
-        texts = engine.tokenizer.batch_decode([tokens for tokens, _, _ in leaves], skip_special_tokens=True)
+        texts = host.decode([tokens for tokens, _, _ in leaves])
         rows = [RowState(row=i * num_samples + s, token_ids=tokens, text=text, finished=True)
                 for s, ((tokens, _, _), text) in enumerate(zip(leaves, texts))]
         outputs.append(SearchOutput(rows=rows, generated_tokens=res.expansions, stats={

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from pipeline.decoding.protocols import RowState
 from pipeline.decoding.sampling import SamplingParams, sample_next
+from pipeline.engines.rows import left_pad
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,19 +48,6 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, position_ids), each [P, W]: prompts left-padded so the last
-    column is every prompt's last token; position ids count real tokens only."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 @dataclass
@@ -90,6 +78,10 @@ class HFEngine:
         self.sessions: dict[str, _Session] = {}
         self.generated_tokens = 0
         self.forward_passes = 0
+        self.drafter = None
+        """A Drafter for the methods that draft (dsbd): the draft model in-process or a DraftActor
+        proxy, set by the GeneratorActor; None: they draft with ADED."""
+        self._search_host = None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32") -> HFEngine:
@@ -227,21 +219,26 @@ class HFEngine:
         except KeyError:
             raise ValueError(f"unknown session {session}") from None
 
+    @property
+    def search_host(self):
+        """This engine as every model-side method's host (pipeline.engines.adapters.HFSearchHost);
+        it keeps the methods' per-engine state."""
+        if self._search_host is None:
+            from pipeline.engines.adapters import HFSearchHost
+
+            self._search_host = HFSearchHost(self)
+        return self._search_host
+
     def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
                sampling: SamplingParams, params) -> list:
-        """Run a model-side method (pipeline.decoding.MODEL_SIDE) on this engine's model."""
-        from pipeline.decoding import MODEL_SIDE
+        """Run a model-side method (its pipeline.methods record's ``search``) on this engine's model."""
+        from pipeline.methods import METHODS
 
-        if method not in MODEL_SIDE:
-            raise ValueError(f"unknown model-side method {method!r}; known: {sorted(MODEL_SIDE)}")
-        return MODEL_SIDE[method](self, prompts, num_samples, seeds, sampling, params)
-
-    def self_rewarding_lm(self):
-        """This engine as pipeline.decoding.sla's SelfRewardingLM; raises ValueError when the model
-        has no trained reward channel."""
-        from pipeline.engines.reward_transformer import SelfRewardDecoder
-
-        return SelfRewardDecoder(self)
+        record = METHODS.get(method)
+        if record is None or record.search is None:
+            known = sorted(name for name, m in METHODS.items() if m.search is not None)
+            raise ValueError(f"unknown model-side method {method!r}; known: {known}")
+        return record.search(self.search_host, prompts, num_samples, seeds, sampling, params)
 
     # -- convenience -------------------------------------------------------------------------
 

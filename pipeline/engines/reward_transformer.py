@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 from transformers.activations import ACT2FN
 
 CHANNEL_WEIGHTS = "reward_channel.safetensors"
@@ -192,76 +192,3 @@ def has_trained_channel(path: str) -> bool:
     if not has_reward_channel(path):
         return False
     return bool(json.loads((Path(path) / CHANNEL_CONFIG).read_text()).get("trained"))
-
-
-# -- tree decoding for SLA ----------------------------------------------------------------------
-
-
-@dataclass
-class TreeBatch:
-    """Rows of a search tree batch: KV cache, mask and positions, and what the last fed token gave."""
-
-    cache: DynamicCache
-    attention_mask: torch.Tensor  # [B, L] 1 = real token, 0 = left padding
-    next_position: torch.Tensor  # [B]
-    logits: torch.Tensor  # [B, V] next-token logits
-    rewards: torch.Tensor  # [B] R' of each row's sequence so far
-
-
-class SelfRewardDecoder:
-    """The SelfRewardingLM protocol of pipeline.decoding.sla over an HFEngine whose model is a
-    trained RewardTransformer: one forward pass gives each row's next-token logits and its reward."""
-
-    def __init__(self, engine):
-        model = engine.model
-        if not isinstance(model, RewardTransformer) or not model.channel_config.trained:
-            raise ValueError("strategy 'sla' needs a generator with a trained reward channel "
-                             f"({CHANNEL_WEIGHTS}); train one with python -m jobs.train_reward_transformer")
-        self.engine = engine
-        self.model = model
-        self.eos_ids = engine.eos_ids
-        self.device = engine.device
-        self.forward_passes = 0
-
-    def _forward(self, batch: TreeBatch, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-        out = self.model(input_ids=input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
-                         past_key_values=batch.cache, use_cache=True, logits_to_keep=1, with_rewards=True)
-        self.forward_passes += 1
-        self.engine.forward_passes += 1
-        batch.logits = out.logits[:, -1, :].float()  # [B, V]
-        batch.rewards = out.rewards[:, -1].float()  # [B]
-
-    @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> TreeBatch:
-        from pipeline.engines.hf import left_pad
-
-        input_ids, mask, position_ids = left_pad(prompts, self.engine.pad_id, self.device)
-        batch = TreeBatch(DynamicCache(config=self.model.config), mask, mask.sum(-1), None, None)
-        self._forward(batch, input_ids, position_ids)
-        return batch
-
-    @torch.inference_mode()
-    def feed(self, batch: TreeBatch, tokens: torch.Tensor) -> None:
-        ones = torch.ones((len(tokens), 1), dtype=batch.attention_mask.dtype, device=self.device)
-        batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)  # [B, L + 1]
-        self._forward(batch, tokens.to(self.device)[:, None], batch.next_position[:, None])
-        batch.next_position = batch.next_position + 1
-        self.engine.generated_tokens += len(tokens)
-
-    def select(self, batch: TreeBatch, index: list[int]) -> None:
-        """Keep, drop, reorder or repeat rows (repeats fan a node out into its children)."""
-        if not index:
-            batch.cache = DynamicCache()
-            batch.attention_mask = batch.attention_mask[:0]
-            batch.next_position, batch.logits, batch.rewards = (t[:0] for t in (batch.next_position, batch.logits,
-                                                                                 batch.rewards))
-            return
-        idx = torch.tensor(index, device=self.device)
-        batch.cache.batch_select_indices(idx)
-        batch.attention_mask = batch.attention_mask[idx]
-        batch.next_position = batch.next_position[idx]
-        batch.logits = batch.logits[idx]
-        batch.rewards = batch.rewards[idx]
-
-    def decode(self, token_lists: list[list[int]]) -> list[str]:
-        return self.engine.tokenizer.batch_decode(token_lists, skip_special_tokens=True)

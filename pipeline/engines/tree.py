@@ -43,8 +43,8 @@ API
 ``tree_inputs(trees, attention_mask, next_position, dtype)`` builds the forward inputs (token
     ids, position ids, the 4D additive mask ``[B, 1, N, L + N]``) and is exposed for callers
     that run the model themselves.
-``TreeSession(model, device)`` keeps (cache, attention_mask, next_position) for decoders that
-    verify tree after tree (open / verify / commit; see pipeline.decoding.dsbd.ForestTarget).
+pipeline.engines.adapters.TreeSession and TreeTarget keep (cache, attention_mask, next_position)
+    for decoders that verify tree after tree (DSBD's ForestTarget, ADED's TreeVerifier).
 
 The mask is additive float (0 = attend, dtype min = masked), which the eager and SDPA attention
 implementations both take as-is (transformers returns a 4D mask unchanged). Flash-attention
@@ -58,40 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class TokenTree:
-    """Candidate nodes of one row: ``tokens[i]`` continues ``parents[i]`` (-1 = the committed context)."""
-
-    tokens: list[int]
-    parents: list[int]
-
-    def __post_init__(self):
-        if len(self.tokens) != len(self.parents):
-            raise ValueError(f"tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
-        for i, p in enumerate(self.parents):
-            if not -1 <= p < i:
-                raise ValueError(f"tree node {i}: parent {p} must be -1 or an earlier node")
-
-    @classmethod
-    def chain(cls, tokens: list[int]) -> TokenTree:
-        """A single branch: each token continues the previous one."""
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
-
-    def depths(self) -> list[int]:
-        """Depth of each node; root-level nodes have depth 0."""
-        out: list[int] = []
-        for p in self.parents:
-            out.append(0 if p < 0 else out[p] + 1)
-        return out
-
-    def path_to(self, node: int) -> list[int]:
-        """Node indices from the root level down to ``node`` (inclusive); [] for node -1."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+from pipeline.decoding.tree import TokenTree
 
 
 @dataclass
@@ -187,39 +154,3 @@ def commit_paths(cache, verification: TreeVerification, sources: list[tuple[int,
     new_mask = torch.cat([mask[rows], tail], dim=1)  # [B', L + P]
     lengths = torch.tensor([len(p) for _, p in sources], dtype=next_position.dtype, device=device)
     return new_mask, next_position.to(device)[rows] + lengths
-
-
-class TreeSession:
-    """One growing batch of rows over a causal LM for tree-verifying decoders (DSBD, speculative
-    decoding, beam sampling): each row's cache holds its sequence except the last token, which the
-    caller passes as the root of the row's next tree (pipeline.decoding.dsbd.ForestTarget)."""
-
-    def __init__(self, model, device: str | torch.device = "cpu"):
-        self.model = model
-        self.device = torch.device(device)
-        self.forward_passes = 0
-        self._verification: TreeVerification | None = None
-
-    @torch.inference_mode()
-    def open(self, prompt: list[int]) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.config)
-        context = torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device)  # [1, L]
-        self.attention_mask = torch.ones_like(context)
-        self.next_position = torch.tensor([context.shape[1]], device=self.device)
-        if context.shape[1]:
-            self.model(input_ids=context, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-            self.forward_passes += 1
-
-    def verify(self, trees: list[TokenTree]) -> torch.Tensor:
-        """Log-probs [B, N, V] (float32) after every node of every row's tree, from one forward pass."""
-        self._verification = verify_tree(self.model, self.cache, self.attention_mask, self.next_position, trees)
-        self.forward_passes += 1
-        return self._verification.logits.float().log_softmax(-1)
-
-    def commit(self, sources: list[tuple[int, list[int]]]) -> None:
-        if self._verification is None:
-            raise ValueError("commit needs a verify first")
-        self.attention_mask, self.next_position = commit_paths(self.cache, self._verification, sources)
-        self._verification = None

@@ -150,7 +150,7 @@ class VLLMEngine:
                 "open_sessions": len(self.sessions)}
 
     def search(self, method: str, *args, **kwargs):
-        # Config refuses this pairing up front (pipeline.config.VLLM_STRATEGIES); this guards direct use.
+        # Config refuses this pairing up front (the method's registry record lists its backends); this guards direct use.
         raise ValueError(f"the vLLM backend serves best_of_n and sbon only, not the model-side method {method!r}")
 
     def _session(self, session: str) -> _Session:

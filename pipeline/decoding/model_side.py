@@ -1,14 +1,13 @@
-"""Strategies whose decoding runs model-side (tree search, speculative decoding).
+"""The coordinator side of model-side methods (tree searches, speculative decoding).
 
 Methods such as SLA, ULTS, DSBD and ADED call the model many times per token with small inputs,
 so each runs wholly inside the generator's process (``Generator.search``), and only the finished
 candidates come back. The coordinator side is the same for all of them and lives here: send the
 batch, check the counts, score every candidate with the reward model, assemble PromptResults.
 
-A model-side method is registered in ``pipeline.decoding.MODEL_SIDE`` as
-``fn(engine, prompts, num_samples, seeds, sampling, params) -> list[SearchOutput]``; ``engine``
-is the generator's engine (pipeline.engines.hf.HFEngine in production), seen through whatever
-small Protocol the method declares.
+A model-side method's record in pipeline.methods names its ``search(host, prompts, num_samples,
+seeds, sampling, params) -> list[SearchOutput]``; ``host`` is the generator engine's adapter
+(pipeline.engines.adapters.HFSearchHost), seen through the small Protocol the method declares.
 """
 
 from __future__ import annotations
@@ -46,11 +45,11 @@ def run_model_side(method: str, prompts: list[PromptInput], generator: Generator
 
 
 def model_side_strategy(method: str) -> Callable[..., list[PromptResult]]:
-    """The STRATEGIES entry for a model-side method registered under the same name."""
+    """The coordinator-side ``run`` of the model-side method registered as ``method``."""
 
     def strategy(prompts, generator, scorer, params, sampling, num_samples, seed):
         return run_model_side(method, prompts, generator, scorer, params, sampling, num_samples, seed)
 
     strategy.__name__ = method
-    strategy.__doc__ = f"Coordinator side of the model-side method {method!r} (see pipeline.decoding.search)."
+    strategy.__doc__ = f"Coordinator side of the model-side method {method!r} (see pipeline.decoding.model_side)."
     return strategy

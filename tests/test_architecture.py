@@ -1,0 +1,186 @@
+"""The rules of the house, checked on the source (ast, no imports run):
+
+- no import cycle among the modules of pipeline/, actors/, jobs/ and benchmarks/, counting
+  module-level and function-level imports alike;
+- pipeline/decoding is pure: it imports nothing from engines, config, data, training, actors, jobs,
+  ray, vllm or transformers, opens no files and keeps no module-global mutable state;
+- one method registry: every method's record is complete, and nothing else keeps a table of them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("pipeline", "actors", "jobs", "benchmarks")
+FORBIDDEN_IN_DECODING = ("pipeline.engines", "pipeline.config", "pipeline.data", "pipeline.training",
+                         "pipeline.methods", "pipeline.build", "pipeline.coordinator", "pipeline.evaluation",
+                         "actors", "jobs", "benchmarks", "ray", "vllm", "transformers")
+# Calls that read or write files: the builtin open(), and these methods or functions of any module
+# (np.load, torch.save, Path.read_text, safetensors' load_file, ...). A Protocol's .open() is a session.
+FILE_IO = {"load", "save", "savez", "read_text", "write_text", "read_bytes", "write_bytes", "load_file",
+           "save_file", "from_pretrained", "save_pretrained", "read_table", "write_table"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, int]]:
+    """(imported name, line) for every import in the file, at any depth; relative imports resolved.
+    ``from a.b import c`` names the module a.b.c when it exists, else a.b."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.append((full if full in known else base, node.lineno))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    edges = {}
+    for name, path in mods.items():
+        targets = set()
+        for target, _ in imports(path, name, known):
+            # a.b.c imported: the longest project module that prefixes it
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+        edges[name] = targets
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    found = cycles(graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def decoding_files() -> list[Path]:
+    return sorted((ROOT / "pipeline" / "decoding").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", decoding_files(), ids=lambda p: p.name)
+def test_decoding_imports_nothing_it_may_not(path):
+    mods = modules()
+    name = next(n for n, p in mods.items() if p == path)
+    bad = [(target, line) for target, line in imports(path, name, set(mods))
+           if any(target == f or target.startswith(f + ".") for f in FORBIDDEN_IN_DECODING)]
+    assert not bad, f"{path.name} imports " + ", ".join(f"{t} (line {n})" for t, n in bad)
+
+
+@pytest.mark.parametrize("path", decoding_files(), ids=lambda p: p.name)
+def test_decoding_opens_no_files_and_keeps_no_global_state(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            if isinstance(fn, ast.Name):
+                assert fn.id != "open" and fn.id not in FILE_IO, f"{path.name}:{node.lineno} calls {fn.id}() (file I/O)"
+            elif isinstance(fn, ast.Attribute):
+                assert fn.attr not in FILE_IO, f"{path.name}:{node.lineno} calls .{fn.attr}() (file I/O)"
+        assert not isinstance(node, ast.Global), f"{path.name}:{node.lineno}: global statement"
+    for node in tree.body:  # module level
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+            and value.func.id in ("dict", "list", "set", "defaultdict", "OrderedDict", "Counter"))
+        assert not mutable, f"{path.name}:{node.lineno}: module-level mutable state"
+
+
+def test_purity_check_catches_a_planted_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from pipeline.engines.hf import HFEngine\n_CACHE: dict = {}\n")
+    reads = tmp_path / "reads.py"
+    reads.write_text("import numpy as np\ndef f(path):\n    return np.load(path)\n")
+    assert imports(bad, "pipeline.decoding.bad", set())[0][0] == "pipeline.engines.hf"
+    with pytest.raises(AssertionError, match="module-level mutable state"):
+        test_decoding_opens_no_files_and_keeps_no_global_state(bad)
+    with pytest.raises(AssertionError, match="file I/O"):
+        test_decoding_opens_no_files_and_keeps_no_global_state(reads)
+
+
+def test_every_method_has_one_complete_record():
+    from pipeline.methods import METHODS, method
+
+    assert set(METHODS) == {"best_of_n", "sbon", "ults", "aded", "sla", "dsbd"}
+    for name, record in METHODS.items():
+        assert record.name == name and callable(record.run)
+        assert method(name) is record
+        for alias in record.aliases:
+            assert method(alias) is record
+        assert record.backends <= {"hf", "vllm"} and "hf" in record.backends
+        assert record.search is None or callable(record.search)
+    assert method("speculative_rejection") is METHODS["sbon"]
+    assert {n for n, r in METHODS.items() if r.uses_draft} == {"dsbd"}
+    assert {n for n, r in METHODS.items() if "vllm" in r.backends} == {"best_of_n", "sbon"}
+
+
+def test_no_second_table_of_methods():
+    """The old tables (STRATEGIES, STRATEGY_PARAMS, MODEL_SIDE, USES_DRAFT, VLLM_STRATEGIES) are gone."""
+    for path in modules().values():
+        text = path.read_text()
+        for table in ("STRATEGY_PARAMS", "MODEL_SIDE", "USES_DRAFT", "VLLM_STRATEGIES", "STRATEGIES ="):
+            assert table not in text, f"{path.relative_to(ROOT)} keeps its own table {table}"
