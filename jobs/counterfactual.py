@@ -35,7 +35,7 @@ def collect(engine, scorer, prompts, n: int, taus: list[int], sampling, seed: in
     for p in tqdm(prompts, desc="counterfactual", disable=not progress):
         session, rewards = uuid.uuid4().hex, uuid.uuid4().hex
         engine.open(session, [p.token_ids], n, [row_seed(seed, p.prompt_id, s) for s in range(n)], sampling)
-        scorer.open(rewards, [p.raw_prompt], n)
+        scorer.open(rewards, [p.reward_input], n)
         partial: dict[int, dict[int, float]] = {}
         try:
             for tau in taus:

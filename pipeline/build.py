@@ -173,7 +173,7 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
         shard.rejects.sort(key=lambda r: r["source_row"])
         shard.stats.update(pairs=len(shard.pairs), rejects=len(shard.rejects))
         store.commit_shard(shard.index, shard.pairs, shard.rejects, shard.fingerprint, plan.config_hash,
-                           dict(shard.stats), shard.quarantine)
+                           dict(shard.stats), shard.quarantine, config.data.output_format)
         metrics.shard_committed()
 
     def sync_restarts() -> None:
@@ -197,7 +197,8 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
         for result in coordinator.run(plan.prompts):
             shard, source_row, truncated = origin[result.prompt.prompt_id]
             _record(shard, result, source_row)
-            pair, reason = select_pair(result, config.strategy.name, config.data.min_margin)
+            pair, reason = select_pair(result, config.strategy.name, config.data.min_margin,
+                                       config.data.output_format)
             if pair is None:
                 shard.rejects.append(_reject_row(Reject(source_row, reason, result.prompt.raw_prompt[:1000],
                                                         result.prompt.prompt_id), "pairing",

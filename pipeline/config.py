@@ -81,7 +81,12 @@ class DataConfig:
     output: str = ""
     """Output directory or s3:// prefix for part-NNNNN.parquet, _manifest.json and _rejects/."""
     prompt_column: str = "prompt"
-    """Column (JSONL key) that holds the prompt text."""
+    """Column (JSONL key) that holds the prompt: a string, or a conversation (a list of
+    {"role", "content"} messages, system turns included, ending with a user turn)."""
+    output_format: str = "standard"
+    """Pairs as TRL's standard format (prompt, chosen and rejected strings; the prompt with the chat
+    template applied) or its conversational format (prompt = the list of messages, chosen and
+    rejected = [{"role": "assistant", "content": ...}]); DPOTrainer reads both as they are."""
     shard_size: int = 64
     """Prompts per output shard; one part file per shard."""
     overlength: str = "truncate"
@@ -99,6 +104,8 @@ class DataConfig:
             raise ConfigError(f"data.min_margin: must be >= 0, got {self.min_margin}")
         if self.shard_size < 1:
             raise ConfigError(f"data.shard_size: must be >= 1, got {self.shard_size}")
+        if self.output_format not in ("standard", "conversational"):
+            raise ConfigError(f"data.output_format: expected standard or conversational, got {self.output_format!r}")
         if self.overlength not in ("truncate", "reject"):
             raise ConfigError(f"data.overlength: expected truncate or reject, got {self.overlength!r}")
 

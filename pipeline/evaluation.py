@@ -131,7 +131,7 @@ def judged(method: str, engine, scorer, prompts: list[PromptInput], max_new_toke
            **kwargs) -> MethodRun:
     """``decode`` plus the judge's score of every response."""
     run = decode(method, engine, scorer, prompts, max_new_tokens, seed, **kwargs)
-    run.scores = scorer.score([p.raw_prompt for p in prompts], run.texts)
+    run.scores = scorer.score([p.reward_input for p in prompts], run.texts)
     return run
 
 

@@ -9,6 +9,10 @@
 - No pair (a reject with its reason) when no completed candidate has a finite reward, when no
   other usable candidate is left, when the best and worst scores tie, or when their margin is
   below ``min_margin`` (data.min_margin).
+
+The row is in TRL's standard format (prompt, chosen, rejected strings) or, with
+``output_format="conversational"``, its conversational format: prompt is the list of messages
+(a string prompt becomes one user turn), chosen and rejected are one assistant turn each.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 from pipeline.decoding.protocols import PromptResult
 
 
-def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0) -> tuple[dict | None, str | None]:
+def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0,
+                output_format: str = "standard") -> tuple[dict | None, str | None]:
     """Returns (pair row, None) or (None, reason)."""
     usable = [c for c in result.candidates if not c.failed]
     completed = [c for c in usable if c.completed and not c.stopped_early]
@@ -32,11 +37,16 @@ def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0) ->
     if chosen.score - rejected.score < min_margin:
         return None, f"margin below min_margin ({chosen.score - rejected.score:.6g} < {min_margin:g})"
     p = result.prompt
+    prompt, chosen_text, rejected_text = p.text, chosen.text, rejected.text
+    if output_format == "conversational":
+        prompt = p.messages if p.messages is not None else [{"role": "user", "content": p.raw_prompt}]
+        chosen_text = [{"role": "assistant", "content": chosen.text}]
+        rejected_text = [{"role": "assistant", "content": rejected.text}]
     return {
         "prompt_id": p.prompt_id,
-        "prompt": p.text,
-        "chosen": chosen.text,
-        "rejected": rejected.text,
+        "prompt": prompt,
+        "chosen": chosen_text,
+        "rejected": rejected_text,
         "chosen_score": float(chosen.score),
         "rejected_score": float(rejected.score),
         "strategy": strategy,

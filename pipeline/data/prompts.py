@@ -3,10 +3,14 @@
 Sources: JSONL, Parquet (a file, a directory of files, or a glob) or a dataset saved with
 ``datasets.save_to_disk``; local paths or s3:// URIs through fsspec/s3fs.
 
+A prompt is a string or a conversation in TRL's conversational format: a list of
+{"role": "system" | "user" | "assistant", "content": str} messages ending with a user turn (the
+chat template is then applied to the whole conversation).
+
 A missing or unreadable file raises InputError (one line naming the file, and the line for
-JSONL); the job turns it into exit code 2. A row whose prompt is missing, not a string, blank,
-or a duplicate of an earlier prompt is never skipped silently: it becomes a Reject with its
-reason and its input row number.
+JSONL); the job turns it into exit code 2. A row whose prompt is missing, neither a string nor a
+well-formed conversation, blank, or a duplicate of an earlier prompt is never skipped silently: it
+becomes a Reject with its reason and its input row number.
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ class InputError(Exception):
     """Unreadable or missing input: a user error with a one-line message."""
 
 
+ROLES = ("system", "user", "assistant")
+
+
 @dataclass
 class PromptRow:
     source_row: int
     """0-based row number across the whole input, in read order."""
-    prompt: str
+    prompt: str | list[dict]
+    """The prompt text, or a conversation (validated by ``conversation_problem``)."""
 
 
 @dataclass
@@ -46,9 +54,35 @@ class Reject:
     prompt_id: str | None = None
 
 
-def prompt_id(text: str) -> str:
-    """Stable id of a prompt: the first 16 hex digits of sha256 of its text."""
+def prompt_id(prompt: str | list[dict]) -> str:
+    """Stable id of a prompt: the first 16 hex digits of sha256 of its text (of a conversation:
+    of its canonical JSON, ``conversation_text``)."""
+    text = prompt if isinstance(prompt, str) else conversation_text(prompt)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """A conversation as canonical JSON: the raw_prompt column and the id's input."""
+    return json.dumps([{"role": m["role"], "content": m["content"]} for m in messages], ensure_ascii=False)
+
+
+def conversation_problem(value: list) -> str | None:
+    """Why a list is not a usable conversation (None when it is): each message a mapping with a
+    role in ROLES and string content, at least one non-blank, the last one a user turn."""
+    if not value:
+        return "empty conversation"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"message {i} is not a mapping ({type(message).__name__})"
+        if message.get("role") not in ROLES:
+            return f"message {i} has role {message.get('role')!r} (expected one of {', '.join(ROLES)})"
+        if not isinstance(message.get("content"), str):
+            return f"message {i} has no string content"
+    if value[-1]["role"] != "user":
+        return f"the last message is a {value[-1]['role']} turn, not a user turn"
+    if not any(m["content"].strip() for m in value):
+        return "every message is blank"
+    return None
 
 
 def _files(uri: str, storage_options: dict, suffixes: tuple[str, ...]) -> tuple[Any, list[str]]:
@@ -134,21 +168,26 @@ _NOT_AN_OBJECT = _NotAnObject()
 
 
 def validate(values: list[Any], column: str) -> tuple[list[PromptRow], list[Reject]]:
-    """Split raw values into usable prompt rows and rejects (missing, non-string, blank, duplicate)."""
+    """Split raw values into usable prompt rows and rejects (missing, neither a string nor a
+    conversation, malformed conversation, blank, duplicate)."""
     rows, rejects, seen = [], [], {}
     for i, value in enumerate(values):
         if value is _NOT_AN_OBJECT:
             rejects.append(Reject(i, "row is not a JSON object", repr(value)))
         elif value is None:
             rejects.append(Reject(i, f"missing prompt (no {column!r} value)", "None"))
-        elif not isinstance(value, str):
-            rejects.append(Reject(i, f"prompt is not a string ({type(value).__name__})", repr(value)[:1000]))
-        elif not value.strip():
+        elif isinstance(value, list) and conversation_problem(value):
+            rejects.append(Reject(i, f"malformed conversation ({conversation_problem(value)})", repr(value)[:1000]))
+        elif not isinstance(value, (str, list)):
+            rejects.append(Reject(i, f"prompt is not a string or a conversation ({type(value).__name__})",
+                                  repr(value)[:1000]))
+        elif isinstance(value, str) and not value.strip():
             rejects.append(Reject(i, "blank prompt", repr(value)[:1000]))
         else:
             pid = prompt_id(value)
+            shown = value if isinstance(value, str) else conversation_text(value)
             if pid in seen:
-                rejects.append(Reject(i, f"duplicate prompt (same as row {seen[pid]})", value[:1000], pid))
+                rejects.append(Reject(i, f"duplicate prompt (same as row {seen[pid]})", shown[:1000], pid))
             else:
                 seen[pid] = i
                 rows.append(PromptRow(i, value))
@@ -157,8 +196,10 @@ def validate(values: list[Any], column: str) -> tuple[list[PromptRow], list[Reje
 
 class PromptFormatter:
     """Turns a prompt into generator tokens: chat template when the tokenizer has one (and
-    chat_template is "auto"), else the raw text. Over-long prompts are truncated (the *start* of the
-    user text is cut, so the end of the request survives) or rejected, as configured."""
+    chat_template is "auto"), else the raw text (a conversation without a template: its messages'
+    contents, one per paragraph). Over-long prompts are truncated or rejected, as configured: a
+    string loses the *start* of its text, so the end of the request survives; a conversation loses
+    its oldest turns (system turns are kept), and is rejected when its last turn alone is too long."""
 
     def __init__(self, tokenizer, max_prompt_tokens: int, overlength: str = "truncate", chat_template: str = "auto"):
         if max_prompt_tokens < 1:
@@ -169,22 +210,40 @@ class PromptFormatter:
         self.overlength = overlength
         self.use_template = chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
 
-    def render(self, raw: str) -> tuple[str, list[int]]:
+    def render(self, raw: str | list[dict]) -> tuple[str, list[int]]:
+        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
         if self.use_template:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": raw}], tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return text, self.tokenizer(text, add_special_tokens=False).input_ids
-        return raw, self.tokenizer(raw).input_ids
+        text = raw if isinstance(raw, str) else "\n\n".join(m["content"] for m in messages)
+        return text, self.tokenizer(text).input_ids
+
+    def _input(self, row: PromptRow, raw: str | list[dict], text: str, ids: list[int]) -> PromptInput:
+        # prompt_id stays that of the input row, truncated or not.
+        if isinstance(raw, str):
+            return PromptInput(prompt_id(row.prompt), text, raw, ids)
+        return PromptInput(prompt_id(row.prompt), text, conversation_text(raw), ids, messages=list(raw))
 
     def prepare(self, row: PromptRow) -> tuple[PromptInput | None, Reject | None, bool]:
         """Returns (prompt, None, truncated) or (None, reject, False)."""
-        raw = row.prompt
-        text, ids = self.render(raw)
+        text, ids = self.render(row.prompt)
         if len(ids) <= self.max_prompt_tokens:
-            return PromptInput(prompt_id(row.prompt), text, raw, ids), None, False
+            return self._input(row, row.prompt, text, ids), None, False
+        shown = row.prompt if isinstance(row.prompt, str) else conversation_text(row.prompt)
+        too_long = Reject(row.source_row, f"prompt too long ({len(ids)} tokens > {self.max_prompt_tokens})",
+                          shown[:1000], prompt_id(row.prompt))
         if self.overlength == "reject":
-            return None, Reject(row.source_row, f"prompt too long ({len(ids)} tokens > {self.max_prompt_tokens})",
-                                raw[:1000], prompt_id(row.prompt)), False
+            return None, too_long, False
+        cut = self._truncate_text(row.prompt) if isinstance(row.prompt, str) else self._drop_turns(row.prompt)
+        if cut is None:
+            return None, Reject(row.source_row, "prompt cannot be truncated to fit", shown[:1000],
+                                prompt_id(row.prompt)), False
+        raw, text, ids = cut
+        return self._input(row, raw, text, ids), None, True
+
+    def _truncate_text(self, raw: str) -> tuple[str, str, list[int]] | None:
+        """Keep the end of the text: the longest tail whose rendering fits."""
+        text, ids = self.render(raw)
         raw_ids = self.tokenizer(raw, add_special_tokens=False).input_ids
         overhead = len(ids) - len(raw_ids)
         budget = self.max_prompt_tokens - max(overhead, 0)
@@ -192,8 +251,18 @@ class PromptFormatter:
             raw = self.tokenizer.decode(raw_ids[-budget:], skip_special_tokens=True)
             text, ids = self.render(raw)
             if len(ids) <= self.max_prompt_tokens and raw.strip():
-                # prompt_id stays that of the input text, so ids match the input row.
-                return PromptInput(prompt_id(row.prompt), text, raw, ids), None, True
+                return raw, text, ids
             budget -= max(1, len(ids) - self.max_prompt_tokens)
-        return None, Reject(row.source_row, "prompt cannot be truncated to fit", row.prompt[:1000],
-                            prompt_id(row.prompt)), False
+        return None
+
+    def _drop_turns(self, messages: list[dict]) -> tuple[list[dict], str, list[int]] | None:
+        """Drop the oldest non-system turns until the conversation fits; its last turn always stays."""
+        kept = list(messages)
+        while True:
+            droppable = [i for i, m in enumerate(kept[:-1]) if m["role"] != "system"]
+            if not droppable:
+                return None
+            del kept[droppable[0]]
+            text, ids = self.render(kept)
+            if len(ids) <= self.max_prompt_tokens:
+                return kept, text, ids

@@ -52,6 +52,12 @@ PAIR_SCHEMA = pa.schema([
     ("source_row", pa.int64()),
 ])
 
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+"""TRL's conversational format: a list of {"role", "content"} messages."""
+CONVERSATIONAL_PAIR_SCHEMA = pa.schema([
+    field.with_type(MESSAGES) if field.name in ("prompt", "chosen", "rejected") else field for field in PAIR_SCHEMA])
+PAIR_SCHEMAS = {"standard": PAIR_SCHEMA, "conversational": CONVERSATIONAL_PAIR_SCHEMA}
+
 REJECT_SCHEMA = pa.schema([
     ("source_row", pa.int64()),
     ("prompt_id", pa.string()),
@@ -191,8 +197,10 @@ class OutputStore:
         self._refresh()
 
     def commit_shard(self, shard: int, pairs: list[dict], rejects: list[dict], input_fingerprint: str,
-                     config_hash: str, stats: dict | None = None, quarantine: list[dict] | None = None) -> dict:
-        """Write the shard's side files, its part file, then its marker (the commit point)."""
+                     config_hash: str, stats: dict | None = None, quarantine: list[dict] | None = None,
+                     output_format: str = "standard") -> dict:
+        """Write the shard's side files, its part file (pairs in TRL's ``output_format``), then its
+        marker (the commit point)."""
         name = part_name(shard)
         marker = {"shard": shard, "part": name, "input_fingerprint": input_fingerprint, "config_hash": config_hash,
                   "stats": stats or {}, "committed_at": time.time()}
@@ -201,7 +209,7 @@ class OutputStore:
             payload = _parquet_bytes(pa.Table.from_pylist(rows, schema))
             self._write_bytes(join(self.root, directory, name), payload)
             marker[key] = {"rows": len(rows), "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
-        payload = _parquet_bytes(pa.Table.from_pylist(pairs, PAIR_SCHEMA))
+        payload = _parquet_bytes(pa.Table.from_pylist(pairs, PAIR_SCHEMAS[output_format]))
         self._write_bytes(join(self.root, name), payload)
         marker.update(rows=len(pairs), sha256=hashlib.sha256(payload).hexdigest(), bytes=len(payload))
         self._write_bytes(join(self.root, "_markers", marker_name(shard)), json.dumps(marker, sort_keys=True).encode())

@@ -30,7 +30,7 @@ def score_rows(scorer: Scorer, prompts: list[PromptInput], num_samples: int, row
     """Score (raw prompt, response so far) for each row state; row ids locate the prompt."""
     if not rows:
         return []
-    return scorer.score([prompts[r.row // num_samples].raw_prompt for r in rows], [r.text for r in rows])
+    return scorer.score([prompts[r.row // num_samples].reward_input for r in rows], [r.text for r in rows])
 
 
 def assemble(prompts: list[PromptInput], num_samples: int, candidates: dict[int, Candidate],

@@ -32,8 +32,16 @@ class PromptInput:
     text: str
     """The text the generator is conditioned on (chat template applied when used)."""
     raw_prompt: str
-    """The prompt as it appeared in the input, given to the reward model."""
+    """The prompt as it appeared in the input (a conversation: its JSON text)."""
     token_ids: list[int]
+    messages: list[dict] | None = None
+    """The conversation ({"role", "content"} messages, system turns included) when the input row
+    held one instead of a string."""
+
+    @property
+    def reward_input(self) -> str | list[dict]:
+        """What the reward model reads before the response: the conversation, or the raw prompt."""
+        return self.messages if self.messages is not None else self.raw_prompt
 
 
 @dataclass
@@ -100,8 +108,9 @@ class Generator(Protocol):
 
 
 class Scorer(Protocol):
-    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
-        """Reward of each (prompt, response) pair; NaN marks a failed score, never 0."""
+    def score(self, prompts: list[str | list[dict]], responses: list[str]) -> list[float]:
+        """Reward of each (prompt, response) pair; NaN marks a failed score, never 0. A prompt is
+        a string or a conversation (PromptInput.reward_input)."""
 
 
 @dataclass
@@ -132,7 +141,7 @@ class StreamingScorer(Scorer, Protocol):
     candidate row, so a partial reward costs only the tokens that are new since the last call
     (pipeline.engines.rewards.RewardScorer; encoder reward models re-score in full behind it)."""
 
-    def open(self, session: str, prompts: list[str], num_samples: int) -> None:
+    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int) -> None:
         """Start a session whose rows are prompt index * num_samples + sample (the generator's ids)."""
 
     def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:

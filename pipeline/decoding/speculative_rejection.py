@@ -133,7 +133,7 @@ class _Rewards:
         self.session = None
         if streaming and all(callable(getattr(scorer, m, None)) for m in ("open", "extend", "close")):
             self.session = f"reward-{uuid.uuid4().hex}"
-            scorer.open(self.session, [p.raw_prompt for p in prompts], rows_per_prompt)
+            scorer.open(self.session, [p.reward_input for p in prompts], rows_per_prompt)
 
     def __call__(self, rows: list[RowState]) -> list[float]:
         if self.session is None:

@@ -1,7 +1,7 @@
 """The DPO handoff: the build job's pairs Parquet in, a DPO-trained policy out.
 
-The pairs are read exactly as the output contract promises (`load_dataset("parquet")`, TRL
-standard format, no conversion) and handed to TRL's DPOTrainer. This module trains only the
+The pairs are read exactly as the output contract promises (`load_dataset("parquet")`, TRL's
+standard or conversational format, no conversion) and handed to TRL's DPOTrainer. This module trains only the
 policy; setting 2 of the SLA paper runs it before training the reward channel on the same pairs
 (pipeline.training.reward_channel).
 """
@@ -38,13 +38,13 @@ def _pair_files(uri: str, storage_options: dict) -> list[str]:
         # Footers only: cheap even on S3, and they let us name the bad file ourselves.
         try:
             with fs.open(f, "rb") as fh:
-                meta = pq.ParquetFile(fh).metadata
+                parquet = pq.ParquetFile(fh)
+                meta, columns = parquet.metadata, parquet.schema_arrow.names  # top-level (conversational: lists)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{where}: unreadable Parquet ({_one_line(exc)})") from None
-        missing = [c for c in PAIR_COLUMNS if c not in meta.schema.names]
+        missing = [c for c in PAIR_COLUMNS if c not in columns]
         if missing:
-            raise InputError(f"{where}: missing column(s) {', '.join(missing)} "
-                             f"(columns: {', '.join(meta.schema.names)})")
+            raise InputError(f"{where}: missing column(s) {', '.join(missing)} (columns: {', '.join(columns)})")
         # A shard whose prompts were all rejected is a valid, empty part file. datasets reads in
         # batches of the first row group's size, which is 0 there, and fails the whole load.
         if meta.num_rows:
