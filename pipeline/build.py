@@ -162,10 +162,10 @@ def _record(shard: _Shard, result, source_row: int) -> None:
 def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
     """Generate, pair and commit every pending shard of the plan; verify every marker, write the
     manifest, the run report and _SUCCESS; returns the manifest."""
-    from pipeline.observability import BuildMetrics, ProgressBars
+    from pipeline.observability import BuildMetrics, ProgressBars, pairs_per_hour
 
     config, store, pending, origin = plan.config, plan.store, plan.pending, plan.origin
-    metrics = BuildMetrics()
+    metrics = BuildMetrics(started=plan.started)
     bars = ProgressBars(len(plan.prompts), config.strategy.name, enabled=progress)
 
     def commit(shard: _Shard) -> None:
@@ -233,11 +233,12 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
                     shards_skipped=sorted(set(range(plan.num_shards)) - set(pending)),
                     prompts_truncated=sum(1 for _, _, t in origin.values() if t), run_stats=workers.stats(),
                     pairs_this_run=pairs_made)
-    # The rate of this run only: resumed shards cost it nothing.
-    manifest["pairs_per_minute"] = round(pairs_made / max(wall, 1e-9) * 60, 2)
+    # The rate of this run only: resumed shards cost it nothing. One definition for every figure.
+    metrics.set_rate(wall)
+    manifest["pairs_per_minute"] = round(pairs_per_hour(pairs_made, wall) / 60, 2)
     report = {
         "pairs": pairs_made, "prompts": len(plan.prompts), "wall_seconds": round(wall, 3),
-        "pairs_per_hour": round(pairs_made / max(wall, 1e-9) * 3600, 1),
+        "pairs_per_hour": pairs_per_hour(pairs_made, wall),
         "generated_tokens": tokens, "bon_equivalent_tokens": bon_tokens, "tokens_saved": bon_tokens - tokens,
         "tokens_per_pair": round(tokens / pairs_made, 2) if pairs_made else None,
         "actor_restarts": metrics.totals["actor_restarts"], "batch_retries": coordinator.retries,

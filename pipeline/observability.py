@@ -23,10 +23,18 @@ COUNTERS = {
 GAUGES = {"bon_pairs_per_hour": "Pairs per hour of this run so far"}
 
 
+def pairs_per_hour(pairs: int, seconds: float) -> float:
+    """The one definition: pairs this run made over this run's wall time (from the start of the
+    job's planning, so model loading and actor start-up count), per hour. The live gauge, the
+    report's pairs_per_hour, its metrics block and the manifest's pairs_per_minute all use it."""
+    return round(pairs / max(seconds, 1e-9) * 3600, 1)
+
+
 class BuildMetrics:
-    def __init__(self):
+    def __init__(self, started: float | None = None):
+        """``started``: the run's start on time.perf_counter's clock (default: now)."""
         self.totals: Counter = Counter()
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started
         self._ray = {}
         try:
             import ray
@@ -49,10 +57,13 @@ class BuildMetrics:
         self._inc("bon_pairs", int(paired))
         self._inc("bon_tokens_generated", generated)
         self._inc("bon_tokens_saved", bon_equivalent - generated)
-        rate = self.totals["pairs"] / max(time.perf_counter() - self.started, 1e-9) * 3600
-        self.totals["pairs_per_hour"] = round(rate, 1)
+        self.set_rate(time.perf_counter() - self.started)
+
+    def set_rate(self, seconds: float) -> None:
+        """Pairs per hour over ``seconds`` of this run (the run's end: its final wall time)."""
+        self.totals["pairs_per_hour"] = pairs_per_hour(self.totals["pairs"], seconds)
         if "bon_pairs_per_hour" in self._ray:
-            self._ray["bon_pairs_per_hour"].set(rate)
+            self._ray["bon_pairs_per_hour"].set(self.totals["pairs_per_hour"])
 
     def actor_restarted(self, count: int = 1) -> None:
         self._inc("bon_actor_restarts", count)

@@ -64,6 +64,10 @@ def test_output_contract_columns_and_manifest(mixed_build):
     assert report["pairs"] == len(GOOD_PROMPTS) and report["shards_written"] == 3
     assert report["tokens_per_pair"] == round(report["generated_tokens"] / report["pairs"], 2)
     assert report["pairs_per_hour"] > 0 and report["actor_restarts"] == 0
+    # one definition of the rate: this run's pairs over its wall time, wherever it is printed
+    assert report["pairs_per_hour"] == report["metrics"]["pairs_per_hour"]
+    assert report["pairs_per_hour"] == pytest.approx(report["pairs"] / report["wall_seconds"] * 3600, rel=1e-3)
+    assert manifest["pairs_per_minute"] == pytest.approx(report["pairs_per_hour"] / 60, abs=0.01)
     assert report["metrics"]["pairs"] == len(GOOD_PROMPTS)
     assert report["metrics"]["tokens_saved"] == report["tokens_saved"] > 0
 
@@ -135,7 +139,7 @@ def test_duplicates_and_blanks_are_counted_in_the_manifest(mixed_build):
     out, _ = mixed_build
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["reject_reasons"] == {"blank prompt": 2, "duplicate prompt": 1, "missing prompt": 2,
-                                          "prompt is not a string": 1}
+                                          "prompt is not a string or a conversation": 1}
     success = json.loads((out / "_SUCCESS").read_text())
     assert success["pairs"] == len(GOOD_PROMPTS) and success["config_hash"] == manifest["config_hash"]
 
@@ -190,7 +194,8 @@ def test_wrong_column_types_are_rejected_row_by_row(tiny_models, tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([[1.5], [2.5]])}), d / "2.parquet")  # list<double>
     assert main(build_args(tiny_models, d, tmp_path / "out", "--strategy", "best_of_n", tau=None)) == 0
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
-    assert manifest["pairs"] == 2 and manifest["reject_reasons"] == {"prompt is not a string": 4}
+    assert manifest["pairs"] == 2 and manifest["reject_reasons"] == {"prompt is not a string or a conversation": 2,
+                                                                     "malformed conversation": 2}
     rejects = pq.read_table(tmp_path / "out" / "_rejects" / "part-00000.parquet").to_pylist()
     assert [(r["source_row"], r["value"]) for r in rejects] == [(2, "3"), (3, "4"), (4, "[1.5]")]
 
