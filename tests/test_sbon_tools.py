@@ -30,6 +30,57 @@ def test_simulate_replays_algorithm_1_on_collected_rewards():
     assert cells[1]["score"] == pytest.approx(score)
 
 
+class FixedLengthGenerator:
+    """Row r of prompt 0 writes LENGTHS[r] tokens, then EOS; like HFEngine, a row that has reached
+    ``until`` tokens is not finished until it emits EOS on a later step."""
+
+    LENGTHS = [4, 10, 10, 10]
+
+    def open(self, session, prompts, num_samples, seeds, sampling):
+        self.cap, self.tokens, self.live = sampling.max_new_tokens, {r: [] for r in range(4)}, set(range(4))
+
+    def extend(self, session, until, keep=None):
+        from pipeline.decoding.protocols import RowState
+
+        self.live = set(keep) if keep is not None else self.live
+        states = []
+        for r in sorted(self.live):
+            self.tokens[r] += [r + 1] * (min(until, self.LENGTHS[r]) - len(self.tokens[r]))
+            finished = len(self.tokens[r]) == self.LENGTHS[r] and until > self.LENGTHS[r]
+            states.append(RowState(r, list(self.tokens[r]), f"row{r}:{len(self.tokens[r])}", finished))
+        return states
+
+    def close(self, session):
+        return {}
+
+
+def test_a_response_of_exactly_tau_tokens_is_live_at_tau_in_runs_and_in_simulate():
+    """Row 0 ends exactly at tau = 4 with the best final reward but the worst partial one: the live
+    algorithm can stop it at tau (it has not emitted EOS yet), and the counterfactual agrees."""
+    from pipeline.decoding.protocols import PromptInput
+    from pipeline.decoding.sampling import SamplingParams
+    from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+
+    partial, final = [0.1, 0.9, 0.8, 0.2], [5.0, 1.0, 2.0, 0.0]
+    rewards = {f"row{r}:4": partial[r] for r in range(4)} | {f"row{r}:10": final[r] for r in range(1, 4)}
+
+    class Scorer:
+        def score(self, prompts, responses):
+            return [rewards[t] for t in responses]
+
+    result = speculative_rejection([PromptInput("p", "p", "p", [1])], FixedLengthGenerator(), Scorer(),
+                                   SpeculativeRejectionParams(decision_token=4, rejection_rate=0.5,
+                                                              streaming_rewards=False),
+                                   SamplingParams(max_new_tokens=16), 4, seed=0)[0]
+    stopped = sorted(c.sample for c in result.candidates if c.stopped_early)
+    assert stopped == [0, 3]
+    live_best = max(c.score for c in result.candidates if not c.stopped_early)
+    score, rate = simulate(PromptRewards(lengths=FixedLengthGenerator.LENGTHS, final=final, partial={4: partial}),
+                           4, 0.5)
+    assert score == pytest.approx(normalized_score(final, live_best)) == pytest.approx(40.0)
+    assert rate == pytest.approx(sum(len(c.token_ids) for c in result.candidates) / 34)
+
+
 def test_correlations_per_prompt():
     p = PromptRewards(lengths=[5] * 4, final=[1.0, 2.0, 3.0, 4.0], partial={2: [0.1, 0.2, 0.3, 0.4], 3: [4, 3, 2, 1]})
     assert correlations(p, 2) == pytest.approx((1.0, 1.0))

@@ -48,7 +48,8 @@ def simulate(prompt: PromptRewards, tau: int, alpha: float) -> tuple[float, floa
     """(normalized score, token rate) of Algorithm 1 at (tau, alpha) on pre-collected completions."""
     partial = prompt.partial[tau]
     r_cut = rejection_cutoff(partial, alpha)  # Eq. 3
-    accepted = [k for k, r in enumerate(partial) if prompt.lengths[k] <= tau or r >= r_cut]  # Eq. 4
+    # A response of exactly tau tokens has not emitted EOS by tau: live runs can stop it, so may we.
+    accepted = [k for k, r in enumerate(partial) if prompt.lengths[k] < tau or r >= r_cut]  # Eq. 4
     tokens = sum(prompt.lengths[k] if k in set(accepted) else min(prompt.lengths[k], tau)
                  for k in range(len(partial)))
     best = max((prompt.final[k] for k in accepted if math.isfinite(prompt.final[k])), default=-math.inf)
