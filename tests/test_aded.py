@@ -116,6 +116,36 @@ def test_sampling_acceptance_leaves_the_output_distribution_unchanged(sampling):
     assert stats.chisquare(observed, expected).pvalue > 1e-3
 
 
+class _GreedyOracle:
+    """Drafts the next three tokens of a fixed greedy continuation, whatever they are."""
+
+    def __init__(self, prompt, continuation):
+        self.prompt, self.continuation = prompt, continuation
+
+    def propose(self, context):
+        done = len(context) - len(self.prompt)
+        return merge_drafts([self.continuation[done:done + 3]])
+
+    def observe(self, context, new_tokens):
+        pass
+
+
+def test_a_response_ends_at_the_first_eos_inside_an_accepted_draft():
+    """EOS as a draft token the target accepts (chat prompts put end-of-turn tokens into the
+    tri-gram matrix): the response stops there, nothing after it is emitted."""
+    model, prompt = _tiny_vocab_model(), [1, 2, 3]
+    greedy = []
+    with torch.no_grad():
+        for _ in range(8):
+            greedy.append(int(model(torch.tensor([prompt + greedy])).logits[0, -1].argmax()))
+    end = next(j for j in range(2, 8) if greedy[j] not in greedy[:j])  # first new token past the 2nd
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    out, stats = aded_decode(TreeTarget(model), _GreedyOracle(prompt, greedy), [prompt], 1, [0], sampling,
+                             {greedy[end]})
+    assert out == [greedy[:end]]
+    assert stats.forward_passes <= end  # the EOS came inside a verified draft, not as a bonus token
+
+
 def test_greedy_acceptance_reproduces_plain_greedy_and_accepts_drafts(engine):
     sampling = SamplingParams(max_new_tokens=24, temperature=0.0)
     prompts = [engine.tokenizer(p).input_ids for p in GOOD_PROMPTS[:2]]

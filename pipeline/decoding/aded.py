@@ -383,6 +383,9 @@ def aded_decode(target: TreeVerifier, drafter: TreeDrafter, prompts: list[list[i
         for b, (r, tree) in enumerate(zip(live, trees)):
             path, token = accept(tree, logits[b], sampling, generators[r])
             new = [tree.tokens[i] for i in path[1:]]
+            ended = next((i for i, t in enumerate(new) if t in eos), None)
+            if ended is not None:  # an accepted draft token is EOS: the response ends at the first one
+                new, token = new[:ended], new[ended]
             done = token in eos
             emitted = new + ([] if done else [token])
             out[r].extend(emitted)
