@@ -5,6 +5,7 @@ import json
 import math
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 from scipy import stats
@@ -191,15 +192,24 @@ def test_aded_build_strategy_in_process_with_a_built_trigram_matrix(tiny_models,
                           "--output", str(matrix_path)]) == 2
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
-    args = ["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(tmp_path / "out"),
-            "--set", f"models.generator={tiny_models['generator']}", "--set", f"models.reward={tiny_models['reward']}",
-            "--set", "runtime.local=true", "--max-new-tokens", "12", "--num-samples", "3", "--strategy", "aded",
-            "--set", "strategy.iterations=30", "--set", f"strategy.trigram={matrix_path}", "--no-progress"]
-    assert main(args) == 0
-    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+
+    def build(strategy, output, *extra):
+        assert main(["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(output),
+                     "--set", f"models.generator={tiny_models['generator']}",
+                     "--set", f"models.reward={tiny_models['reward']}", "--set", "runtime.local=true",
+                     "--max-new-tokens", "12", "--num-samples", "3", "--strategy", strategy, *extra,
+                     "--no-progress"]) == 0
+        manifest = json.loads((output / "_manifest.json").read_text())
+        rows = pq.read_table(output / "part-00000.parquet").to_pylist()
+        return manifest, sorted((r["prompt_id"], r["chosen"], r["rejected"]) for r in rows)
+
+    manifest, pairs = build("aded", tmp_path / "out", "--set", "strategy.iterations=30",
+                            "--set", f"strategy.trigram={matrix_path}")
     assert manifest["pairs"] == 2 and manifest["config"]["strategy"]["name"] == "aded"
-    # Best-of-N sampling, distribution unchanged: what the build sampled is what best_of_n samples
-    assert manifest["generated_tokens"] == manifest["bon_equivalent_tokens"]
+    # Best-of-N sampling, distribution unchanged: with the same seeds a real best_of_n build samples
+    # the same candidates, so the same tokens and the same pairs.
+    reference, reference_pairs = build("best_of_n", tmp_path / "bon")
+    assert manifest["generated_tokens"] == reference["generated_tokens"] and pairs == reference_pairs
 
 
 

@@ -20,17 +20,42 @@ from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 
 def test_channel_follows_eq14_and_reads_policy_and_reward_states(tiny_models):
+    """Eq. 14 and the head recomputed from the channel's weights with plain tensor ops (not its own
+    modules): h_r^1 = Norm(FFN_0(h_p^0)), h_r^{j+1} = Norm(h_r^j + FFN_j([h_p^j : h_r^j])), FFN(x) =
+    silu(W RMSNorm(x)), reward = w . [h_p^L : h_r^L] + b."""
+    import torch.nn.functional as F
+
     rt = RewardTransformer.from_pretrained(str(tiny_models["generator"]), hidden_size=16)
     assert not rt.channel_config.trained and not has_reward_channel(str(tiny_models["generator"]))
+    with torch.no_grad():  # a random head so that both halves of [h_p : h_r] matter
+        rt.channel.head.weight.normal_()
     ids = torch.tensor([[1, 7, 8, 9, 10]])
     out = rt(input_ids=ids, with_rewards=True)
-    hs = rt.policy(input_ids=ids, output_hidden_states=True).hidden_states
+    hs = rt.policy(input_ids=ids, output_hidden_states=True).hidden_states  # L + 1 states, [1, T, d]
+    eps = rt.channel_config.rms_norm_eps
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def ffn(block, x):
+        return F.silu(rms(x, block.norm.weight) @ block.linear.weight.T)
+
     ch = rt.channel
-    h_r = ch.norms[0](ch.blocks[0](hs[0]))
-    for j in range(1, len(ch.blocks)):
-        h_r = ch.norms[j](h_r + ch.blocks[j](torch.cat([hs[j], h_r], -1)))
-    expected = ch.head(torch.cat([hs[-1], h_r], -1))[..., 0]
+    h_r = rms(ffn(ch.blocks[0], hs[0]), ch.norms[0].weight)
+    for j in range(1, len(hs) - 1):
+        h_r = rms(h_r + ffn(ch.blocks[j], torch.cat([hs[j], h_r], -1)), ch.norms[j].weight)
+    expected = torch.cat([hs[-1], h_r], -1) @ ch.head.weight[0] + ch.head.bias  # [1, T]
     torch.testing.assert_close(out.rewards, expected)
+    assert len(ch.blocks) == len(hs) - 1 == rt.config.num_hidden_layers
+    # The head reads the policy state and the reward state: either half changes the reward.
+    d = rt.config.hidden_size
+    for half in (slice(0, d), slice(d, None)):
+        with torch.no_grad():
+            saved = ch.head.weight[:, half].clone()
+            ch.head.weight[:, half] = 0
+            moved = rt(input_ids=ids, with_rewards=True).rewards
+            ch.head.weight[:, half] = saved
+        assert not torch.allclose(moved, expected)
     # A prefix's reward does not depend on later tokens (causal), and token_rewards agrees.
     torch.testing.assert_close(rt.token_rewards(ids[:, :3], torch.ones(1, 3, dtype=torch.long)), expected[:, :3])
     # The policy channel is the unchanged model.

@@ -101,8 +101,26 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
     assert rc == 0
     report = json.loads((out / "counterfactual.json").read_text())
     assert report["prompts"] == 2 and report["streaming_reward"]
-    assert len(report["grid"]) == 4 and all(c["score"] <= 100 for c in report["grid"])
     assert [len(c["final"]) for c in report["completions"]] == [4, 4]
+    # The completions are plain sampling with the build's row seeds, and their final rewards are
+    # the reward model's full scores of those texts (streamed, so to float tolerance).
+    from pipeline.data.prompts import PromptFormatter, prompt_id
+    from pipeline.decoding.sampling import SamplingParams, row_seed
+    from pipeline.engines.hf import HFEngine
+    from pipeline.engines.rewards import RewardScorer
+
+    engine = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    scorer = RewardScorer.from_pretrained(str(tiny_models["reward"]))
+    formatter = PromptFormatter(engine.tokenizer, engine.max_context - 12)
+    for text, completions in zip(["Review the lamp for me.", "How good is the camera?"], report["completions"]):
+        seeds = [row_seed(0, prompt_id(text), s) for s in range(4)]
+        rows = engine.generate([formatter.render(text)[1]], 4, seeds, SamplingParams(max_new_tokens=12))
+        assert completions["lengths"] == [len(r.token_ids) for r in rows]
+        assert completions["final"] == pytest.approx(scorer.score([text] * 4, [r.text for r in rows]), abs=1e-4)
+    # The grid is Algorithm 1 replayed on exactly those rewards.
+    collected = [PromptRewards(c["lengths"], c["final"], {int(t): v for t, v in c["partial"].items()})
+                 for c in report["completions"]]
+    assert report["grid"] == grid(collected, [4, 8], [0.5, 0.75])
     assert (out / "tradeoff.png").stat().st_size > 0 and (out / "correlations.png").stat().st_size > 0
 
 

@@ -80,6 +80,30 @@ def test_lookahead_finds_higher_reward_than_sampling():
     assert good > 0.6
 
 
+class TrapLM(FakeSelfRewardingLM):
+    """Tokens 1 and 2 only. The reward needs two steps of lookahead and a max backup (Alg. 2 lines
+    4-5): after one token, 2 looks better (R' = 1 against 0); after two, the leaf (1, 1) is worth 10
+    but (1, 2) is -100. Depth 1 commits 2; a mean backup over a's leaves commits 2 too (a 1-subtree
+    holding a (1, 2) leaf averages far below any 2-subtree); only d = 2 with Q = max commits 1."""
+
+    VALUES = {(1,): 0.0, (2,): 1.0, (1, 1): 10.0, (1, 2): -100.0, (2, 1): 1.0, (2, 2): 2.0}
+
+    def _refresh(self, rows):
+        rows.logits = torch.full((len(rows.seqs), V), float("-inf"))
+        rows.logits[:, 1:3] = 0.0
+        rows.rewards = torch.tensor([self.VALUES.get(tuple(s[1:3]), 0.0) for s in rows.seqs])
+
+
+@pytest.mark.parametrize("depth,first_one", [(2, True), (1, False)])
+def test_lookahead_is_depth_d_with_a_max_backup(depth, first_one):
+    out = run(TrapLM(), num_samples=16, max_new_tokens=3, search_depth=depth, search_width=4, step_size=1,
+              seeds=list(range(100, 116)))
+    first = [r.token_ids[0] for r in out[0].rows]
+    share = first.count(1) / len(first)
+    # d = 2, max: a root child 1 with a (1, 1) leaf below it exists in ~99% of searches
+    assert share > 0.8 if first_one else share < 0.2, first
+
+
 def test_width_one_is_plain_sampling_with_the_same_seed():
     sla = run(FakeSelfRewardingLM(), num_samples=1, search_width=1, search_depth=3, step_size=2, seeds=[5])
     g = torch.Generator().manual_seed(5)

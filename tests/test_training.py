@@ -75,11 +75,31 @@ def test_train_job_updates_the_policy(tmp_path, generator, capsys):
     out = capsys.readouterr().out
     assert "dpo_steps: 2" in out and f"output: {output}" in out
 
-    trained = AutoModelForCausalLM.from_pretrained(output).state_dict()
-    initial = AutoModelForCausalLM.from_pretrained(generator).state_dict()
-    assert trained.keys() == initial.keys()
-    assert any(not torch.equal(trained[k], initial[k]) for k in initial)
+    trained = AutoModelForCausalLM.from_pretrained(output)
+    initial = AutoModelForCausalLM.from_pretrained(generator)
+    assert trained.state_dict().keys() == initial.state_dict().keys()
     assert (output / "tokenizer_config.json").exists()
+    # DPO moved the implicit reward margin: log pi(chosen) - log pi(rejected) grew against the
+    # reference (the initial policy) on the training pairs.
+    from pipeline.engines.hf import load_tokenizer
+
+    tok = load_tokenizer(str(generator))
+    ds = pq.read_table(pairs / "part-00000.parquet").to_pylist() + pq.read_table(pairs / "part-00001.parquet").to_pylist()
+
+    def margin(model) -> float:
+        return sum(response_logp(model, tok, r["prompt"], r["chosen"]) - response_logp(model, tok, r["prompt"], r["rejected"])
+                   for r in ds) / len(ds)
+
+    assert margin(trained) > margin(initial) + 1e-3
+
+
+@torch.no_grad()
+def response_logp(model, tok, prompt: str, response: str) -> float:
+    """log pi(response | prompt), summed over the response's tokens."""
+    p = tok(prompt, add_special_tokens=False).input_ids
+    r = tok(response, add_special_tokens=False).input_ids
+    logp = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1].log_softmax(-1)  # [len(r), V]
+    return float(logp.gather(-1, torch.tensor(r)[:, None]).sum())
 
 
 def test_missing_pairs_is_a_one_line_user_error(tmp_path, capsys):
