@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 from pipeline.training.reward_channel import train_reward_transformer
 
                 metrics = train_reward_transformer(
-                    load_pairs(str(pairs)), generator, str(model), dpo=args.dpo, hidden_size=args.hidden_size,
+                    load_pairs(str(pairs), token_ids=True), generator, str(model), dpo=args.dpo, hidden_size=args.hidden_size,
                     epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                     dpo_steps=args.dpo_steps, dpo_learning_rate=args.dpo_learning_rate, seed=r,
                     progress=not args.no_progress)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.training.reward_channel import train_reward_transformer
 
     try:
-        pairs = load_pairs(args.pairs, storage_options)
+        pairs = load_pairs(args.pairs, storage_options, token_ids=True)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -154,9 +154,34 @@ def test_own_pairs_train_bt_and_dpo_then_sla_builds(own_pairs, tiny_models, caps
     assert manifest["pairs"] + manifest["prompts_rejected"] == len(GOOD_PROMPTS) and manifest["pairs"] >= 4
     rows = pq.read_table(tmp / "sla" / "part-00000.parquet").to_pylist()
     assert all(r["strategy"] == "sla" and r["num_candidates"] == 4 for r in rows)
-    # Each prompt's searches explore more than the 4 responses they keep.
-    assert all(r["generated_tokens"] > 0 for r in rows)
+    # The searches explore what they do not keep: with k = 2 every committed action had a decoded
+    # sibling, and the first step fills d = 2 levels, so each prompt's 4 searches decode at least
+    # twice what its chosen and rejected responses hold (tokens the generator sampled, no EOS).
+    kept = sum(len(r["chosen_token_ids"]) + len(r["rejected_token_ids"]) for r in rows)
+    assert sum(r["generated_tokens"] for r in rows) >= 2 * kept > 0
     assert manifest["config"]["strategy"] == {"name": "sla", "search_depth": 2, "search_width": 2, "step_size": 4}
+
+
+def test_the_channel_trains_on_the_token_ids_the_generator_sampled(own_pairs, tiny_models):
+    """SLA scores the ids the generator sampled; decoding them and tokenizing the text again gives
+    other ids (BPE merges across sampled tokens), so training reads the build's ids."""
+    from pipeline.training.dpo import load_pairs
+    from pipeline.training.reward_channel import encode_pairs
+
+    tmp, _ = own_pairs
+    pairs = load_pairs(str(tmp / "pairs"), token_ids=True)
+    tok = load_tokenizer(str(tiny_models["generator"]))
+    encoded = encode_pairs(pairs, tok)
+    assert len(encoded) == len(pairs)
+    for row, enc in zip(pairs, encoded):
+        assert (enc.prompt, enc.chosen, enc.rejected) == (row["prompt_token_ids"], row["chosen_token_ids"],
+                                                          row["rejected_token_ids"])
+        assert tok.decode(enc.chosen, skip_special_tokens=True) == row["chosen"]
+    retokenized = [tok(r["chosen"], add_special_tokens=False).input_ids for r in pairs]
+    assert any(ids != row["chosen_token_ids"] for ids, row in zip(retokenized, pairs))
+    # Without the id columns (pairs from elsewhere) the text is tokenized.
+    text_only = encode_pairs(load_pairs(str(tmp / "pairs")), tok)
+    assert [e.chosen for e in text_only] == retokenized
 
 
 def test_sla_build_on_a_plain_model_is_a_config_error(own_pairs, tiny_models, tmp_path, capsys):

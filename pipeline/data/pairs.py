@@ -59,4 +59,9 @@ def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0,
         "stopped_early": sum(c.stopped_early for c in result.candidates),
         "failed_candidates": len(result.candidates) - len(usable),
         "raw_prompt": p.raw_prompt,
+        # The exact ids the generator conditioned on and sampled (no EOS): what SLA's Reward
+        # Transformer scores, so its training reads them rather than re-tokenized text.
+        "prompt_token_ids": list(p.token_ids),
+        "chosen_token_ids": list(chosen.token_ids),
+        "rejected_token_ids": list(rejected.token_ids),
     }, None

@@ -50,6 +50,9 @@ PAIR_SCHEMA = pa.schema([
     ("raw_prompt", pa.string()),
     ("prompt_truncated", pa.bool_()),
     ("source_row", pa.int64()),
+    ("prompt_token_ids", pa.list_(pa.int64())),
+    ("chosen_token_ids", pa.list_(pa.int64())),
+    ("rejected_token_ids", pa.list_(pa.int64())),
 ])
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))

@@ -60,9 +60,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def load_pairs(uri: str, storage_options: dict | None = None):
+TOKEN_ID_COLUMNS = ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids")
+
+
+def load_pairs(uri: str, storage_options: dict | None = None, token_ids: bool = False):
     """The pairs at `uri` (a directory/prefix of part-*.parquet, one Parquet file, or a glob; local
-    or s3://) as a `datasets.Dataset` with exactly the columns prompt, chosen and rejected.
+    or s3://) as a `datasets.Dataset` with exactly the columns prompt, chosen and rejected (and,
+    with ``token_ids``, the build's TOKEN_ID_COLUMNS when the files have them).
 
     Raises InputError, with a one-line message naming the URI, when there are no files, a required
     column is missing, the files cannot be read, or there are no rows.
@@ -79,7 +83,8 @@ def load_pairs(uri: str, storage_options: dict | None = None):
     except Exception as exc:  # noqa: BLE001 - e.g. shards with clashing schemas: a user input error
         raise InputError(f"{uri}: unreadable Parquet ({_one_line(exc)})") from None
     # Extra columns (scores, ids) would ride through TRL's preprocessing for nothing.
-    return ds.select_columns(list(PAIR_COLUMNS))
+    extra = [c for c in TOKEN_ID_COLUMNS if token_ids and c in ds.column_names]
+    return ds.select_columns(list(PAIR_COLUMNS) + extra)
 
 
 def train_dpo(pairs, model: str, output: str, *, max_steps: int = 10, batch_size: int = 4,
@@ -93,9 +98,9 @@ def train_dpo(pairs, model: str, output: str, *, max_steps: int = 10, batch_size
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    train_ds, eval_ds = pairs, None
+    train_ds, eval_ds = pairs.select_columns(list(PAIR_COLUMNS)), None
     if eval_fraction > 0:
-        split = pairs.train_test_split(test_size=eval_fraction, seed=seed)
+        split = train_ds.train_test_split(test_size=eval_fraction, seed=seed)
         train_ds, eval_ds = split["train"], split["test"]
 
     tokenizer = AutoTokenizer.from_pretrained(model)

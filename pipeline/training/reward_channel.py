@@ -45,20 +45,45 @@ class EncodedPair:
 
 
 def encode_pairs(pairs, tokenizer, max_length: int = 512) -> list[EncodedPair]:
-    """Token ids of each pair. ``prompt`` is the text the generator saw (chat template already
-    applied by the build), so it is tokenized without adding special tokens again. Responses are
-    cut to fit ``max_length`` with their prompt; a pair with an empty response is skipped."""
+    """Token ids of each pair: the build's own ids (prompt_token_ids, chosen_token_ids,
+    rejected_token_ids: what the generator conditioned on and sampled, so exactly what SLA scores)
+    when the pairs have them; otherwise the text, tokenized (``prompt`` is the text the generator
+    saw, chat template already applied, so without adding special tokens again). Responses are cut
+    to fit ``max_length`` with their prompt; a pair with an empty response is skipped."""
     add_special = not bool(getattr(tokenizer, "chat_template", None))
     out = []
     for row in pairs:
-        prompt = tokenizer(row["prompt"], add_special_tokens=add_special).input_ids
-        prompt = prompt[-(max_length // 2):]
+        chosen_text, rejected_text = _text(row["chosen"]), _text(row["rejected"])
+        if _own_ids(row, tokenizer, chosen_text, rejected_text):
+            prompt, chosen, rejected = row["prompt_token_ids"], row["chosen_token_ids"], row["rejected_token_ids"]
+        else:
+            prompt_text = row["prompt"]
+            if not isinstance(prompt_text, str):  # TRL's conversational format
+                prompt_text = tokenizer.apply_chat_template(prompt_text, tokenize=False, add_generation_prompt=True)
+            prompt = tokenizer(prompt_text, add_special_tokens=add_special).input_ids
+            chosen = tokenizer(chosen_text, add_special_tokens=False).input_ids
+            rejected = tokenizer(rejected_text, add_special_tokens=False).input_ids
+        prompt = list(prompt)[-(max_length // 2):]
         budget = max_length - len(prompt)
-        chosen = tokenizer(row["chosen"], add_special_tokens=False).input_ids[:budget]
-        rejected = tokenizer(row["rejected"], add_special_tokens=False).input_ids[:budget]
+        chosen, rejected = list(chosen)[:budget], list(rejected)[:budget]
         if chosen and rejected:
             out.append(EncodedPair(prompt, chosen, rejected))
     return out
+
+
+def _text(response) -> str:
+    """A response in TRL's standard (a string) or conversational ([{"role": "assistant", ...}]) format."""
+    return response if isinstance(response, str) else "".join(m["content"] for m in response)
+
+
+def _own_ids(row: dict, tokenizer, chosen_text: str, rejected_text: str) -> bool:
+    """The row carries the build's token ids, and they are this tokenizer's (they decode to the
+    texts): pairs built with another generator's tokenizer are tokenized from their text instead."""
+    ids = [row.get(c) for c in ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids")]
+    if any(i is None for i in ids):
+        return False
+    decode = tokenizer.batch_decode([ids[1], ids[2]], skip_special_tokens=True)
+    return decode == [chosen_text, rejected_text]
 
 
 def _batch(pairs: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
