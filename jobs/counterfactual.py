@@ -53,7 +53,7 @@ def collect(engine, scorer, prompts, n: int, taus: list[int], sampling, seed: in
     return out
 
 
-def summarize(collected: list[PromptRewards], taus: list[int], alphas: list[float]) -> dict:
+def summarize(collected: list[PromptRewards], taus: list[int], alphas: list[float], keep_lowest: bool = True) -> dict:
     per_prompt = []
     for p in collected:
         per_prompt.append({str(tau): dict(zip(("pearson", "kendall"), correlations(p, tau))) for tau in taus})
@@ -62,7 +62,8 @@ def summarize(collected: list[PromptRewards], taus: list[int], alphas: list[floa
         for key in ("pearson", "kendall"):
             values = [c[str(tau)][key] for c in per_prompt if math.isfinite(c[str(tau)][key])]
             mean[f"{key}@{tau}"] = sum(values) / len(values) if values else math.nan
-    return {"grid": grid(collected, taus, alphas), "correlations": per_prompt, "mean_correlations": mean}
+    return {"grid": grid(collected, taus, alphas, keep_lowest), "correlations": per_prompt,
+            "mean_correlations": mean, "keep_lowest": keep_lowest}
 
 
 def plot(summary: dict, taus: list[int], alphas: list[float], output: Path) -> None:
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default="out/counterfactual")
+    parser.add_argument("--no-keep-lowest", dest="keep_lowest", action="store_false",
+                        help="replay without strategy.keep_lowest (the paper's Algorithm 1 exactly)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.n < 2 or any(t < 1 for t in args.taus) or any(not 0 <= a < 1 for a in args.alphas):
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     taus = sorted({t for t in args.taus if t < args.max_new_tokens})
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
     collected = collect(engine, scorer, prompts, args.n, taus, sampling, args.seed, not args.no_progress)
-    summary = summarize(collected, taus, args.alphas)
+    summary = summarize(collected, taus, args.alphas, args.keep_lowest)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     report = {"model": args.model, "reward_model": args.reward_model, "prompts": len(prompts), "n": args.n,

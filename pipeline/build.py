@@ -198,7 +198,7 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
             shard, source_row, truncated = origin[result.prompt.prompt_id]
             _record(shard, result, source_row)
             pair, reason = select_pair(result, config.strategy.name, config.data.min_margin,
-                                       config.data.output_format)
+                                       config.data.output_format, config.data.rejected)
             if pair is None:
                 shard.rejects.append(_reject_row(Reject(source_row, reason, result.prompt.raw_prompt[:1000],
                                                         result.prompt.prompt_id), "pairing",

@@ -96,10 +96,17 @@ class DataConfig:
     storage_options: dict = field(default_factory=dict)
     """fsspec/s3fs options for s3:// URIs (endpoint_url, key, secret, ...); AWS_* env vars also work."""
     min_margin: float = 0.0
-    """A pair needs chosen_score - rejected_score > min_margin (and > 0); otherwise the prompt is
-    rejected with the reason "margin below min_margin"."""
+    """A pair needs chosen_score - rejected_score > min_margin (and > 0), final rewards only;
+    otherwise the prompt is rejected with the reason "margin below min_margin"."""
+    rejected: str = "complete"
+    """The pair's rejected response: complete (a finished response with a final reward, for every
+    strategy; speculative rejection keeps its lowest-ranked candidate running to supply one) or any
+    (also a response stopped early, scored by its partial reward: DPO may then learn that finished
+    beats truncated)."""
 
     def __post_init__(self):
+        if self.rejected not in ("complete", "any"):
+            raise ConfigError(f"data.rejected: expected complete or any, got {self.rejected!r}")
         if self.min_margin < 0:
             raise ConfigError(f"data.min_margin: must be >= 0, got {self.min_margin}")
         if self.shard_size < 1:

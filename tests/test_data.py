@@ -77,18 +77,31 @@ def result(*cands):
                         bon_equivalent_tokens=20)
 
 
-def test_pair_chosen_is_best_completed_and_rejected_may_be_partial():
-    pair, reason = select_pair(result(
-        Candidate(0, [1], "a", 0.5, completed=True),
-        Candidate(1, [1], "b", 0.9, stopped_early=True, stopped_at=4),  # best score, but unfinished
-        Candidate(2, [1], "c", 0.7, completed=True),
-        Candidate(3, [1], "d", -0.2, stopped_early=True, stopped_at=4),
-        Candidate(4, [1], "e", math.nan, completed=True),
-    ), "sbon")
+MIXED = (Candidate(0, [1], "a", 0.5, completed=True),
+         Candidate(1, [1], "b", 0.9, stopped_early=True, stopped_at=4),  # best score, but unfinished
+         Candidate(2, [1], "c", 0.7, completed=True),
+         Candidate(3, [1], "d", -0.2, stopped_early=True, stopped_at=4),
+         Candidate(4, [1], "e", math.nan, completed=True))
+
+
+def test_pair_rejected_is_complete_by_default():
+    pair, reason = select_pair(result(*MIXED), "sbon")
+    assert reason is None and (pair["chosen"], pair["rejected"]) == ("c", "a") and not pair["rejected_is_partial"]
+    # min_margin compares final rewards: 0.7 - 0.5
+    assert select_pair(result(*MIXED), "sbon", min_margin=0.3)[1].startswith("margin below min_margin")
+    only_partial = (MIXED[1], MIXED[2], MIXED[3])
+    assert select_pair(result(*only_partial), "sbon")[1] == ("no second distinct completed candidate with a "
+                                                             "finite reward")
+
+
+def test_pair_rejected_may_be_partial_with_rejected_any():
+    pair, reason = select_pair(result(*MIXED), "sbon", rejected_from="any")
     assert reason is None
     assert (pair["chosen"], pair["rejected"]) == ("c", "d")
     assert pair["rejected_is_partial"] and pair["failed_candidates"] == 1 and pair["stopped_early"] == 2
     assert pair["num_candidates"] == 5 and pair["generated_tokens"] == 10
+    # a partial reward is not a final one: min_margin does not filter this pair
+    assert select_pair(result(*MIXED), "sbon", min_margin=5.0, rejected_from="any")[1] is None
 
 
 def test_pair_rejects_with_reasons():

@@ -102,7 +102,7 @@ def test_alpha_zero_equals_best_of_n_with_fakes():
 
 def test_rejected_rows_stop_and_accepted_rows_finish():
     gen = FakeGenerator()
-    results = speculative_rejection(prompts(2), gen, FakeScorer(), SpeculativeRejectionParams(8, 0.5),
+    results = speculative_rejection(prompts(2), gen, FakeScorer(), SpeculativeRejectionParams(8, 0.5, keep_lowest=False),
                                     SAMPLING, 8, seed=1)
     open_call, first, final = gen.calls
     assert first[1] == 8 and len(first[2]) == 16
@@ -117,6 +117,26 @@ def test_rejected_rows_stop_and_accepted_rows_finish():
         assert max(c.score for c in stopped) < min(kept_partials)
         assert result.generated_tokens == 4 * 8 + 4 * 24
         assert result.bon_equivalent_tokens == 8 * 24
+
+
+def test_keep_lowest_finishes_each_prompts_lowest_ranked_row_for_the_rejected_side():
+    from pipeline.data.pairs import select_pair
+
+    gen = FakeGenerator()
+    results = speculative_rejection(prompts(2), gen, FakeScorer(), SpeculativeRejectionParams(8, 0.75), SAMPLING, 8,
+                                    seed=1)
+    assert len(gen.calls[-1][2]) == 2 * (2 + 1)  # per prompt: the top quarter of 8, and the lowest row
+    for result in results:
+        kept = [c for c in result.candidates if not c.stopped_early]
+        stopped = [c for c in result.candidates if c.stopped_early]
+        assert len(kept) == 3 and all(c.completed and len(c.token_ids) == 24 for c in kept)
+        partial = dict(zip([c.sample for c in kept], FakeScorer().score(
+            [""] * 3, [" ".join(map(str, c.token_ids[:8])) for c in kept])))
+        lowest = min(partial, key=partial.get)
+        assert partial[lowest] < min(c.score for c in stopped)  # it ranked last at tau, yet finished
+        pair, _ = select_pair(result, "sbon")
+        assert not pair["rejected_is_partial"] and pair["rejected_score"] == min(c.score for c in kept)
+        assert result.generated_tokens == 5 * 8 + 3 * 24
 
 
 def test_rows_that_end_before_tau_are_kept_unchanged():
@@ -147,7 +167,8 @@ def test_non_finite_partial_reward_fails_the_candidate():
 def test_several_decision_tokens_reject_at_each():
     gen = FakeGenerator()
     results = speculative_rejection(prompts(1), gen, FakeScorer(),
-                                    SpeculativeRejectionParams([12, 4], 0.5), SAMPLING, 8, seed=2)
+                                    SpeculativeRejectionParams([12, 4], 0.5, keep_lowest=False), SAMPLING, 8,
+                                    seed=2)
     assert [c[1] for c in gen.calls[1:]] == [4, 12, 24]
     assert [len(c[2]) for c in gen.calls[1:]] == [8, 4, 2]
     stops = sorted(c.stopped_at for c in results[0].candidates if c.stopped_early)
@@ -227,7 +248,7 @@ def test_model_side_strategy_refuses_wrong_row_counts(engine, scorer, monkeypatc
 
 def test_memory_budget_mode_starts_wide_and_keeps_the_budget():
     gen = FakeGenerator()
-    params = SpeculativeRejectionParams(decision_token=6, rejection_rate=0.5, initial_candidates=16,
+    params = SpeculativeRejectionParams(decision_token=6, rejection_rate=0.5, initial_candidates=16, keep_lowest=False,
                                         max_live_candidates=3)
     results = speculative_rejection(prompts(2), gen, FakeScorer(), params, SAMPLING, 5, seed=4)
     assert gen.calls[0] == ("open", 32)
@@ -267,7 +288,8 @@ def test_adaptive_cutoff_follows_the_fit_residuals():
 
 def test_adaptive_rejection_prunes_per_prompt_from_the_second_decision_token():
     gen = FakeGenerator()
-    params = SpeculativeRejectionParams(decision_token=[4, 10], rejection_rate=0.25, adaptive_rejection=1.0)
+    params = SpeculativeRejectionParams(decision_token=[4, 10], rejection_rate=0.25, adaptive_rejection=1.0,
+                                        keep_lowest=False)
     results = speculative_rejection(prompts(2), gen, FakeScorer(), params, SAMPLING, 8, seed=9)
     assert len(gen.calls[2][2]) == 12  # alpha 0.25 at the first decision token: 6 of 8 per prompt
     for i, result in enumerate(results):

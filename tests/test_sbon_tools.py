@@ -21,11 +21,13 @@ def test_simulate_replays_algorithm_1_on_collected_rewards():
     p = PromptRewards(lengths=[10, 10, 3, 10], final=[1.0, 4.0, 0.5, 2.0],
                       partial={4: [0.9, 0.1, 0.5, 0.8]})
     # alpha 0.5 keeps the top 2 partials (0.9 and 0.8); row 2 ended before tau and is kept as is.
-    score, rate = simulate(p, 4, 0.5)
+    score, rate = simulate(p, 4, 0.5, keep_lowest=False)
     assert score == pytest.approx(100 * (1 - (4.0 - 2.0) / (4.0 - 0.5)))
     assert rate == pytest.approx((10 + 4 + 3 + 10) / 33)
     assert simulate(p, 4, 0.0) == (100.0, 1.0)
-    cells = grid([p, p], [4], [0.0, 0.5])
+    # keep_lowest also finishes the lowest live partial (row 1, 0.1), whose final reward is the best
+    assert simulate(p, 4, 0.5) == (100.0, 1.0)
+    cells = grid([p, p], [4], [0.0, 0.5], keep_lowest=False)
     assert [(c["tau"], c["alpha"]) for c in cells] == [(4, 0.0), (4, 0.5)]
     assert cells[1]["score"] == pytest.approx(score)
 
@@ -55,30 +57,32 @@ class FixedLengthGenerator:
 
 
 def test_a_response_of_exactly_tau_tokens_is_live_at_tau_in_runs_and_in_simulate():
-    """Row 0 ends exactly at tau = 4 with the best final reward but the worst partial one: the live
-    algorithm can stop it at tau (it has not emitted EOS yet), and the counterfactual agrees."""
+    """Row 0 ends exactly at tau = 4 (its EOS comes after tau) with the lowest partial reward, which
+    is also its final one (the same text). The live algorithm sees it live at tau, so with
+    keep_lowest it is the row kept to supply the rejected side, at no extra cost, and row 3 stops;
+    the counterfactual must decide the same (counting row 0 as ended would finish row 3 instead)."""
     from pipeline.decoding.protocols import PromptInput
     from pipeline.decoding.sampling import SamplingParams
     from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
 
-    partial, final = [0.1, 0.9, 0.8, 0.2], [5.0, 1.0, 2.0, 0.0]
+    partial, final = [0.1, 0.9, 0.8, 0.2], [0.1, 1.0, 2.0, 0.0]
     rewards = {f"row{r}:4": partial[r] for r in range(4)} | {f"row{r}:10": final[r] for r in range(1, 4)}
 
     class Scorer:
         def score(self, prompts, responses):
             return [rewards[t] for t in responses]
 
-    result = speculative_rejection([PromptInput("p", "p", "p", [1])], FixedLengthGenerator(), Scorer(),
-                                   SpeculativeRejectionParams(decision_token=4, rejection_rate=0.5,
-                                                              streaming_rewards=False),
-                                   SamplingParams(max_new_tokens=16), 4, seed=0)[0]
-    stopped = sorted(c.sample for c in result.candidates if c.stopped_early)
-    assert stopped == [0, 3]
-    live_best = max(c.score for c in result.candidates if not c.stopped_early)
-    score, rate = simulate(PromptRewards(lengths=FixedLengthGenerator.LENGTHS, final=final, partial={4: partial}),
-                           4, 0.5)
-    assert score == pytest.approx(normalized_score(final, live_best)) == pytest.approx(40.0)
-    assert rate == pytest.approx(sum(len(c.token_ids) for c in result.candidates) / 34)
+    collected = PromptRewards(lengths=FixedLengthGenerator.LENGTHS, final=final, partial={4: partial})
+    for keep_lowest, want_stopped in ((False, [0, 3]), (True, [3])):
+        result = speculative_rejection([PromptInput("p", "p", "p", [1])], FixedLengthGenerator(), Scorer(),
+                                       SpeculativeRejectionParams(decision_token=4, rejection_rate=0.5,
+                                                                  streaming_rewards=False, keep_lowest=keep_lowest),
+                                       SamplingParams(max_new_tokens=16), 4, seed=0)[0]
+        assert sorted(c.sample for c in result.candidates if c.stopped_early) == want_stopped
+        live_best = max(c.score for c in result.candidates if not c.stopped_early)
+        score, rate = simulate(collected, 4, 0.5, keep_lowest)
+        assert score == pytest.approx(normalized_score(final, live_best))
+        assert rate == pytest.approx(sum(len(c.token_ids) for c in result.candidates) / 34) == pytest.approx(28 / 34)
 
 
 def test_correlations_per_prompt():
@@ -120,7 +124,7 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
     # The grid is Algorithm 1 replayed on exactly those rewards.
     collected = [PromptRewards(c["lengths"], c["final"], {int(t): v for t, v in c["partial"].items()})
                  for c in report["completions"]]
-    assert report["grid"] == grid(collected, [4, 8], [0.5, 0.75])
+    assert report["keep_lowest"] and report["grid"] == grid(collected, [4, 8], [0.5, 0.75])
     assert (out / "tradeoff.png").stat().st_size > 0 and (out / "correlations.png").stat().st_size > 0
 
 

@@ -2,9 +2,11 @@
 
 - chosen: the completed candidate with the highest finite reward. A candidate stopped early by
   speculative rejection is never chosen (its text is unfinished).
-- rejected: the candidate with the lowest finite reward among the others, completed or stopped
-  early (then ``rejected_is_partial`` is true and its score is the partial reward at the stop).
-  A candidate whose text equals the chosen text is skipped.
+- rejected (``rejected="complete"``, the default): the completed candidate with the lowest finite
+  reward among the others, so both sides are finished responses with final rewards. With
+  ``rejected="any"``, a candidate stopped early may be it too (then ``rejected_is_partial`` is true
+  and its score is the partial reward at the stop, and min_margin, which compares final rewards
+  only, does not apply). A candidate whose text equals the chosen text is skipped.
 - Failed candidates (non-finite reward) are never used and are counted.
 - No pair (a reject with its reason) when no completed candidate has a finite reward, when no
   other usable candidate is left, when the best and worst scores tie, or when their margin is
@@ -20,21 +22,23 @@ from __future__ import annotations
 from pipeline.decoding.protocols import PromptResult
 
 
-def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0,
-                output_format: str = "standard") -> tuple[dict | None, str | None]:
+def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0, output_format: str = "standard",
+                rejected_from: str = "complete") -> tuple[dict | None, str | None]:
     """Returns (pair row, None) or (None, reason)."""
     usable = [c for c in result.candidates if not c.failed]
     completed = [c for c in usable if c.completed and not c.stopped_early]
     if not completed:
         return None, "no completed candidate with a finite reward"
     chosen = max(completed, key=lambda c: (c.score, -c.sample))
-    others = [c for c in usable if c is not chosen and c.text != chosen.text]
+    pool = usable if rejected_from == "any" else completed
+    others = [c for c in pool if c is not chosen and c.text != chosen.text]
     if not others:
-        return None, "no second distinct candidate with a finite reward"
+        kind = "candidate" if rejected_from == "any" else "completed candidate"
+        return None, f"no second distinct {kind} with a finite reward"
     rejected = min(others, key=lambda c: (c.score, c.sample))
     if rejected.score >= chosen.score:
         return None, f"tie: best and worst reward are equal ({chosen.score:.6g})"
-    if chosen.score - rejected.score < min_margin:
+    if not rejected.stopped_early and chosen.score - rejected.score < min_margin:
         return None, f"margin below min_margin ({chosen.score - rejected.score:.6g} < {min_margin:g})"
     p = result.prompt
     prompt, chosen_text, rejected_text = p.text, chosen.text, rejected.text

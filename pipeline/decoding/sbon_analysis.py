@@ -44,24 +44,26 @@ class PromptRewards:
     """tau -> s(Y_k^{<= tau_k}) (for a completion shorter than tau: its final reward)."""
 
 
-def simulate(prompt: PromptRewards, tau: int, alpha: float) -> tuple[float, float]:
-    """(normalized score, token rate) of Algorithm 1 at (tau, alpha) on pre-collected completions."""
+def simulate(prompt: PromptRewards, tau: int, alpha: float, keep_lowest: bool = True) -> tuple[float, float]:
+    """(normalized score, token rate) of Algorithm 1 at (tau, alpha) on pre-collected completions,
+    as a live run with the same ``keep_lowest`` (SpeculativeRejectionParams) would decide."""
     partial = prompt.partial[tau]
     r_cut = rejection_cutoff(partial, alpha)  # Eq. 3
     # A response of exactly tau tokens has not emitted EOS by tau: live runs can stop it, so may we.
-    accepted = [k for k, r in enumerate(partial) if prompt.lengths[k] < tau or r >= r_cut]  # Eq. 4
-    tokens = sum(prompt.lengths[k] if k in set(accepted) else min(prompt.lengths[k], tau)
-                 for k in range(len(partial)))
+    live = [k for k in range(len(partial)) if prompt.lengths[k] >= tau and math.isfinite(partial[k])]
+    floor = min(live, key=lambda k: (partial[k], k)) if keep_lowest and live else None
+    accepted = {k for k, r in enumerate(partial) if prompt.lengths[k] < tau or r >= r_cut or k == floor}  # Eq. 4
+    tokens = sum(prompt.lengths[k] if k in accepted else min(prompt.lengths[k], tau) for k in range(len(partial)))
     best = max((prompt.final[k] for k in accepted if math.isfinite(prompt.final[k])), default=-math.inf)
     return normalized_score(prompt.final, best), tokens / max(1, sum(prompt.lengths))
 
 
-def grid(prompts: list[PromptRewards], taus: list[int], alphas: list[float]) -> list[dict]:
+def grid(prompts: list[PromptRewards], taus: list[int], alphas: list[float], keep_lowest: bool = True) -> list[dict]:
     """Mean normalized score and token rate over prompts for every (tau, alpha)."""
     out = []
     for tau in taus:
         for alpha in alphas:
-            runs = [simulate(p, tau, alpha) for p in prompts]
+            runs = [simulate(p, tau, alpha, keep_lowest) for p in prompts]
             scores = [s for s, _ in runs if math.isfinite(s)]
             out.append({"tau": tau, "alpha": alpha,
                         "score": sum(scores) / len(scores) if scores else math.nan,

@@ -11,6 +11,10 @@ Terms (paper section 5):
 - I_accepted = {k : s(Y_k^{<=tau_k}) >= r_cut} (Eq. 4) keep generating to EOS or the length
   cap; the others stop. Sequences that ended before tau are kept unchanged.
 - The output is argmax over I_accepted of the final reward s(Y_k).
+- For preference pairs the worst response matters too: with ``keep_lowest`` (on by default) each
+  prompt's lowest-ranked live candidate also goes on at every decision token, so the pair's
+  rejected side is a complete response with a final reward (our addition; the paper only needs
+  the best).
 
 The quantile follows the authors' public code: rank the candidates by partial reward and keep
 the top ``round((1 - alpha) * n)`` of them (at least one), so r_cut is the score of the last
@@ -67,6 +71,12 @@ class SpeculativeRejectionParams:
     """z > 0 turns on prompt-dependent stopping from the second decision token on (see above)."""
     streaming_rewards: bool = True
     """Score partial responses through the scorer's streaming sessions when it has them."""
+    keep_lowest: bool = True
+    """Also finish each prompt's lowest-ranked live candidate at every decision token, so that a
+    complete low-reward response exists for the pair's rejected side (data.rejected: complete):
+    DPO then compares two finished responses, not a finished one with a truncated one. It costs
+    one candidate's remaining tokens per prompt; false saves them (the rejected is then the worst
+    survivor, or with data.rejected: any a stopped partial response)."""
 
     def __post_init__(self):
         taus = self.decision_token if isinstance(self.decision_token, list) else [self.decision_token]
@@ -179,12 +189,13 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
                                             params.adaptive_rejection)
                 if r_cut is None:
                     r_cut = rejection_cutoff(partial, params.rejection_rate)  # Eq. 3
+                floor = _lowest_live(candidates, members) if params.keep_lowest else None
                 for m in members:
                     c = candidates[m]
                     previous[m] = c.score
                     if c.completed or c.failed:
                         continue  # ended before tau: kept unchanged; failed: never continued
-                    if c.score >= r_cut:  # Eq. 4
+                    if c.score >= r_cut or m == floor:  # Eq. 4, and the rejected side's supply
                         live.append(m)
                         if point == 0:
                             continued.add(m)
@@ -203,6 +214,12 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     if width == num_samples:
         return assemble(prompts, num_samples, candidates, _bon_tokens(candidates, num_samples, sampling))
     return _screen(prompts, num_samples, width, candidates, continued, sampling)
+
+
+def _lowest_live(candidates: dict[int, Candidate], members: list[int]) -> int | None:
+    """The live (neither completed nor failed) row with the lowest partial reward; ties: lowest row."""
+    live = [m for m in members if not candidates[m].completed and not candidates[m].failed]
+    return min(live, key=lambda m: (candidates[m].score, m)) if live else None
 
 
 def _screen(prompts: list[PromptInput], num_samples: int, width: int, candidates: dict[int, Candidate],
