@@ -6,12 +6,13 @@ which replaces a dead or hung actor with one started the same way (same placemen
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from actors.faults import parse_faults, with_faults
-from pipeline.config import Config
+from pipeline.config import ActorResources, Config, RuntimeConfig
 from pipeline.coordinator import Serialized
 
 from actors.remote import RemoteProxy
@@ -62,7 +63,24 @@ def ray_runtime_env(storage_options: dict | None = None) -> dict:
     return {"env_vars": env} if env else {}
 
 
-def start_workers(config: Config) -> Workers:
+@dataclass
+class _ActorPlan:
+    """How each actor kind is started: the same classes and arguments in-process and on Ray."""
+
+    generator_cls: type
+    """GeneratorActor, wrapped by the fault plan (actors.faults) when it names generators."""
+    generator_args: tuple
+    generator_kwargs: dict
+    reward_cls: type
+    """RewardActor, wrapped by the fault plan when it names rewards."""
+    reward_args: tuple
+    draft_actor_args: tuple | None
+    """DraftActor arguments when the draft model runs in its own actors (runtime.draft_placement
+    actor, on Ray); None when it runs inside each generator, or when there is none."""
+
+
+def _plan_actors(config: Config) -> _ActorPlan:
+    """The actor classes (with the fault plan) and arguments that ``config`` asks for."""
     m, rt = config.models, config.runtime
     draft = _draft_model(config)
     draft_actors = bool(draft) and rt.draft_placement == "actor" and not rt.local
@@ -70,79 +88,136 @@ def start_workers(config: Config) -> Workers:
     from actors.generator import GeneratorActor
     from actors.reward import RewardActor
 
-    generator_cls = with_faults(GeneratorActor, "generator", faults)
-    reward_cls = with_faults(RewardActor, "reward", faults)
-    gen_args = (m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus)))
-    gen_kwargs = {"draft": None if draft_actors else draft, "backend": m.backend}
-    rew_args = (m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size)
-    if rt.local:
-        gens = [generator_cls(*gen_args, **gen_kwargs) for _ in range(rt.generator_actors)]
-        rewards = [reward_cls(*rew_args) for _ in range(rt.reward_actors)]
-        return Workers([Serialized(g) for g in gens], [Serialized(r) for r in rewards])
+    return _ActorPlan(
+        generator_cls=with_faults(GeneratorActor, "generator", faults),
+        generator_args=(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus))),
+        generator_kwargs={"draft": None if draft_actors else draft, "backend": m.backend},
+        reward_cls=with_faults(RewardActor, "reward", faults),
+        reward_args=(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size),
+        draft_actor_args=(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus))) if draft_actors else None)
 
+
+def start_workers(config: Config) -> Workers:
+    """The generators and reward models: in-process (runtime.local), or as Ray actors, each behind a
+    RemoteProxy that replaces it when it dies or hangs."""
+    plan = _plan_actors(config)
+    if config.runtime.local:
+        return _start_local(plan, config.runtime)
+    return _start_ray(plan, config)
+
+
+def _start_local(plan: _ActorPlan, rt: RuntimeConfig) -> Workers:
+    """In the driver's process, each worker serialized (one call at a time, as an actor would be)."""
+    gens = [plan.generator_cls(*plan.generator_args, **plan.generator_kwargs) for _ in range(rt.generator_actors)]
+    rewards = [plan.reward_cls(*plan.reward_args) for _ in range(rt.reward_actors)]
+    return Workers([Serialized(g) for g in gens], [Serialized(r) for r in rewards])
+
+
+def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
+    """Ray actors, one bundle each when there is a placement group: generators, rewards, then the
+    draft actors."""
     import ray
 
+    rt = config.runtime
     runtime_env = ray_runtime_env(config.data.storage_options)
-    if not ray.is_initialized():
-        # With no cluster to attach to, the local one we start listens on loopback only.
-        # address="local": never attach to whatever cluster a stale address file points at.
-        local = {} if os.environ.get("RAY_ADDRESS") else {"address": "local", "_node_ip_address": "127.0.0.1"}
-        ray.init(runtime_env=runtime_env or None, **local)
-    resources = [rt.generator] * rt.generator_actors + [rt.reward] * rt.reward_actors
-    if draft_actors:
-        resources += [rt.draft] * rt.generator_actors
-    group = None
-    if rt.placement_strategy:
-        from ray.util.placement_group import placement_group
-
-        bundles = [{"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})} for r in resources]
-        group = placement_group(bundles, strategy=rt.placement_strategy)
-        ray.get(group.ready(), timeout=rt.call_timeout_s)
-
-    def spawner(cls, args, res, bundle: int, kwargs: dict | None = None) -> Callable[[], Any]:
-        options: dict = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "max_restarts": 0,
-                         "runtime_env": runtime_env or None}
-        if group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
-        remote_cls = ray.remote(cls).options(**options)
-        return lambda: remote_cls.remote(*args, **(kwargs or {}))
-
+    _attach_ray(runtime_env)
+    place = _RayPlacement(runtime_env, _reserve_placement_group(rt, plan.draft_actor_args is not None))
     drafts: dict[int, Any] = {}  # generator index -> its current DraftActor (placement "actor")
-
-    def generator_spawner(i: int) -> Callable[[], Any]:
-        spawn = spawner(generator_cls, gen_args, rt.generator, i, gen_kwargs)
-        if not draft_actors:
-            return spawn
-        from actors.draft import DraftActor
-
-        spawn_draft = spawner(DraftActor, (draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus))), rt.draft,
-                              rt.generator_actors + rt.reward_actors + i)
-
-        def spawn_pair():
-            # A replaced generator gets a fresh draft actor too: the old one may be what failed.
-            if i in drafts:
-                ray.kill(drafts[i], no_restart=True)
-            drafts[i] = spawn_draft()
-            return spawner(generator_cls, gen_args, rt.generator, i, {**gen_kwargs, "draft_actor": drafts[i]})()
-
-        return spawn_pair
-
-    gens = [RemoteProxy(spawn=generator_spawner(i), name=f"generator {i}", timeout_s=rt.call_timeout_s)
-            for i in range(rt.generator_actors)]
-    rewards = [RemoteProxy(spawn=spawner(reward_cls, rew_args, rt.reward, rt.generator_actors + i),
+    gens = [RemoteProxy(spawn=_generator_spawner(plan, rt, place, i, drafts), name=f"generator {i}",
+                        timeout_s=rt.call_timeout_s) for i in range(rt.generator_actors)]
+    rewards = [RemoteProxy(spawn=place.spawner(plan.reward_cls, plan.reward_args, rt.reward, rt.generator_actors + i),
                            name=f"reward {i}", timeout_s=rt.call_timeout_s) for i in range(rt.reward_actors)]
     proxies = gens + rewards
     # Surface model-loading errors now, not on the first call.
     ray.get([p.handle.stats.remote() for p in proxies])
+    return Workers(gens, rewards, [p.handle for p in proxies] + list(drafts.values()),
+                   functools.partial(_shutdown_ray, proxies, drafts, place.group))
 
-    def shutdown():
-        for handle in [p.handle for p in proxies] + list(drafts.values()):
-            ray.kill(handle)
-        if group is not None:
-            from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(group)
+def _attach_ray(runtime_env: dict) -> None:
+    """Join the cluster RAY_ADDRESS names, or start a local one, unless Ray is already up."""
+    import ray
 
-    return Workers(gens, rewards, [p.handle for p in proxies] + list(drafts.values()), shutdown)
+    if ray.is_initialized():
+        return
+    # With no cluster to attach to, the local one we start listens on loopback only.
+    # address="local": never attach to whatever cluster a stale address file points at.
+    local = {} if os.environ.get("RAY_ADDRESS") else {"address": "local", "_node_ip_address": "127.0.0.1"}
+    ray.init(runtime_env=runtime_env or None, **local)
+
+
+def _reserve_placement_group(rt: RuntimeConfig, draft_actors: bool):
+    """runtime.placement_strategy's group, ready before any actor starts: one bundle per generator,
+    reward and draft actor, in that order. None without a placement strategy."""
+    if not rt.placement_strategy:
+        return None
+    import ray
+    from ray.util.placement_group import placement_group
+
+    resources = [rt.generator] * rt.generator_actors + [rt.reward] * rt.reward_actors
+    if draft_actors:
+        resources += [rt.draft] * rt.generator_actors
+    bundles = [{"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})} for r in resources]
+    group = placement_group(bundles, strategy=rt.placement_strategy)
+    ray.get(group.ready(), timeout=rt.call_timeout_s)
+    return group
+
+
+@dataclass
+class _RayPlacement:
+    """Where the Ray actors start: the environment every worker gets, and the placement group (if any)."""
+
+    runtime_env: dict
+    group: Any = None
+
+    def spawner(self, cls: type, args: tuple, resources: ActorResources, bundle: int,
+                kwargs: dict | None = None) -> Callable[..., Any]:
+        """A function that starts a fresh ``cls`` actor with these options in bundle ``bundle`` at each
+        call (keyword arguments it is given join ``kwargs``): a RemoteProxy's spawn."""
+        import ray
+
+        options: dict = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus, "max_restarts": 0,
+                         "runtime_env": self.runtime_env or None}
+        if self.group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.group,
+                                                                              placement_group_bundle_index=bundle)
+        remote_cls = ray.remote(cls).options(**options)
+        return lambda **extra: remote_cls.remote(*args, **(kwargs or {}), **extra)
+
+
+def _generator_spawner(plan: _ActorPlan, rt: RuntimeConfig, place: _RayPlacement, i: int,
+                       drafts: dict[int, Any]) -> Callable[[], Any]:
+    """Generator i's spawn; with draft actors, each spawn starts a fresh DraftActor first (``drafts``)."""
+    spawn = place.spawner(plan.generator_cls, plan.generator_args, rt.generator, i, plan.generator_kwargs)
+    if plan.draft_actor_args is None:
+        return spawn
+    from actors.draft import DraftActor
+
+    spawn_draft = place.spawner(DraftActor, plan.draft_actor_args, rt.draft, rt.generator_actors + rt.reward_actors + i)
+    return functools.partial(_spawn_with_draft, i, spawn, spawn_draft, drafts)
+
+
+def _spawn_with_draft(i: int, spawn_generator: Callable[..., Any], spawn_draft: Callable[[], Any],
+                      drafts: dict[int, Any]) -> Any:
+    """Start generator i with its own new DraftActor. A replaced generator gets a fresh draft actor
+    too: the old one may be what failed."""
+    import ray
+
+    if i in drafts:
+        ray.kill(drafts[i], no_restart=True)
+    drafts[i] = spawn_draft()
+    return spawn_generator(draft_actor=drafts[i])
+
+
+def _shutdown_ray(proxies: list[RemoteProxy], drafts: dict[int, Any], group) -> None:
+    """Kill every actor (the draft actors current at shutdown among them) and free the placement group."""
+    import ray
+
+    for handle in [p.handle for p in proxies] + list(drafts.values()):
+        ray.kill(handle)
+    if group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(group)

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.aded import fine_tune
 from jobs.make_tiny_models import ASKS, SUBJECTS, corpus, make_tiny_models
-from pipeline.decoding.ults import (DirichletPrior, EmpiricalPrior, beam_search, collect_softmax,
+from pipeline.decoding.ults import (DirichletPrior, EmpiricalPrior, ULTSParams, beam_search, collect_softmax,
                                     fit_level_beliefs, ults_search)
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.adapters import PathCacheExpander
@@ -95,10 +95,11 @@ def main(argv=None) -> int:
                lambda k=k: beam_search(PathCacheExpander(engine.model, engine.device), prompts, depth, k))
     for name, bel in beliefs.items():
         for k_max in args.k_max:
+            # top-k_max children per expansion, as in the authors' code
+            params = ULTSParams(epsilon=args.epsilon, k_max=k_max, branching=k_max)
             record(f"ULTS-{name} k_max={k_max}", f"ults-{name}", k_max,
-                   lambda bel=bel, k_max=k_max: ults_search(PathCacheExpander(engine.model, engine.device), prompts,
-                                                            bel, depth, k_max, args.epsilon, k_max,
-                                                            seeds=list(range(len(prompts)))))
+                   lambda bel=bel, params=params: ults_search(PathCacheExpander(engine.model, engine.device), prompts,
+                                                              bel, depth, params, seeds=list(range(len(prompts)))))
     beams = sorted((r["expansions"], r["loglik"]) for r in results if r["kind"] == "beam")
     print("\nULTS vs beam search at the same or a larger budget:")
     for r in results:

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import torch
 
-from pipeline.decoding.ults import DirichletPrior, beam_search, fit_level_beliefs, ults_search
+from pipeline.decoding.ults import DirichletPrior, ULTSParams, beam_search, fit_level_beliefs, ults_search
 
 BRANCHING, DEPTH = 8, 5
 
@@ -63,17 +63,22 @@ class ToyTreeExpander:
         pass
 
 
+def toy_params(epsilon: float, belief_samples: int = 1000) -> ULTSParams:
+    """The paper's toy setting: no k_max cap, Eq. 1 over the whole boundary, max backup."""
+    return ULTSParams(epsilon=epsilon, k_max=None, branching=BRANCHING, belief_samples=belief_samples,
+                      acquisition="posterior", selection="boundary")
+
+
 def run_alpha(alpha: float, epsilons: list[float], widths: list[int], trees: int, seed: int = 0,
               belief_samples: int = 1000) -> dict:
     """Mean log-likelihood and mean expansions over ``trees`` random trees, per method."""
     beliefs = fit_level_beliefs(DirichletPrior(alpha, BRANCHING), DEPTH, belief_samples, seed=seed)
     out = {"alpha": alpha, "ults": {}, "beam": {}}
     for eps in epsilons:
+        params = toy_params(eps, belief_samples)
         ll, ex = [], []
         for k in range(trees):
-            res = ults_search(ToyTreeExpander(alpha, seed * 100_000 + k), [[0]], beliefs, DEPTH, BRANCHING,
-                              epsilon=eps, k_max=None, num_samples=belief_samples, acquisition="posterior",
-                              selection="boundary", seeds=[k])[0]
+            res = ults_search(ToyTreeExpander(alpha, seed * 100_000 + k), [[0]], beliefs, DEPTH, params, seeds=[k])[0]
             ll.append(res.leaves[0][1])
             ex.append(res.expansions)
         out["ults"][eps] = {"loglik": float(np.mean(ll)), "expansions": float(np.mean(ex))}

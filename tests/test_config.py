@@ -15,7 +15,7 @@ def test_demo_config_loads_with_overrides():
     flat = cfg.to_dict()
     assert flat["strategy"] == {"name": "sbon", "decision_token": 16, "rejection_rate": 0.7,
                                 "initial_candidates": None, "max_live_candidates": None,
-                                "adaptive_rejection": None, "streaming_rewards": True}
+                                "adaptive_rejection": None, "streaming_rewards": True, "keep_lowest": True}
 
 
 @pytest.mark.parametrize("raw, key", [

@@ -7,9 +7,9 @@ import pytest
 import torch
 from scipy import stats
 
-from benchmarks.ults_toy import ToyTreeExpander, run_alpha
+from benchmarks.ults_toy import ToyTreeExpander, run_alpha, toy_params
 from jobs.build_dataset import main
-from pipeline.decoding.ults import (DirichletPrior, EmpiricalPrior, _fit_beta, beam_search,
+from pipeline.decoding.ults import (DirichletPrior, EmpiricalPrior, ULTSParams, _fit_beta, beam_search,
                                     fit_level_beliefs, ults_search)
 from pipeline.engines.adapters import PathCacheExpander
 from tests.conftest import GOOD_PROMPTS, write_jsonl
@@ -60,8 +60,7 @@ def test_ults_with_small_epsilon_finds_the_optimum():
     beliefs = fit_level_beliefs(DirichletPrior(0.2, 8), 5, 1000)
     for k in range(5):
         toy = ToyTreeExpander(0.2, seed=100 + k)
-        res = ults_search(toy, [[0]], beliefs, 5, 8, epsilon=1e-3, k_max=None, acquisition="posterior",
-                          selection="boundary", seeds=[k])[0]
+        res = ults_search(toy, [[0]], beliefs, 5, toy_params(epsilon=1e-3), seeds=[k])[0]
         assert res.leaves[0][1] == pytest.approx(ToyTreeExpander(0.2, seed=100 + k).best_loglik(), abs=1e-6)
         assert len(res.leaves[0][0]) == 5
 
@@ -79,7 +78,8 @@ def test_k_max_caps_expansions_per_level_and_recursive_selection():
     beliefs = fit_level_beliefs(DirichletPrior(0.8, 8), 5, 1000)
     for acquisition in ("descendant", "posterior"):
         toy = ToyTreeExpander(0.8, seed=7)
-        res = ults_search(toy, [[0]], beliefs, 5, 8, epsilon=1e-6, k_max=2, acquisition=acquisition, seeds=[0])[0]
+        params = ULTSParams(epsilon=1e-6, k_max=2, branching=8, acquisition=acquisition)
+        res = ults_search(toy, [[0]], beliefs, 5, params, seeds=[0])[0]
         assert res.expansions <= 1 + 2 * 4  # root, then at most k_max per level
         assert res.leaves and all(len(p) == 5 for p, _, _ in res.leaves)
 
@@ -95,8 +95,8 @@ class _EosToy(ToyTreeExpander):
 
 def test_eos_ends_a_leaf_and_is_not_in_the_tokens():
     beliefs = fit_level_beliefs(DirichletPrior(0.5, 8), 5, 500)
-    res = ults_search(_EosToy(0.5, seed=1), [[0]], beliefs, 5, 8, epsilon=0.1, k_max=3, eos_ids={0},
-                      min_leaves=2, seeds=[0])[0]
+    res = ults_search(_EosToy(0.5, seed=1), [[0]], beliefs, 5, ULTSParams(epsilon=0.1, k_max=3, branching=8),
+                      eos_ids={0}, min_leaves=2, seeds=[0])[0]
     tokens, logp, _ = res.leaves[0]
     assert len(tokens) == 1 and logp == pytest.approx(ToyTreeExpander(0.5, 1).levels[0][0][tokens[0]] + np.log(0.9))
     beam = beam_search(_EosToy(0.5, seed=1), [[0]], 5, 2, eos_ids={0})[0]
@@ -105,8 +105,8 @@ def test_eos_ends_a_leaf_and_is_not_in_the_tokens():
 
 def test_mean_score_is_length_normalised():
     beliefs = fit_level_beliefs(DirichletPrior(0.5, 8), 5, 500)
-    res = ults_search(_EosToy(0.5, seed=1), [[0]], beliefs, 5, 8, epsilon=0.1, k_max=3, eos_ids={0},
-                      score="mean", min_leaves=2, seeds=[0])[0]
+    params = ULTSParams(epsilon=0.1, k_max=3, branching=8, score="mean")
+    res = ults_search(_EosToy(0.5, seed=1), [[0]], beliefs, 5, params, eos_ids={0}, min_leaves=2, seeds=[0])[0]
     for tokens, logp, score in res.leaves:
         assert score == pytest.approx(logp / (len(tokens) + (len(tokens) < 5)))
 
@@ -154,8 +154,8 @@ def test_batched_expansion_of_several_nodes_and_trees_per_forward_pass():
     beliefs = fit_level_beliefs(DirichletPrior(0.5, 8), 5, 500)
     toy = _CountingToy(0.5, seed=3)
     optimum = toy.best_loglik()
-    results = ults_search(toy, [[0], [0]], beliefs, 5, 8, epsilon=0.05, k_max=None, expansions_per_step=3,
-                          seeds=[0, 1])
+    params = ULTSParams(epsilon=0.05, k_max=None, branching=8, expansions_per_step=3)
+    results = ults_search(toy, [[0], [0]], beliefs, 5, params, seeds=[0, 1])
     expansions = sum(r.expansions for r in results)
     assert toy.calls < (expansions - 2) / 3 + 2  # two trees x up to three nodes per forward pass
     for r in results:
@@ -183,3 +183,14 @@ def test_ults_model_side_with_empirical_prior_returns_distinct_top_leaves(engine
         seqs = [tuple(r.token_ids) for r in out.rows]
         assert len(set(seqs)) == 3 and all(1 <= len(s) <= 6 for s in seqs)
         assert out.stats["expansions"] == out.generated_tokens <= 1 + 3 * 5
+
+
+def test_ults_params_validate_selection_and_k_max():
+    from pipeline.decoding.ults import ULTSParams
+    from pipeline.errors import ConfigError
+
+    assert ULTSParams(selection="boundary", k_max=None).k_max is None
+    with pytest.raises(ConfigError, match="strategy.selection"):
+        ULTSParams(selection="greedy")
+    with pytest.raises(ConfigError, match="strategy.k_max"):
+        ULTSParams(k_max=0)

@@ -77,8 +77,8 @@ def test_speculative_rejection_and_best_of_n_run_on_the_vllm_backend():
 
     prompts = [PromptInput(f"p{i}", "x", "x", [1, 2]) for i in range(2)]
     sampling = SamplingParams(max_new_tokens=16)
-    sbon = speculative_rejection(prompts, fake_engine(), FakeScorer(), SpeculativeRejectionParams([4, 8], 0.5),
-                                 sampling, 8, seed=1)
+    sbon = speculative_rejection(prompts, fake_engine(), FakeScorer(),
+                                 SpeculativeRejectionParams([4, 8], 0.5, keep_lowest=False), sampling, 8, seed=1)
     bon = best_of_n(prompts, fake_engine(), FakeScorer(), BestOfNParams(), sampling, 8, seed=1)
     for a, b in zip(sbon, bon):
         assert len(a.candidates) == len(b.candidates) == 8

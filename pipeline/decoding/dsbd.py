@@ -213,6 +213,14 @@ def _finish(beams: list[Beam], max_new_tokens: int, eos_ids: set[int]) -> list[i
     return cut_response(_best(beams).tokens, max_new_tokens, eos_ids)
 
 
+def extend_beams(parents: list[Beam], next_logp: torch.Tensor, picks: list[int]) -> list[Beam]:
+    """The beams of flat p_beam indices ``picks`` (parent * V + token, Eq. 1): parent plus token,
+    its target log-likelihood raised by log p(token | parent). next_logp: [len(parents), V]."""
+    vocab = next_logp.shape[-1]
+    return [Beam(parents[x // vocab].tokens + [x % vocab],
+                 parents[x // vocab].logp + float(next_logp[x // vocab, x % vocab])) for x in picks]
+
+
 def beam_sampling(target: ForestTarget, prompt: list[int], width: int, sampling: SamplingParams, seed: int,
                   eos_ids: set[int] = frozenset(), stats: DecodeStats | None = None) -> list[int]:
     """Beam sampling (paper section 2.1): W beams drawn iid from p_beam at every step, one target
@@ -230,8 +238,7 @@ def beam_sampling(target: ForestTarget, prompt: list[int], width: int, sampling:
         vocab = logp.shape[-1]
         p = beam_distribution(torch.tensor([b.logp for b in beams]), logp, sampling)
         picks = [int(inverse_cdf(p, torch.tensor(u()))) for _ in range(width)]
-        beams = [Beam(beams[x // vocab].tokens + [x % vocab], beams[x // vocab].logp + float(logp[x // vocab, x % vocab]))
-                 for x in picks]
+        beams = extend_beams(beams, logp, picks)
         target.commit([(x // vocab, [0]) for x in picks])
         pending = [b.tokens[-1] for b in beams]
         stats.steps += 1
@@ -239,13 +246,139 @@ def beam_sampling(target: ForestTarget, prompt: list[int], width: int, sampling:
     return _finish(beams, sampling.max_new_tokens, eos_ids)
 
 
+# -- DSBD, one step of Algorithm 1 per function ------------------------------------------------
+
+
+@dataclass
+class DraftForest:
+    """The draft forest of section 3.3: the drafter's gamma layers arranged as one token tree per
+    input beam, so that the target verifies every tree in one forward pass."""
+
+    layers: list[DraftLayer]
+    """Forest layers 1..gamma as the drafter returned them (each node's parent indexes the layer above)."""
+    trees: list[TokenTree]
+    """Tree b: input beam b's last token (its root, not yet in the target's cache) and its draft descendants."""
+    where: list[list[tuple[int, int]]]
+    """where[l][i]: (tree, node) of node i of forest layer l; layer 0 holds the input beams' roots."""
+
+
+@dataclass
+class ForestVerdict:
+    """Algorithm 1's answer (line 35): the output beams of layer l_last, each a (parent, token) pair
+    whose token is not yet in the target's cache."""
+
+    parent_nodes: list[tuple[int, int]]
+    """(tree, node) of each accepted beam of layer l_last - 1: the output beams' possible parents."""
+    parent_beams: list[Beam]
+    """Those parents as beams."""
+    parent_logp: torch.Tensor
+    """[len(parent_beams), V]: the target's next-token log-probs after each parent."""
+    outputs: list[int]
+    """Flat (parent * V + token) p_beam indices of the output beams."""
+
+
+def build_forest(contexts: list[list[int]], layers: list[DraftLayer]) -> DraftForest:
+    """Section 3.3 (Figure 3): hang draft layer l's nodes under their parents in layer l - 1, tree b
+    rooted at input beam b, so a forward pass over the trees (topology-aware mask) gives the target's
+    next-token distribution after every node of every layer: Algorithm 1's input."""
+    tokens = [[c[-1]] for c in contexts]
+    parents = [[-1] for _ in contexts]
+    where = [[(b, 0) for b in range(len(contexts))]]
+    for layer in layers:
+        here = []
+        for parent, token in zip(layer.parents, layer.tokens):
+            tree, node = where[-1][parent]
+            here.append((tree, len(tokens[tree])))
+            tokens[tree].append(token)
+            parents[tree].append(node)
+        where.append(here)
+    return DraftForest(layers, [TokenTree(t, p) for t, p in zip(tokens, parents)], where)
+
+
+def target_p_beam(logp: torch.Tensor, nodes: list[tuple[int, int]], beams: list[Beam],
+                  sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 1 line 11 (and 32): p_beam^(l) (Eq. 1) over (beam, next token) for the beams at
+    forest positions ``nodes``. logp: [W_L, N, V] from the forest pass. Returns the next-token
+    log-probs [|A|, V] and p_beam [|A| * V]."""
+    next_logp = torch.stack([logp[n] for n in nodes])  # [|A|, V]
+    return next_logp, beam_distribution(torch.tensor([b.logp for b in beams]), next_logp, sampling)
+
+
+def surviving_drafts(layer: DraftLayer, accepted: list[int], vocab: int,
+                     device: torch.device) -> tuple[list[int], list[int], torch.Tensor]:
+    """Algorithm 1 line 10: the draft beams of ``layer`` whose parent (a node of the layer above)
+    is in ``accepted``. Returns their positions in the layer, their flat (slot * V + token) indices
+    with slot the parent's place in ``accepted``, and q_beam [|accepted| * V] restricted to the
+    accepted parents and renormalised: the survivors are iid draws from that conditional."""
+    q_beam = layer.q_beam.to(device).reshape(-1, vocab)[accepted].reshape(-1).float()
+    q_beam = q_beam / q_beam.sum().clamp(min=1e-30)
+    slot = {n: s for s, n in enumerate(accepted)}
+    survivors = [i for i, par in enumerate(layer.parents) if par in slot]
+    candidates = [slot[layer.parents[i]] * vocab + layer.tokens[i] for i in survivors]
+    return survivors, candidates, q_beam
+
+
+def verify_forest(forest: DraftForest, logp: torch.Tensor, beams: list[Beam], params: DSBDParams,
+                  sampling: SamplingParams, fixed_width: int | None, uniforms, stats: DecodeStats) -> ForestVerdict:
+    """Algorithm 1 lines 3-33 over the forest's target log-probs ``logp`` [W_L, N, V]: layer by layer,
+    drop the drafts of rejected parents (line 10), set W_L^(l) by Eq. 6 (line 13; ``fixed_width``:
+    a constant W_L) and verify (lines 12-30, verify_layer); stop at the first layer that fails. If
+    every draft layer passes, sample the extra layer from p_beam^(gamma + 1) (lines 31-33)."""
+    vocab = logp.shape[-1]
+    if forest.layers[0].q_beam.numel() != len(beams) * vocab:
+        raise ValueError(f"draft and target vocabularies differ: the draft's q_beam has "
+                         f"{forest.layers[0].q_beam.numel() // len(beams)} tokens per beam, the target {vocab}")
+    accepted = list(range(len(beams)))  # accepted nodes of forest layer l - 1 (layer 0: the input beams)
+    accepted_beams = beams
+    width = fixed_width or len(beams)
+    for l, layer in enumerate(forest.layers, start=1):
+        nodes = [forest.where[l - 1][n] for n in accepted]
+        next_logp, p_beam = target_p_beam(logp, nodes, accepted_beams, sampling)
+        survivors, candidates, q_beam = surviving_drafts(layer, accepted, vocab, logp.device)
+        if fixed_width is None:
+            width = dynamic_width(acceptance_chain(p_beam, q_beam, len(candidates)), params.acceptance_threshold,
+                                  params.min_width)
+        verdict = verify_layer(p_beam, q_beam, candidates, width, uniforms)
+        if not verdict.passed:
+            return ForestVerdict(nodes, accepted_beams, next_logp, verdict.outputs)
+        stats.draft_layers_accepted += 1
+        accepted = [survivors[pos] for pos in verdict.accepted]
+        accepted_beams = extend_beams(accepted_beams, next_logp, [candidates[pos] for pos in verdict.accepted])
+        stats.steps += 1
+        stats.beam_steps += len(accepted)
+    nodes = [forest.where[-1][n] for n in accepted]
+    next_logp, p_beam = target_p_beam(logp, nodes, accepted_beams, sampling)
+    return ForestVerdict(nodes, accepted_beams, next_logp,
+                         [int(inverse_cdf(p_beam, torch.tensor(uniforms()))) for _ in range(width)])
+
+
+def emit_beams(forest: DraftForest, verdict: ForestVerdict, memory_mode: bool,
+               stats: DecodeStats) -> tuple[list[Beam], list[tuple[int, list[int]]]]:
+    """Algorithm 1 line 35: the output beams, the next iteration's input beams, with the KV path
+    each keeps (section 3.3: its parent's tree and the path to the parent; its own token is the
+    root of its next tree). Memory mode (section 3.4) keeps only the lowest-perplexity beam."""
+    vocab = verdict.parent_logp.shape[-1]
+    out = extend_beams(verdict.parent_beams, verdict.parent_logp, verdict.outputs)
+    sources = []
+    for x in verdict.outputs:
+        tree, node = verdict.parent_nodes[x // vocab]
+        sources.append((tree, forest.trees[tree].path_to(node)))
+    stats.steps += 1
+    stats.beam_steps += len(out)
+    if memory_mode:  # one input beam (one KV cache row) for the next iteration
+        best = max(range(len(out)), key=lambda i: out[i].logp)
+        out, sources = [out[best]], [sources[best]]
+    return out, sources
+
+
 def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], params: DSBDParams,
                 sampling: SamplingParams, seed: int, eos_ids: set[int] = frozenset(),
                 stats: DecodeStats | None = None, fixed_width: int | None = None) -> list[int]:
-    """DSBD for one prompt (Algorithm 1 per iteration, Eq. 2-7 widths, forest verification in one
-    target pass, optional memory mode). ``fixed_width`` replaces Eq. 6 with a constant W_L
-    (the paper's section 3.1 scheme; with draft_width 1 and fixed_width 1 this is exactly
-    Leviathan et al.'s speculative decoding)."""
+    """DSBD for one prompt: per iteration, draft gamma layers, build the forest, verify it in one
+    target pass (Algorithm 1 with Eq. 2-7 widths, section 3.3), emit the output beams and cut the
+    target's cache to their paths (optional memory mode, section 3.4). ``fixed_width`` replaces
+    Eq. 6 with a constant W_L (the paper's section 3.1 scheme; with draft_width 1 and fixed_width 1
+    this is exactly Leviathan et al.'s speculative decoding)."""
 
     stats = stats if stats is not None else DecodeStats()
     g = torch.Generator().manual_seed(seed)
@@ -256,79 +389,15 @@ def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], param
         stats.iterations += 1
         contexts = [prompt + b.tokens for b in beams]
         gamma = min(params.num_draft_layers, sampling.max_new_tokens - len(beams[0].tokens))
-        layers: list[DraftLayer] = drafter.draft(contexts, [b.logp for b in beams], params.draft_width, gamma,
-                                                 sampling, int(torch.randint(0, 2**62, (), generator=g)))
+        layers = drafter.draft(contexts, [b.logp for b in beams], params.draft_width, gamma, sampling,
+                               int(torch.randint(0, 2**62, (), generator=g)))
         stats.drafted += sum(len(layer.tokens) for layer in layers)
-        # Forest: tree b is input beam b's last token (root) and its draft descendants.
-        tokens = [[c[-1]] for c in contexts]
-        parents = [[-1] for _ in contexts]
-        where = [[(b, 0) for b in range(len(beams))]]  # where[l][i]: (tree, node) of node i of layer l
-        for layer in layers:
-            here = []
-            for parent, token in zip(layer.parents, layer.tokens):
-                tree, node = where[-1][parent]
-                here.append((tree, len(tokens[tree])))
-                tokens[tree].append(token)
-                parents[tree].append(node)
-            where.append(here)
-        logp = target.verify([TokenTree(t, p) for t, p in zip(tokens, parents)])  # [W_L, N, V]
+        forest = build_forest(contexts, layers)
+        logp = target.verify(forest.trees)  # [W_L, N, V]
         stats.target_forwards += 1
-        vocab = logp.shape[-1]
-        if layers[0].q_beam.numel() != len(beams) * vocab:
-            raise ValueError(f"draft and target vocabularies differ: the draft's q_beam has "
-                             f"{layers[0].q_beam.numel() // len(beams)} tokens per beam, the target {vocab}")
-
-        # Layer by layer. ``alive``: accepted nodes of the previous layer, with their beams.
-        alive = list(range(len(beams)))  # node indices into layer l-1 (layer 0 = input beams)
-        alive_beams = beams
-        width = fixed_width or len(beams)
-        out_parents, out_flat, out_layer = None, None, None
-        for l, layer in enumerate(layers, start=1):
-            next_logp = torch.stack([logp[where[l - 1][n]] for n in alive])  # [|A|, V]
-            p_beam = beam_distribution(torch.tensor([b.logp for b in alive_beams]), next_logp, sampling)
-            q_all = layer.q_beam.to(logp.device).reshape(-1, vocab)
-            q_beam = q_all[alive].reshape(-1).float()
-            q_beam = q_beam / q_beam.sum().clamp(min=1e-30)  # conditioned on surviving parents
-            slot = {n: s for s, n in enumerate(alive)}
-            survivors = [i for i, par in enumerate(layer.parents) if par in slot]
-            candidates = [slot[layer.parents[i]] * vocab + layer.tokens[i] for i in survivors]
-            if fixed_width is None:
-                width = dynamic_width(acceptance_chain(p_beam, q_beam, len(candidates)), params.acceptance_threshold,
-                                      params.min_width)
-            verdict = verify_layer(p_beam, q_beam, candidates, width, u)
-            if verdict.passed:
-                stats.draft_layers_accepted += 1
-                alive = [survivors[pos] for pos in verdict.accepted]
-                alive_beams = [Beam(alive_beams[slot[layer.parents[i]]].tokens + [layer.tokens[i]],
-                                    alive_beams[slot[layer.parents[i]]].logp
-                                    + float(next_logp[slot[layer.parents[i]], layer.tokens[i]])) for i in alive]
-                stats.steps += 1
-                stats.beam_steps += len(alive)
-                continue
-            out_parents, out_flat, out_layer = alive, verdict.outputs, l - 1
-            break
-        if out_flat is None:  # every draft layer passed: an extra layer from p_beam^(gamma + 1)
-            next_logp = torch.stack([logp[where[-1][n]] for n in alive])
-            p_beam = beam_distribution(torch.tensor([b.logp for b in alive_beams]), next_logp, sampling)
-            out_parents, out_layer = alive, len(layers)
-            out_flat = [int(inverse_cdf(p_beam, torch.tensor(u()))) for _ in range(width)]
-        else:
-            next_logp = torch.stack([logp[where[out_layer][n]] for n in out_parents])
-        # Output beams: parent (a node of layer out_layer) plus a new token not yet in the cache.
-        new_beams, sources = [], []
-        for x in out_flat:
-            s, token = x // vocab, x % vocab
-            parent = alive_beams[s]
-            new_beams.append(Beam(parent.tokens + [token], parent.logp + float(next_logp[s, token])))
-            tree, node = where[out_layer][out_parents[s]]
-            sources.append((tree, TokenTree(tokens[tree], parents[tree]).path_to(node)))
-        stats.steps += 1
-        stats.beam_steps += len(new_beams)
-        if params.memory_mode:  # section 3.4: one input beam (one KV cache row) for the next iteration
-            best = max(range(len(new_beams)), key=lambda i: new_beams[i].logp)
-            new_beams, sources = [new_beams[best]], [sources[best]]
+        verdict = verify_forest(forest, logp, beams, params, sampling, fixed_width, u, stats)
+        beams, sources = emit_beams(forest, verdict, params.memory_mode, stats)
         target.commit(sources)
-        beams = new_beams
     return _finish(beams, sampling.max_new_tokens, eos_ids)
 
 

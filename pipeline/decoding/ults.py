@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -199,42 +199,121 @@ def fit_level_beliefs(prior: Prior, depth: int, num_samples: int = 1000, seed: i
     return LevelBeliefs(params)
 
 
+# -- the method's parameters -------------------------------------------------------------------
+
+
+@dataclass
+class ULTSParams:
+    prior: str = "dirichlet"
+    """dirichlet: symmetric Dirichlet(alpha) over the vocabulary; empirical: softmax vectors
+    collected by greedy decoding from the first prompts the generator sees (section 3.1)."""
+    alpha: float = 1e-4
+    """Dirichlet concentration (the paper's LLM experiments use 1e-4)."""
+    empirical_samples: int = 256
+    """Softmax vectors collected for the empirical prior."""
+    epsilon: float = 0.1
+    """Stop once P(c* < v_root) <= epsilon."""
+    k_max: int | None = 5
+    """At most k_max expansions per level, and stop after k_max leaves are reached (section 3.5);
+    None: no cap (the toy experiment of section 5.1)."""
+    branching: int = 5
+    """Top-k children per expansion (raised to num_samples so there are enough leaves)."""
+    belief_samples: int = 1000
+    """N: posterior samples per node and prior samples per level in Algorithm 1."""
+    acquisition: str = "descendant"
+    """descendant: Eq. 2 (best descendant's samples, the paper's default); posterior: Eq. 1 with max backup."""
+    score: str = "total"
+    """total log-likelihood, or mean: length-normalised."""
+    expansions_per_step: int = 1
+    """Nodes each prompt's tree expands per batched forward pass."""
+    selection: str = "recursive"
+    """recursive: descend from the root to the child that maximises Eq. 1, until an unexpanded node
+    (Algorithm 2); boundary: Eq. 1 over the whole boundary at once (the toy setting of section 5.1,
+    whose trees are small)."""
+
+    def __post_init__(self):
+        if self.prior not in ("dirichlet", "empirical"):
+            raise ConfigError(f"strategy.prior: expected dirichlet or empirical, got {self.prior!r}")
+        if self.acquisition not in ("descendant", "posterior"):
+            raise ConfigError(f"strategy.acquisition: expected descendant or posterior, got {self.acquisition!r}")
+        if self.score not in ("total", "mean"):
+            raise ConfigError(f"strategy.score: expected total or mean, got {self.score!r}")
+        if self.selection not in ("recursive", "boundary"):
+            raise ConfigError(f"strategy.selection: expected recursive or boundary, got {self.selection!r}")
+        if not self.alpha > 0:
+            raise ConfigError(f"strategy.alpha: must be > 0, got {self.alpha}")
+        if not 0 < self.epsilon < 1:
+            raise ConfigError(f"strategy.epsilon: must be in (0, 1), got {self.epsilon}")
+        for key in ("k_max", "branching", "belief_samples", "expansions_per_step", "empirical_samples"):
+            value = getattr(self, key)
+            if key == "k_max" and value is None:  # no cap
+                continue
+            if value < 1:
+                raise ConfigError(f"strategy.{key}: must be >= 1, got {value}")
+
+
 # -- the search tree (Algorithm 2) -----------------------------------------------------------
 
 UNEXPANDED, EXPANDED, LEAF, REACHED, DROPPED = range(5)
+"""A node's state: on the boundary L; expanded; a leaf (depth cap or EOS) not yet selected; a leaf
+that won a selection (known, no model call, counts towards k_max); dropped by the k_max cap."""
+
+
+@dataclass(slots=True, eq=False)
+class SearchNode:
+    """One node x_i of a LikelihoodTree."""
+
+    id: int
+    """Creation order; node 0 is the root x_0 (the prompt). The expander keys its cache by it."""
+    parent: SearchNode | None
+    token: int
+    """The token x_i appends to its parent's path (-1 at the root)."""
+    depth: int
+    """level(x_i): tokens on the path from the root."""
+    logp: float
+    """log c_{x0 -> x_i}: the path log-likelihood, observed (section 3.3)."""
+    state: int
+    samples: np.ndarray
+    """[N] posterior samples of the score of the node's best completion: for an unexpanded node, its
+    path log-likelihood plus log Delta draws (section 3.3); for a leaf, its score; for an expanded
+    node, the backup of its children (Eq. 2 or the max). Termination reads these."""
+    open_samples: np.ndarray
+    """[N] the same over what can still be selected (a reached leaf is known: -inf), which selection
+    reads, since it looks for what may beat the leaves already reached."""
+    children: list[SearchNode] = field(default_factory=list)
+    open: bool = True
+    """Something below (or the node itself) can still be selected."""
+    open_counts: np.ndarray | None = None
+    """[len(children)] Eq. 1 over open_samples per child, kept by the last backup for selection."""
 
 
 class LikelihoodTree:
-    """One prompt's ULTS tree. Node 0 is the root (the prompt); node ids grow as nodes are added.
+    """One prompt's ULTS tree (Algorithm 2): ``select`` (Eq. 1), ``expand`` (top-k children with
+    posterior samples, section 3.3), ``backup`` (Eq. 2 or the max), and the termination test
+    ``done`` (section 3.4, with the k_max caps of section 3.5)."""
 
-    ``samples[n]`` holds N posterior samples of the score of n's best completion: for an
-    unexpanded node, its path log-likelihood plus log Delta draws (section 3.3); for a leaf, its
-    score; for an expanded node, the backup of its children (Eq. 2 or the max)."""
-
-    def __init__(self, beliefs: LevelBeliefs, max_depth: int, epsilon: float, k_max: int | None,
-                 num_samples: int = 1000, acquisition: str = "descendant", score: str = "total",
-                 selection: str = "recursive", min_leaves: int = 1, seed: int = 0):
-        self.beliefs, self.max_depth, self.epsilon = beliefs, max_depth, epsilon
-        self.k_max = k_max if k_max else math.inf
-        self.n, self.acquisition, self.score, self.selection = num_samples, acquisition, score, selection
+    def __init__(self, beliefs: LevelBeliefs, max_depth: int, params: ULTSParams, min_leaves: int = 1, seed: int = 0):
+        self.beliefs, self.max_depth, self.epsilon = beliefs, max_depth, params.epsilon
+        self.k_max = math.inf if params.k_max is None else params.k_max
+        self.n, self.acquisition, self.score = params.belief_samples, params.acquisition, params.score
+        self.selection = params.selection
         self.min_leaves = min_leaves
         self.rng = np.random.default_rng(seed)
-        self.parent, self.token, self.depth, self.logp = [-1], [-1], [0], [0.0]
-        self.children: list[list[int]] = [[]]
-        self.state = [UNEXPANDED]
-        self.open = [True]
-        self.samples = [self._value(0.0, 0, terminal=False)]
-        self.open_samples = [self.samples[0]]
-        self.open_counts: dict[int, np.ndarray] = {}
+        root_samples = self._posterior_samples(0.0, 0, terminal=False)
+        self.root = SearchNode(0, None, -1, 0, 0.0, UNEXPANDED, root_samples, root_samples)
+        self.nodes: list[SearchNode] = [self.root]
         self.expanded_per_level: dict[int, int] = {}
         self.expansions = 0
         self.reached = 0
-        self.best_leaf, self.best_score = -1, -math.inf
-        self.leaves: list[int] = []
+        self.best_leaf: SearchNode | None = None
+        self.best_score = -math.inf
+        self.leaves: list[SearchNode] = []
 
     # scores --------------------------------------------------------------------------------
-    def _value(self, logp: float, depth: int, terminal: bool, log_delta: np.ndarray | None = None) -> np.ndarray:
-        """Posterior samples of a node's score (section 3.3): its path log-likelihood plus log Delta draws."""
+    def _posterior_samples(self, logp: float, depth: int, terminal: bool,
+                           log_delta: np.ndarray | None = None) -> np.ndarray:
+        """Section 3.3: samples of v_x given the observed c_{x0 -> x}, i.e. log c_{x0 -> x} plus log Delta
+        draws from B_{remaining} (a leaf: its score, no draws). [N]"""
         if terminal:
             total = np.full(self.n, logp, dtype=np.float32)
             final_len = depth
@@ -245,161 +324,174 @@ class LikelihoodTree:
             final_len = self.max_depth
         return total / max(final_len, 1) if self.score == "mean" else total
 
-    def leaf_score(self, node: int) -> float:
-        return self.logp[node] / max(self.depth[node], 1) if self.score == "mean" else self.logp[node]
+    def leaf_score(self, node: SearchNode) -> float:
+        """A leaf's score, the c of section 3.4: its log-likelihood (score="mean": per token)."""
+        return node.logp / max(node.depth, 1) if self.score == "mean" else node.logp
 
-    # bookkeeping ---------------------------------------------------------------------------
-    def _refresh_open(self, node: int) -> None:
-        """Recompute 'has something to select below' for ``node`` and its ancestors."""
-        while node >= 0:
-            state = self.state[node]
-            if state == EXPANDED:
-                self.open[node] = any(self.open[c] for c in self.children[node])
-            else:
-                self.open[node] = state in (UNEXPANDED, LEAF)
-            node = self.parent[node]
-
-    def _counts(self, node: int, samples: list[np.ndarray]) -> np.ndarray:
-        """Eq. 1 for each child of ``node``: how many posterior samples it is the best child in."""
-        kids = self.children[node]
-        stacked = np.stack([samples[c] for c in kids], axis=1)  # [N, C]
-        return np.bincount(stacked.argmax(1), minlength=len(kids))
-
-    def _backup(self, node: int) -> bool:
-        """Both sample sets of an expanded node from its children: ``samples`` (the belief over the
-        best completion, used for termination) and ``open_samples`` (the same over nodes that can
-        still be selected: a reached leaf is known, so selection looks for what may beat it).
-        The open counts are kept for the next selection (they only change through a backup)."""
-        kids = self.children[node]
-        old = (self.samples[node], self.open_samples[node])
-        open_counts = self._counts(node, self.open_samples)
-        self.open_counts[node] = open_counts
-        if self.acquisition == "descendant":  # Eq. 2: the best child's samples, no further max
-            same = all(self.samples[c] is self.open_samples[c] for c in kids)
-            counts = open_counts if same else self._counts(node, self.samples)
-            self.samples[node] = self.samples[kids[int(counts.argmax())]]
-            self.open_samples[node] = self.open_samples[kids[int(open_counts.argmax())]]
-            return self.samples[node] is not old[0] or self.open_samples[node] is not old[1]
-        self.samples[node] = np.max(np.stack([self.samples[c] for c in kids]), axis=0)
-        self.open_samples[node] = np.max(np.stack([self.open_samples[c] for c in kids]), axis=0)
-        return True
-
-    def _backup_path(self, node: int) -> None:
-        """Back up from ``node`` to the root; with Eq. 2 the samples are shared arrays, so the climb
-        stops at the first node whose best child did not change (nothing above it can change)."""
-        while node >= 0 and self._backup(node):
-            node = self.parent[node]
-
-    # Algorithm 2 ----------------------------------------------------------------------------
-    @property
-    def root_samples(self) -> np.ndarray:
-        if self.selection == "boundary":
-            frontier = [i for i, s in enumerate(self.state) if s in (UNEXPANDED, LEAF, REACHED)]
-            return np.max(np.stack([self.samples[i] for i in frontier]), axis=0)
-        return self.samples[0]
-
-    def termination_probability(self) -> float:
-        """P̂(c* < v_root) = fraction of root samples above the best leaf score so far."""
-        if self.best_leaf < 0:
-            return 1.0
-        # compare in the samples' float32: a leaf's own samples are its score rounded to float32
-        return float(np.mean(np.float32(self.best_score) < self.root_samples))
-
-    def done(self) -> bool:
-        if not self.open[0]:
-            return True
-        if self.reached >= self.k_max:
-            return True
-        return len(self.leaves) >= self.min_leaves and self.termination_probability() <= self.epsilon
-
-    def select(self, count: int = 1) -> list[int]:
-        """Up to ``count`` distinct unexpanded nodes to expand next. A leaf that wins the selection
-        is 'reached' (no model call) and counts towards the k_max leaves."""
-        picked: list[int] = []
+    # selection (Eq. 1) -----------------------------------------------------------------------
+    def select(self, count: int = 1) -> list[SearchNode]:
+        """Selection: up to ``count`` distinct unexpanded nodes to expand next, each found by Eq. 1
+        (a next one skips those already picked). A leaf that wins is reached instead (no model call)."""
+        picked: list[SearchNode] = []
         while len(picked) < count and not self.done():
-            node = self._select_one()
-            if self.state[node] == LEAF:
-                self.state[node] = REACHED
-                self.reached += 1
-                self.open_samples[node] = np.full(self.n, -np.inf, dtype=np.float32)
-                self._refresh_open(node)
-                self._backup_path(self.parent[node])
+            node = self._select_on_boundary() if self.selection == "boundary" else self._descend()
+            if node.state == LEAF:
+                self._reach(node)
                 continue
             picked.append(node)
-            self.open[node] = False  # not again in this step
-            self._refresh_open(self.parent[node])
+            node.open = False  # not again in this step
+            self._refresh_open(node.parent)
         for node in picked:  # expandable again until expand() is called
-            self.open[node] = True
+            node.open = True
             self._refresh_open(node)
         return picked
 
-    def _select_one(self) -> int:
-        if self.selection == "boundary":  # the toy setting: Eq. 1 over the whole boundary at once
-            frontier = [i for i, s in enumerate(self.state) if s in (UNEXPANDED, LEAF) and self.open[i]]
-            stacked = np.stack([self.open_samples[i] for i in frontier])
-            return frontier[int(np.bincount(stacked.argmax(0), minlength=len(frontier)).argmax())]
-        node = 0
-        while self.state[node] == EXPANDED:
-            kids = self.children[node]
-            counts = np.where([self.open[c] for c in kids], self.open_counts[node], -1)
-            node = kids[int(counts.argmax())]
+    def _descend(self) -> SearchNode:
+        """Algorithm 2's select(x_0): from the root, the open child that is most often the best (Eq. 1,
+        counts kept by the backup), until an unexpanded node or a leaf."""
+        node = self.root
+        while node.state == EXPANDED:
+            counts = np.where([c.open for c in node.children], node.open_counts, -1)
+            node = node.children[int(counts.argmax())]
         return node
 
-    def expand(self, node: int, tokens: list[int], logprobs: list[float], eos_ids: set[int] = frozenset()) -> None:
-        """Add the top-k children (token ids and their log-probabilities) of ``node``; back up."""
-        level = self.depth[node]
+    def _select_on_boundary(self) -> SearchNode:
+        """The toy setting (section 5.1): Eq. 1 over every open node of the boundary at once."""
+        frontier = [x for x in self.nodes if x.state in (UNEXPANDED, LEAF) and x.open]
+        stacked = np.stack([x.open_samples for x in frontier])  # [F, N]
+        return frontier[int(np.bincount(stacked.argmax(0), minlength=len(frontier)).argmax())]
+
+    def _reach(self, leaf: SearchNode) -> None:
+        """A leaf won the selection: it is known now, so it counts towards the k_max leaves (section 3.5)
+        and leaves the open samples, which look for what may still beat it."""
+        leaf.state = REACHED
+        self.reached += 1
+        leaf.open_samples = np.full(self.n, -np.inf, dtype=np.float32)
+        self._refresh_open(leaf)
+        self.backup(leaf.parent)
+
+    def _refresh_open(self, node: SearchNode | None) -> None:
+        """Recompute 'has something to select below' for ``node`` and its ancestors."""
+        while node is not None:
+            if node.state == EXPANDED:
+                node.open = any(c.open for c in node.children)
+            else:
+                node.open = node.state in (UNEXPANDED, LEAF)
+            node = node.parent
+
+    # expansion (section 3.3) -----------------------------------------------------------------
+    def expand(self, node: SearchNode, tokens: list[int], logprobs: list[float],
+               eos_ids: set[int] = frozenset()) -> None:
+        """Expansion: add the top-k children of ``node`` (token ids and their log-probabilities), each
+        with N posterior samples (section 3.3); update the best leaf c*; then back up, or drop the
+        level once it has k_max expansions (section 3.5)."""
+        level = node.depth
         self.expansions += 1
-        self.state[node] = EXPANDED
+        node.state = EXPANDED
         depth = level + 1
-        remaining = self.max_depth - depth
-        log_delta = self.beliefs.sample_log_delta(remaining, (len(tokens), self.n), self.rng)  # [k, N]
+        log_delta = self.beliefs.sample_log_delta(self.max_depth - depth, (len(tokens), self.n), self.rng)  # [k, N]
         for j, (tok, lp) in enumerate(zip(tokens, logprobs)):
-            child = len(self.parent)
-            logp = self.logp[node] + float(lp)
+            logp = node.logp + float(lp)
             terminal = depth >= self.max_depth or tok in eos_ids
-            self.parent.append(node)
-            self.token.append(int(tok))
-            self.depth.append(depth)
-            self.logp.append(logp)
-            self.children.append([])
-            self.children[node].append(child)
-            self.state.append(LEAF if terminal else UNEXPANDED)
-            self.open.append(True)
-            self.samples.append(self._value(logp, depth, terminal, log_delta[j]))
-            self.open_samples.append(self.samples[-1])
+            samples = self._posterior_samples(logp, depth, terminal, log_delta[j])
+            child = SearchNode(len(self.nodes), node, int(tok), depth, logp, LEAF if terminal else UNEXPANDED,
+                               samples, samples)
+            self.nodes.append(child)
+            node.children.append(child)
             if terminal:
                 self.leaves.append(child)
                 if self.leaf_score(child) > self.best_score:
                     self.best_leaf, self.best_score = child, self.leaf_score(child)
         self.expanded_per_level[level] = self.expanded_per_level.get(level, 0) + 1
         if self.expanded_per_level[level] >= self.k_max:
-            self._drop_levels(level)
+            self._drop_level(level)
         else:
-            self._backup_path(node)
+            self.backup(node)
             self._refresh_open(node)
 
-    def _drop_levels(self, level: int) -> None:
-        """k_max nodes expanded at ``level``: unexpanded nodes at that level and above are dropped
-        (section 3.5), and the beliefs are rebuilt bottom-up."""
-        for i, s in enumerate(self.state):
-            if s == UNEXPANDED and self.depth[i] <= level:
-                self.state[i] = DROPPED
-                self.open[i] = False
-                self.samples[i] = self.open_samples[i] = np.full(self.n, -np.inf, dtype=np.float32)
-        for i in sorted((i for i in range(len(self.state)) if self.depth[i] <= level), key=lambda i: -self.depth[i]):
-            if self.state[i] == EXPANDED:
-                self._backup(i)
-                self.open[i] = any(self.open[c] for c in self.children[i])
+    def _drop_level(self, level: int) -> None:
+        """Section 3.5: k_max nodes expanded at ``level``, so its other unexpanded nodes and those above
+        it are dropped (as in the authors' code), and the samples are rebuilt bottom-up."""
+        for x in self.nodes:
+            if x.state == UNEXPANDED and x.depth <= level:
+                x.state = DROPPED
+                x.open = False
+                # a fresh array each: Eq. 2's backup tells a changed best child by identity
+                x.samples = x.open_samples = np.full(self.n, -np.inf, dtype=np.float32)
+        for x in sorted((x for x in self.nodes if x.depth <= level), key=lambda x: -x.depth):
+            if x.state == EXPANDED:
+                self._backup_node(x)
+                x.open = any(c.open for c in x.children)
 
-    def path(self, node: int) -> list[int]:
+    # backup (Eq. 2 or the max) ---------------------------------------------------------------
+    def backup(self, node: SearchNode | None) -> None:
+        """Backup: from ``node`` to the root. With Eq. 2 the samples are shared arrays, so the climb
+        stops at the first node whose best child did not change (nothing above it can change)."""
+        while node is not None and self._backup_node(node):
+            node = node.parent
+
+    def _backup_node(self, node: SearchNode) -> bool:
+        """Both sample sets of an expanded node from its children: ``samples`` (the belief over the
+        best completion, for termination) and ``open_samples`` (the same over what can still be
+        selected). descendant: the samples of the child that Eq. 1 ranks best (Eq. 2); posterior: the
+        element-wise max, as in Algorithm 1. Keeps the open counts for selection. True if changed."""
+        kids = node.children
+        old_samples, old_open = node.samples, node.open_samples
+        open_counts = _best_child_counts([c.open_samples for c in kids])
+        node.open_counts = open_counts
+        if self.acquisition == "descendant":  # Eq. 2: the best child's samples, no further max
+            same = all(c.samples is c.open_samples for c in kids)
+            counts = open_counts if same else _best_child_counts([c.samples for c in kids])
+            node.samples = kids[int(counts.argmax())].samples
+            node.open_samples = kids[int(open_counts.argmax())].open_samples
+            return node.samples is not old_samples or node.open_samples is not old_open
+        node.samples = np.max(np.stack([c.samples for c in kids]), axis=0)
+        node.open_samples = np.max(np.stack([c.open_samples for c in kids]), axis=0)
+        return True
+
+    # termination (sections 3.4-3.5) ----------------------------------------------------------
+    @property
+    def root_samples(self) -> np.ndarray:
+        """Samples of v_{x0*}: the root's, or with boundary selection the max over the boundary."""
+        if self.selection == "boundary":
+            frontier = [x.samples for x in self.nodes if x.state in (UNEXPANDED, LEAF, REACHED)]
+            return np.max(np.stack(frontier), axis=0)
+        return self.root.samples
+
+    def termination_probability(self) -> float:
+        """P̂(c* < v_root) = fraction of root samples above the best leaf score so far (section 3.4)."""
+        if self.best_leaf is None:
+            return 1.0
+        # compare in the samples' float32: a leaf's own samples are its score rounded to float32
+        return float(np.mean(np.float32(self.best_score) < self.root_samples))
+
+    def done(self) -> bool:
+        """Termination: nothing left to select, k_max leaves reached (section 3.5), or (once there are
+        min_leaves leaves) P̂(c* < v_root) <= epsilon (section 3.4)."""
+        if not self.root.open:
+            return True
+        if self.reached >= self.k_max:
+            return True
+        return len(self.leaves) >= self.min_leaves and self.termination_probability() <= self.epsilon
+
+    # the answer ------------------------------------------------------------------------------
+    def path(self, node: SearchNode) -> list[int]:
+        """The tokens from the root to ``node``."""
         tokens = []
-        while node > 0:
-            tokens.append(self.token[node])
-            node = self.parent[node]
+        while node.parent is not None:
+            tokens.append(node.token)
+            node = node.parent
         return tokens[::-1]
 
-    def ranked_leaves(self) -> list[int]:
-        return sorted(self.leaves, key=lambda n: (-self.leaf_score(n), n))
+    def ranked_leaves(self) -> list[SearchNode]:
+        """Every leaf found, best score first (ties: the earlier node): Algorithm 2's x* and the runners-up."""
+        return sorted(self.leaves, key=lambda x: (-self.leaf_score(x), x.id))
+
+
+def _best_child_counts(children_samples: list[np.ndarray]) -> np.ndarray:
+    """Eq. 1 (times N) for each child: in how many of the N posterior samples it is the best child."""
+    stacked = np.stack(children_samples, axis=1)  # [N, C]
+    return np.bincount(stacked.argmax(1), minlength=len(children_samples))
 
 
 # -- the model, seen as an expander ------------------------------------------------------------
@@ -435,45 +527,46 @@ class SearchResult:
 
 
 def ults_search(expander: NodeExpander, prompts: list[list[int]], beliefs: LevelBeliefs, max_depth: int,
-                branching: int, epsilon: float = 0.1, k_max: int | None = 5, eos_ids: set[int] = frozenset(),
-                num_samples: int = 1000, acquisition: str = "descendant", score: str = "total",
-                selection: str = "recursive", expansions_per_step: int = 1, min_leaves: int = 1,
+                params: ULTSParams, eos_ids: set[int] = frozenset(), min_leaves: int = 1,
                 seeds: list[int] | None = None) -> list[SearchResult]:
     """Algorithm 2 for several prompts in lockstep: each step every unfinished tree selects up to
-    ``expansions_per_step`` nodes and all of them are expanded in one forward pass."""
+    ``params.expansions_per_step`` nodes and all of them are expanded in one forward pass. A tree
+    goes on until it has ``min_leaves`` leaves; ``seeds`` (one per prompt) drive its posterior samples."""
     seeds = seeds or list(range(len(prompts)))
-    trees = [LikelihoodTree(beliefs, max_depth, epsilon, k_max, num_samples, acquisition, score, selection,
-                            min_leaves, seed) for seed in seeds]
+    trees = [LikelihoodTree(beliefs, max_depth, params, min_leaves, seed) for seed in seeds]
     forward = [1] * len(trees)
-    root_logprobs = expander.roots(prompts)  # the root expansions, one prefill for all prompts
-    ids, vals = _top_k(root_logprobs, branching)
-    for t, tree in enumerate(trees):
-        tree.select(1)
-        tree.expand(0, ids[t], vals[t], eos_ids)
+    ids, vals = _top_k(expander.roots(prompts), params.branching)  # the root expansions, one prefill for all prompts
+    for tree, tokens, logprobs in zip(trees, ids, vals):
+        tree.expand(tree.root, tokens, logprobs, eos_ids)
     while True:
-        items, owners = [], []
-        for t, tree in enumerate(trees):
-            if tree.done():
-                continue
-            for node in tree.select(expansions_per_step):
-                items.append((t, node, tree.parent[node], tree.token[node]))
-                owners.append(t)
-        if not items:
+        picked = [(t, node) for t, tree in enumerate(trees) if not tree.done()
+                  for node in tree.select(params.expansions_per_step)]
+        if not picked:
             break
-        ids, vals = _top_k(expander.expand(items), branching)
-        for (t, node, _, _), i, v in zip(items, ids, vals):
-            trees[t].expand(node, i, v, eos_ids)
-        for t in set(owners):
+        ids, vals = _top_k(expander.expand([(t, node.id, node.parent.id, node.token) for t, node in picked]),
+                           params.branching)
+        for (t, node), tokens, logprobs in zip(picked, ids, vals):
+            trees[t].expand(node, tokens, logprobs, eos_ids)
+        for t in {t for t, _ in picked}:
             forward[t] += 1
     results = []
     for t, tree in enumerate(trees):
         expander.release(t)
-        leaves = [(tree.path(n), tree.logp[n], tree.leaf_score(n)) for n in tree.ranked_leaves()]
-        leaves = [(p[:-1] if p and p[-1] in eos_ids else p, lp, s) for p, lp, s in leaves]
-        results.append(SearchResult(leaves, tree.expansions, forward[t],
-                                    {"termination_probability": tree.termination_probability(),
-                                     "leaves_reached": tree.reached, "nodes": len(tree.parent)}))
+        results.append(_search_result(tree, forward[t], eos_ids))
     return results
+
+
+def _search_result(tree: LikelihoodTree, forward_passes: int, eos_ids: set[int]) -> SearchResult:
+    """The tree's leaves, best score first, each without its EOS."""
+    leaves = []
+    for leaf in tree.ranked_leaves():
+        tokens = tree.path(leaf)
+        if tokens and tokens[-1] in eos_ids:
+            tokens = tokens[:-1]
+        leaves.append((tokens, leaf.logp, tree.leaf_score(leaf)))
+    return SearchResult(leaves, tree.expansions, forward_passes,
+                        {"termination_probability": tree.termination_probability(),
+                         "leaves_reached": tree.reached, "nodes": len(tree.nodes)})
 
 
 def beam_search(expander: NodeExpander, prompts: list[list[int]], max_depth: int, beam_width: int,
@@ -534,46 +627,6 @@ def beam_search(expander: NodeExpander, prompts: list[list[int]], max_depth: int
 # -- the build strategy (model-side) -------------------------------------------------------------
 
 
-@dataclass
-class ULTSParams:
-    prior: str = "dirichlet"
-    """dirichlet: symmetric Dirichlet(alpha) over the vocabulary; empirical: softmax vectors
-    collected by greedy decoding from the first prompts the generator sees (section 3.1)."""
-    alpha: float = 1e-4
-    """Dirichlet concentration (the paper's LLM experiments use 1e-4)."""
-    empirical_samples: int = 256
-    """Softmax vectors collected for the empirical prior."""
-    epsilon: float = 0.1
-    """Stop once P(c* < v_root) <= epsilon."""
-    k_max: int = 5
-    """At most k_max expansions per level, and stop after k_max leaves are reached."""
-    branching: int = 5
-    """Top-k children per expansion (raised to num_samples so there are enough leaves)."""
-    belief_samples: int = 1000
-    """N: posterior samples per node and prior samples per level in Algorithm 1."""
-    acquisition: str = "descendant"
-    """descendant: Eq. 2 (best descendant's samples, the paper's default); posterior: Eq. 1 with max backup."""
-    score: str = "total"
-    """total log-likelihood, or mean: length-normalised."""
-    expansions_per_step: int = 1
-    """Nodes each prompt's tree expands per batched forward pass."""
-
-    def __post_init__(self):
-        if self.prior not in ("dirichlet", "empirical"):
-            raise ConfigError(f"strategy.prior: expected dirichlet or empirical, got {self.prior!r}")
-        if self.acquisition not in ("descendant", "posterior"):
-            raise ConfigError(f"strategy.acquisition: expected descendant or posterior, got {self.acquisition!r}")
-        if self.score not in ("total", "mean"):
-            raise ConfigError(f"strategy.score: expected total or mean, got {self.score!r}")
-        if not self.alpha > 0:
-            raise ConfigError(f"strategy.alpha: must be > 0, got {self.alpha}")
-        if not 0 < self.epsilon < 1:
-            raise ConfigError(f"strategy.epsilon: must be in (0, 1), got {self.epsilon}")
-        for key in ("k_max", "branching", "belief_samples", "expansions_per_step", "empirical_samples"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"strategy.{key}: must be >= 1, got {getattr(self, key)}")
-
-
 def collect_softmax(expander: NodeExpander, prompts: list[list[int]], count: int, depth: int) -> np.ndarray:
     """The empirical prior's C: softmax vectors along greedy completions of ``prompts`` [count, V]."""
     vectors = []
@@ -631,9 +684,8 @@ def search(host: ULTSHost, prompts: list[list[int]], num_samples: int, seeds: li
     prior = make_prior(params, host, expander, prompts, depth)
     beliefs = host.remember(("ults-beliefs", prior.key, depth, params.belief_samples),
                             lambda: fit_level_beliefs(prior, depth, params.belief_samples, seed=0))
-    results = ults_search(expander, prompts, beliefs, depth, max(params.branching, num_samples),
-                          params.epsilon, params.k_max, eos, params.belief_samples, params.acquisition, params.score,
-                          expansions_per_step=params.expansions_per_step, min_leaves=num_samples,
+    wide_enough = replace(params, branching=max(params.branching, num_samples))  # num_samples leaves at least
+    results = ults_search(expander, prompts, beliefs, depth, wide_enough, eos, min_leaves=num_samples,
                           seeds=[seeds[i * num_samples] for i in range(len(prompts))])
     outputs = []
     for i, res in enumerate(results):
