@@ -18,12 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from transformers import DynamicCache
 
 from pipeline.decoding.tree import TokenTree
 from pipeline.engines.reward_transformer import CHANNEL_WEIGHTS, RewardTransformer
-from pipeline.engines.rows import left_pad
-from pipeline.engines.tree import TreeVerification, commit_paths, verify_tree
+from pipeline.engines.rows import RowBatch
 from pipeline.engines.trigram import load_trigram
 
 
@@ -69,7 +67,7 @@ class HFSearchHost:
 
 class TreeTarget:
     """A batch of decoding rows verified tree by tree: the target side of ADED (and any drafter that
-    returns a TokenTree per row). Thin state around pipeline.engines.tree (verify_tree, commit_paths).
+    returns a TokenTree per row). A thin layer over RowBatch (its verify and commit).
 
         target = TreeTarget(model, device)
         logits = target.open(prompts, num_samples)   # [R, V]: prefill once per prompt, fan out to rows
@@ -83,47 +81,27 @@ class TreeTarget:
         self.model = model
         self.device = torch.device(device)
         self.pad_id = pad_id
-        self.cache: DynamicCache | None = None
-        self.attention_mask: torch.Tensor | None = None  # [R, L]
-        self.next_position: torch.Tensor | None = None  # [R]
-        self._last: TreeVerification | None = None
+        self.rows: RowBatch | None = None
         self.forward_passes = 0
 
-    @torch.inference_mode()
     def open(self, prompts: list[list[int]], num_samples: int) -> torch.Tensor:
         """Prefill the left-padded prompts once, then repeat each for its num_samples rows. [R, V]."""
-        ids, mask, position_ids = left_pad(prompts, self.pad_id, self.device)
-        self.cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.forward_passes += 1
-        self.cache.batch_repeat_interleave(num_samples)
-        self.attention_mask = mask.repeat_interleave(num_samples, 0)
-        self.next_position = mask.sum(-1).repeat_interleave(num_samples, 0)
+        self.rows, out = RowBatch.prefill(self.model, prompts, self.pad_id, self.device, counted_by=(self,),
+                                          logits_to_keep=1)
+        self.rows.fan_out(num_samples)
         return out.logits[:, -1].repeat_interleave(num_samples, 0)  # [R, V]
 
     def verify(self, trees: list[TokenTree]) -> torch.Tensor:
         """Next-token logits after every node of every row's tree, one forward pass: [R, N, V]."""
-        self._last = verify_tree(self.model, self.cache, self.attention_mask, self.next_position, trees)
-        self.forward_passes += 1
-        return self._last.logits
+        return self.rows.verify(trees)
 
     def commit(self, sources: list[tuple[int, list[int]]]) -> None:
         """Cut the cache to the accepted path of each surviving row (rows not listed are dropped)."""
-        if not sources:
-            self.cache = None
-            return
-        self.attention_mask, self.next_position = commit_paths(self.cache, self._last, sources)
+        self.rows.commit(sources)
 
     def select(self, keep: list[int]) -> None:
         """Keep batch positions ``keep`` (between verifications, e.g. rows that ended at the first token)."""
-        if not keep:
-            self.cache = None
-            return
-        index = torch.tensor(keep, device=self.device)
-        self.cache.batch_select_indices(index)
-        self.attention_mask = self.attention_mask[index]
-        self.next_position = self.next_position[index]
+        self.rows.select(keep)
 
 
 class TreeSession:
@@ -134,41 +112,35 @@ class TreeSession:
     def __init__(self, model, device: str | torch.device = "cpu"):
         self.model = model
         self.device = torch.device(device)
+        self.rows: RowBatch | None = None
         self.forward_passes = 0
-        self._verification: TreeVerification | None = None
 
-    @torch.inference_mode()
     def open(self, prompt: list[int]) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        context = torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device)  # [1, L]
-        self.attention_mask = torch.ones_like(context)
-        self.next_position = torch.tensor([context.shape[1]], device=self.device)
-        if context.shape[1]:
-            self.model(input_ids=context, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-            self.forward_passes += 1
+        self.rows = RowBatch.empty(self.model, 1, self.device, counted_by=(self,))
+        if len(prompt) > 1:
+            self.rows.feed(torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device), logits_to_keep=1)
 
     def verify(self, trees: list[TokenTree]) -> torch.Tensor:
         """Log-probs [B, N, V] (float32) after every node of every row's tree, from one forward pass."""
-        self._verification = verify_tree(self.model, self.cache, self.attention_mask, self.next_position, trees)
-        self.forward_passes += 1
-        return self._verification.logits.float().log_softmax(-1)
+        return self.rows.verify(trees).float().log_softmax(-1)
 
     def commit(self, sources: list[tuple[int, list[int]]]) -> None:
-        if self._verification is None:
-            raise ValueError("commit needs a verify first")
-        self.attention_mask, self.next_position = commit_paths(self.cache, self._verification, sources)
-        self._verification = None
+        self.rows.commit(sources)
 
 
 @dataclass
 class TreeBatch:
-    """Rows of a search tree batch: KV cache, mask and positions, and what the last fed token gave."""
+    """Rows of a search tree batch (pipeline.decoding.sla.TreeRows): their KV rows, and what the
+    last fed token gave, kept aligned with them."""
 
-    cache: DynamicCache
-    attention_mask: torch.Tensor  # [B, L] 1 = real token, 0 = left padding
-    next_position: torch.Tensor  # [B]
+    rows: RowBatch
     logits: torch.Tensor  # [B, V] next-token logits
     rewards: torch.Tensor  # [B] R' of each row's sequence so far
+
+
+def _logits_and_rewards(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Reward Transformer's output at each row's last token: logits [B, V], reward R' [B]."""
+    return out.logits[:, -1, :].float(), out.rewards[:, -1].float()
 
 
 class SelfRewardDecoder:
@@ -186,43 +158,20 @@ class SelfRewardDecoder:
         self.device = engine.device
         self.forward_passes = 0
 
-    def _forward(self, batch: TreeBatch, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-        out = self.model(input_ids=input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
-                         past_key_values=batch.cache, use_cache=True, logits_to_keep=1, with_rewards=True)
-        self.forward_passes += 1
-        self.engine.forward_passes += 1
-        batch.logits = out.logits[:, -1, :].float()  # [B, V]
-        batch.rewards = out.rewards[:, -1].float()  # [B]
-
-    @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> TreeBatch:
-        input_ids, mask, position_ids = left_pad(prompts, self.engine.pad_id, self.device)
-        batch = TreeBatch(DynamicCache(config=self.model.config), mask, mask.sum(-1), None, None)
-        self._forward(batch, input_ids, position_ids)
-        return batch
+        rows, out = RowBatch.prefill(self.model, prompts, self.engine.pad_id, self.device,
+                                     counted_by=(self, self.engine), logits_to_keep=1, with_rewards=True)
+        return TreeBatch(rows, *_logits_and_rewards(out))
 
-    @torch.inference_mode()
     def feed(self, batch: TreeBatch, tokens: torch.Tensor) -> None:
-        ones = torch.ones((len(tokens), 1), dtype=batch.attention_mask.dtype, device=self.device)
-        batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)  # [B, L + 1]
-        self._forward(batch, tokens.to(self.device)[:, None], batch.next_position[:, None])
-        batch.next_position = batch.next_position + 1
+        out = batch.rows.feed(tokens.to(self.device)[:, None], logits_to_keep=1, with_rewards=True)
+        batch.logits, batch.rewards = _logits_and_rewards(out)
         self.engine.generated_tokens += len(tokens)
 
     def select(self, batch: TreeBatch, index: list[int]) -> None:
         """Keep, drop, reorder or repeat rows (repeats fan a node out into its children)."""
-        if not index:
-            batch.cache = DynamicCache()
-            batch.attention_mask = batch.attention_mask[:0]
-            batch.next_position, batch.logits, batch.rewards = (t[:0] for t in (batch.next_position, batch.logits,
-                                                                                 batch.rewards))
-            return
-        idx = torch.tensor(index, device=self.device)
-        batch.cache.batch_select_indices(idx)
-        batch.attention_mask = batch.attention_mask[idx]
-        batch.next_position = batch.next_position[idx]
-        batch.logits = batch.logits[idx]
-        batch.rewards = batch.rewards[idx]
+        index = batch.rows.select(index)
+        batch.logits, batch.rewards = batch.logits[index], batch.rewards[index]
 
     def decode(self, token_lists: list[list[int]]) -> list[str]:
         return self.engine.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
@@ -257,16 +206,13 @@ class PathCacheExpander:
     @torch.inference_mode()
     def roots(self, prompts: list[list[int]]) -> torch.Tensor:
         """Prefill each prompt alone (no padding in the stored entries); [P, V] log-probabilities."""
-        rows = []
+        logprobs = []
         for tree, prompt in enumerate(prompts):
-            ids = torch.tensor([prompt], device=self.device)
-            cache = DynamicCache(config=self.model.config)
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            self.forward_passes += 1
-            self.entries[(tree, 0)] = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+            rows, out = RowBatch.prefill(self.model, [prompt], 0, self.device, counted_by=(self,), logits_to_keep=1)
+            self.entries[(tree, 0)] = rows.entries(0)
             self.parent[(tree, 0)] = -1
-            rows.append(out.logits[0, -1].float().log_softmax(-1))
-        return torch.stack(rows)
+            logprobs.append(out.logits[0, -1].float().log_softmax(-1))
+        return torch.stack(logprobs)
 
     def _path(self, tree: int, node: int) -> list[int]:
         nodes = []
@@ -283,31 +229,10 @@ class PathCacheExpander:
             self.parent[(tree, node)] = parent
             paths.append(self._path(tree, parent))
         per_row = [[self.entries[(tree, n)] for n in path] for (tree, *_), path in zip(items, paths)]
-        lengths = [sum(e[0][0].shape[1] for e in entries) for entries in per_row]
-        width = max(lengths)
-        layers = len(per_row[0][0])
-        cache_data = []
-        for layer in range(layers):
-            keys, values = [], []
-            for entries, length in zip(per_row, lengths):
-                k = torch.cat([e[layer][0] for e in entries], dim=1)  # [kv_heads, length, head_dim]
-                v = torch.cat([e[layer][1] for e in entries], dim=1)
-                pad = width - length  # left padding, hidden by the attention mask
-                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            cache_data.append((torch.stack(keys), torch.stack(values)))  # [B, kv_heads, width, head_dim]
-        cache = DynamicCache(ddp_cache_data=cache_data, config=self.model.config)
-        mask = torch.zeros((len(items), width + 1), dtype=torch.long, device=self.device)
-        for i, length in enumerate(lengths):
-            mask[i, width - length:] = 1
-        tokens = torch.tensor([[tok] for *_, tok in items], device=self.device)  # [B, 1]
-        positions = torch.tensor([[length] for length in lengths], device=self.device)  # [B, 1]
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True)
-        self.forward_passes += 1
+        rows = RowBatch.from_entries(self.model, per_row, self.device, counted_by=(self,))
+        out = rows.feed(torch.tensor([[tok] for *_, tok in items], device=self.device))  # tokens [B, 1]
         for i, (tree, node, _, _) in enumerate(items):
-            self.entries[(tree, node)] = [(layer.keys[i, :, -1:].clone(), layer.values[i, :, -1:].clone())
-                                          for layer in cache.layers]
+            self.entries[(tree, node)] = rows.entries(i, last=1)
         return out.logits[:, -1].float().log_softmax(-1)  # [B, V]
 
     def release(self, tree: int) -> None:

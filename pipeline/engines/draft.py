@@ -5,19 +5,25 @@ A call starts from the KV state of the previous call when every context extends 
 draft already holds (the input beam, or a draft node, of the last forest) by the same number of
 tokens (0-2: the output beams of a DSBD iteration are one new token past a verified node, two
 after an extra layer); otherwise it prefills the contexts (left-padded, one batched forward).
-Then it runs ``depth`` steps over the ``width`` draft beams, reordering the KV cache by parent.
+Then it runs ``depth`` steps over the ``width`` draft beams, reordering the KV cache by parent. The
+rows are a pipeline.engines.rows.RowBatch.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from pipeline.decoding.dsbd import beam_distribution
 from pipeline.decoding.protocols import DraftLayer
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import inverse_cdf
-from pipeline.engines.hf import DTYPES, left_pad
+from pipeline.engines.hf import DTYPES
+from pipeline.engines.rows import RowBatch, RowSnapshot
+
+
+def _logq(out) -> torch.Tensor:
+    return out.logits[:, -1].float().log_softmax(-1)  # [B, V]
 
 
 class HFDrafter:
@@ -27,8 +33,9 @@ class HFDrafter:
         self.reuse_cache = reuse_cache
         self.forward_passes = 0
         self.drafted_tokens = 0
-        # KV states of the last call: the next call's contexts mostly extend one of its rows.
-        self._states: list = []
+        # Row states of the last call, with each row's log-probs: the next call's contexts mostly
+        # extend one of its rows.
+        self._states: list[tuple[RowSnapshot, torch.Tensor]] = []
         self._known: dict[tuple[int, ...], tuple[int, int]] = {}
 
     @classmethod
@@ -36,59 +43,43 @@ class HFDrafter:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
         return cls(model, device)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        self.forward_passes += 1
-        return out.logits[:, -1].float().log_softmax(-1)  # [B, V]
-
-    def _remember(self, cache, mask, positions, logq, rows: list[tuple[int, ...]]) -> None:
-        """Record that batch row i of this cache state holds the tokens rows[i] (and its logq)."""
-        state = ([(layer.keys, layer.values) for layer in cache.layers], mask, positions, logq)
-        self._states.append(state)
-        for i, seq in enumerate(rows):
+    def _remember(self, rows: RowBatch, logq: torch.Tensor, seqs: list[tuple[int, ...]]) -> None:
+        """Record that batch row i of this state holds the tokens seqs[i] (and its logq)."""
+        self._states.append((rows.snapshot(), logq))
+        for i, seq in enumerate(seqs):
             self._known[seq] = (len(self._states) - 1, i)
 
-    def _resume(self, contexts: list[list[int]]):
-        """Rebuild (cache, mask, positions, logq) for ``contexts`` from the last call's states when
-        each context extends a remembered sequence by the same number (0-2) of tokens; else None."""
+    def _resume(self, contexts: list[list[int]]) -> tuple[RowBatch, torch.Tensor] | None:
+        """Rebuild (rows, logq) for ``contexts`` from the last call's states when each context
+        extends a remembered sequence by the same number (0-2) of tokens; else None."""
         for back in range(3):
             found = [self._known.get(tuple(c[:len(c) - back])) for c in contexts]
             if all(f is not None for f in found):
                 break
         else:
             return None
-        states = {self._states[s][0][0][0].shape[-2] for s, _ in found}
-        if len(states) != 1:  # remembered at different lengths
+        if len({self._states[s][0].attention_mask.shape[1] for s, _ in found}) != 1:  # remembered at different lengths
             return None
-        def rows(tensor_of):  # noqa: E306
-            return torch.cat([tensor_of(self._states[s])[r:r + 1] for s, r in found])
-        cache = DynamicCache(config=self.model.config)
-        for i in range(len(self._states[found[0][0]][0])):
-            cache.update(rows(lambda st: st[0][i][0]), rows(lambda st: st[0][i][1]), i)
-        mask, positions, logq = rows(lambda st: st[1]), rows(lambda st: st[2]), rows(lambda st: st[3])
+        rows = RowBatch.gather(self.model, [(self._states[s][0], r) for s, r in found], counted_by=(self,))
+        logq = torch.cat([self._states[s][1][r:r + 1] for s, r in found])  # [B, V]
         if back:
             fed = torch.tensor([c[len(c) - back:] for c in contexts], device=self.device)  # [B, back]
-            mask = torch.cat([mask, torch.ones_like(fed)], dim=1)
-            logq = self._forward(fed, mask, positions[:, None] + torch.arange(back, device=self.device), cache)
-            positions = positions + back
-        return cache, mask, positions, logq
+            logq = _logq(rows.feed(fed, logits_to_keep=1))
+        return rows, logq
 
-    def _prefill(self, contexts: list[list[int]]):
-        ids, mask, position_ids = left_pad(contexts, 0, self.device)
-        cache = DynamicCache(config=self.model.config)
-        logq = self._forward(ids, mask, position_ids, cache)  # [W_L, V]
-        return cache, mask, mask.sum(-1), logq
+    def _prefill(self, contexts: list[list[int]]) -> tuple[RowBatch, torch.Tensor]:
+        rows, out = RowBatch.prefill(self.model, contexts, 0, self.device, counted_by=(self,), logits_to_keep=1)
+        return rows, _logq(out)  # [W_L, V]
 
     @torch.inference_mode()
     def draft(self, contexts: list[list[int]], prefix_logp: list[float], width: int, depth: int,
               sampling: SamplingParams, seed: int) -> list[DraftLayer]:
         g = torch.Generator().manual_seed(seed)
         resumed = self._resume(contexts) if self.reuse_cache else None
-        cache, mask, positions, logq = resumed or self._prefill(contexts)  # positions: [B] of the next token
+        rows, logq = resumed or self._prefill(contexts)
         self._states, self._known = [], {}
-        rows = [tuple(c) for c in contexts]
-        self._remember(cache, mask, positions, logq, rows)
+        seqs = [tuple(c) for c in contexts]
+        self._remember(rows, logq, seqs)
         scores = torch.tensor(prefix_logp, dtype=torch.float32, device=logq.device)  # [W_L]
         vocab = logq.shape[-1]
         layers = []
@@ -101,13 +92,10 @@ class HFDrafter:
             if step + 1 == depth:
                 break
             scores = scores[parents] + logq[parents, tokens]
-            cache.batch_select_indices(parents)
-            mask = torch.cat([mask[parents], torch.ones((width, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            positions = positions[parents]
-            logq = self._forward(tokens[:, None], mask, positions[:, None], cache)
-            positions = positions + 1
-            rows = [rows[p] + (t,) for p, t in zip(parents.tolist(), tokens.tolist())]
-            self._remember(cache, mask, positions, logq, rows)
+            rows.select(parents)  # each beam continues its parent's cache
+            logq = _logq(rows.feed(tokens[:, None], logits_to_keep=1))
+            seqs = [seqs[p] + (t,) for p, t in zip(parents.tolist(), tokens.tolist())]
+            self._remember(rows, logq, seqs)
         return layers
 
     def stats(self) -> dict:

@@ -10,8 +10,9 @@ compute), and continue with the rest.
     engine.extend(session, until=128, keep=[0, 3, 5])             # prune rows, decode on
     engine.close(session)                                         # counters; frees the cache
 
-Rows of several prompts share one batch: prompts are left-padded, the attention mask hides the
-padding, and position ids count real tokens only, so a row's logits match an unpadded run.
+Rows of several prompts share one batch (a pipeline.engines.rows.RowBatch): prompts are
+left-padded, the attention mask hides the padding, and position ids count real tokens only, so a
+row's logits match an unpadded run.
 Every row samples with its own seeded ``torch.Generator`` (see pipeline.decoding.sampling).
 """
 
@@ -25,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from pipeline.decoding.protocols import RowState
 from pipeline.decoding.sampling import SamplingParams, sample_next
-from pipeline.engines.rows import left_pad
+from pipeline.engines.rows import RowBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,16 +54,17 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 @dataclass
 class _Session:
     sampling: SamplingParams
-    cache: DynamicCache
-    attention_mask: torch.Tensor  # [B, L] 1 = real token, 0 = left padding
-    next_position: torch.Tensor  # [B] position id of the token fed next
-    last_token: torch.Tensor  # [B] sampled, not yet in the cache
+    batch: RowBatch  # the live rows' KV cache, aligned with ``rows``
     rows: list[int]  # live row ids, aligned with the batch dimension
     generators: list[torch.Generator]
     tokens: dict[int, list[int]]  # row id -> response tokens (EOS excluded)
+    last_token: torch.Tensor | None = None  # [B] sampled, not yet in the cache: the next step feeds it
     finished: set[int] = field(default_factory=set)
     generated_tokens: int = 0
-    forward_passes: int = 0
+
+    @property
+    def cache(self) -> DynamicCache:
+        return self.batch.cache
 
 
 class HFEngine:
@@ -100,14 +102,7 @@ class HFEngine:
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", None) or self.tokenizer.model_max_length)
 
-    # -- forward ---------------------------------------------------------------------------
-
-    def _forward(self, session: _Session, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=session.attention_mask, position_ids=position_ids,
-                         past_key_values=session.cache, use_cache=True, logits_to_keep=1)
-        session.forward_passes += 1
-        self.forward_passes += 1
-        return out.logits[:, -1, :]  # [B, V]
+    # -- decoding ---------------------------------------------------------------------------
 
     def _append(self, session: _Session, logits: torch.Tensor) -> None:
         """Sample one token per live row from logits [B, V]; retire rows that hit EOS or the cap."""
@@ -133,17 +128,8 @@ class HFEngine:
 
     def _select(self, session: _Session, keep: list[int]) -> None:
         """Keep batch positions ``keep``: the batch, the KV cache and the samplers shrink together."""
-        if len(keep) == len(session.rows):
-            return
-        if keep:
-            index = torch.tensor(keep, device=self.device)
-            session.cache.batch_select_indices(index)
-            session.attention_mask = session.attention_mask[index]
-            session.next_position = session.next_position[index]
-            session.last_token = session.last_token[index]
-        else:  # nothing left to decode: free the cache now
-            session.cache = DynamicCache()
-            session.attention_mask = session.attention_mask[:0]
+        index = session.batch.select(keep)
+        session.last_token = session.last_token[index]
         session.rows = [session.rows[i] for i in keep]
         session.generators = [session.generators[i] for i in keep]
 
@@ -158,25 +144,18 @@ class HFEngine:
             raise ValueError(f"need {len(prompts) * num_samples} seeds, got {len(seeds)}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        input_ids, mask, position_ids = left_pad(prompts, self.pad_id, self.device)  # [P, W]
         generators = []
         for s in seeds:
             g = torch.Generator(device=self.device)
             g.manual_seed(s)
             generators.append(g)
-        state = _Session(
-            sampling=sampling, cache=DynamicCache(config=self.model.config), attention_mask=mask,
-            next_position=mask.sum(-1), last_token=input_ids[:, -1], rows=list(range(len(prompts))),
-            generators=generators, tokens={r: [] for r in range(len(seeds))},
-        )
-        logits = self._forward(state, input_ids, position_ids)  # prefill once per prompt: [P, V]
-        # Fan out: each prompt's cache, mask and logits are repeated for its num_samples rows.
-        state.cache.batch_repeat_interleave(num_samples)
-        state.attention_mask = mask.repeat_interleave(num_samples, 0)
-        state.next_position = state.next_position.repeat_interleave(num_samples, 0)
-        state.rows = list(range(len(seeds)))
+        batch, out = RowBatch.prefill(self.model, prompts, self.pad_id, self.device, counted_by=(self,),
+                                      logits_to_keep=1)  # once per prompt
+        batch.fan_out(num_samples)
+        state = _Session(sampling=sampling, batch=batch, rows=list(range(len(seeds))), generators=generators,
+                         tokens={r: [] for r in range(len(seeds))})
         self.sessions[session] = state
-        self._append(state, logits.repeat_interleave(num_samples, 0))
+        self._append(state, out.logits[:, -1, :].repeat_interleave(num_samples, 0))  # [R, V]
 
     @torch.inference_mode()
     def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
@@ -194,11 +173,8 @@ class HFEngine:
         until = min(until, state.sampling.max_new_tokens)
         # Live rows advance in lockstep, so they all hold the same number of tokens.
         while state.rows and len(state.tokens[state.rows[0]]) < until:
-            ones = torch.ones((len(state.rows), 1), dtype=state.attention_mask.dtype, device=self.device)
-            state.attention_mask = torch.cat([state.attention_mask, ones], dim=1)  # [B, L + 1]
-            logits = self._forward(state, state.last_token[:, None], state.next_position[:, None])
-            state.next_position = state.next_position + 1
-            self._append(state, logits)
+            out = state.batch.feed(state.last_token[:, None], logits_to_keep=1)
+            self._append(state, out.logits[:, -1, :])  # [B, V]
         decode = self.tokenizer.batch_decode([state.tokens[r] for r in reported], skip_special_tokens=True)
         return [RowState(row=r, token_ids=list(state.tokens[r]), text=text, finished=r in state.finished)
                 for r, text in zip(reported, decode)]
@@ -207,7 +183,7 @@ class HFEngine:
         state = self.sessions.pop(session, None)
         if state is None:
             return {"generated_tokens": 0, "forward_passes": 0}
-        return {"generated_tokens": state.generated_tokens, "forward_passes": state.forward_passes}
+        return {"generated_tokens": state.generated_tokens, "forward_passes": state.batch.forward_passes}
 
     def stats(self) -> dict:
         return {"generated_tokens": self.generated_tokens, "forward_passes": self.forward_passes,

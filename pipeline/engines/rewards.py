@@ -29,9 +29,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForSequenceClassification, DynamicCache
+from transformers import AutoModelForSequenceClassification
 
-from pipeline.engines.hf import DTYPES, left_pad, load_tokenizer
+from pipeline.engines.hf import DTYPES, load_tokenizer
+from pipeline.engines.rows import RowBatch
 
 
 class RewardScorer:
@@ -138,7 +139,7 @@ class RewardScorer:
         cached = {r for g in state.groups for r in g.rows}
         new_rows = [r for r in rows if r in wanted and r not in cached]
         for start in range(0, len(new_rows), self.batch_size):
-            group = _StreamGroup(rows=new_rows[start:start + self.batch_size])
+            group = self._new_group(new_rows[start:start + self.batch_size])
             self._prefill_shared(group, [wanted[r] for r in group.rows], [r // state.num_samples for r in group.rows])
             state.groups.append(group)
         for group in state.groups:
@@ -156,6 +157,14 @@ class RewardScorer:
         except KeyError:
             raise ValueError(f"unknown reward session {session}") from None
 
+    def _base_model(self):
+        """The reward model without its score head: the rows' hidden states are what it returns."""
+        return getattr(self.model, self.model.base_model_prefix)
+
+    def _new_group(self, rows: list[int]) -> _StreamGroup:
+        batch = RowBatch.empty(self._base_model(), len(rows), self.device, counted_by=(self,))
+        return _StreamGroup(rows, batch, [[] for _ in rows])
+
     def _prefill_shared(self, group: _StreamGroup, token_ids: list[list[int]], prompts: list[int]) -> None:
         """A new group reads each prompt's shared head (template + prompt: the common prefix of
         its rows' tokens) once and fans the cache out to the rows, as the generator's prefill does."""
@@ -166,56 +175,26 @@ class RewardScorer:
         if sum(prompts.count(p) > 1 for p in heads) == 0:
             return  # nothing shared
         order = sorted(heads)
-        width = max(len(heads[p]) for p in order)
-        if width == 0:
-            return
-        # left padding, as the generator's prefill
-        input_ids, mask, position_ids = left_pad([heads[p] for p in order], int(self.tokenizer.pad_token_id),
-                                                 self.device)
-        base_model = getattr(self.model, self.model.base_model_prefix)
-        base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=group.cache,
-                   use_cache=True)
-        self.forward_passes += 1
-        self.tokens_read += int(mask.sum())
-        index = [order.index(p) for p in prompts]
-        group.cache.batch_select_indices(torch.tensor(index, device=self.device))  # fan out: [P, W] -> [B, W]
-        group.mask = mask[index].cpu()  # kept on the host; moved per forward pass
-        for i, p in enumerate(prompts):
-            group.ids[i] = list(heads[p])
-            group.cols[i] = list(range(width - len(heads[p]), width))
+        if max(len(heads[p]) for p in order) == 0:
+            return  # every head is empty: nothing to prefill
+        group.batch, _ = RowBatch.prefill(self._base_model(), [heads[p] for p in order],
+                                          int(self.tokenizer.pad_token_id), self.device, counted_by=(self,))
+        self.tokens_read += sum(len(heads[p]) for p in order)
+        group.batch.select([order.index(p) for p in prompts])  # fan out: [P, W] -> [B, W]
+        group.ids = [list(heads[p]) for p in prompts]
 
     def _extend_group(self, group: _StreamGroup, token_ids: list[list[int]]) -> dict[int, float]:
         """Feed each row's tokens after its common prefix with the cache; score at the last token."""
-        chunks, starts = [], []
-        for i, ids in enumerate(token_ids):
-            common = _common_prefix(group.ids[i], ids)
-            if common == len(ids):  # nothing new (e.g. a finished row re-listed): re-read the last token
-                common -= 1
-            if common < len(group.ids[i]):  # positions past the common prefix no longer count
-                group.mask[i, group.cols[i][common:]] = 0
-                group.ids[i], group.cols[i] = group.ids[i][:common], group.cols[i][:common]
-            chunks.append(ids[common:])
-            starts.append(common)
-        width = max(len(c) for c in chunks)
-        base = group.mask.shape[1]
-        input_ids = torch.full((len(chunks), width), int(self.tokenizer.pad_token_id), dtype=torch.long)
-        position_ids = torch.zeros((len(chunks), width), dtype=torch.long)
-        chunk_mask = torch.zeros((len(chunks), width), dtype=group.mask.dtype)
-        for i, (chunk, start) in enumerate(zip(chunks, starts)):  # left-pad so column -1 is every row's last token
-            pad = width - len(chunk)
-            input_ids[i, pad:] = torch.tensor(chunk)
-            position_ids[i, pad:] = torch.arange(start, start + len(chunk))
-            chunk_mask[i, pad:] = 1
-            group.ids[i] = group.ids[i] + chunk
-            group.cols[i] = group.cols[i] + list(range(base + pad, base + width))
-        group.mask = torch.cat([group.mask, chunk_mask], dim=1)  # [B, L + W]
-        base_model = getattr(self.model, self.model.base_model_prefix)
-        out = base_model(input_ids=input_ids.to(self.device), attention_mask=group.mask.to(self.device),
-                         position_ids=position_ids.to(self.device), past_key_values=group.cache, use_cache=True)
+        kept = []
+        for cached, ids in zip(group.ids, token_ids):
+            common = _common_prefix(cached, ids)
+            kept.append(common - 1 if common == len(ids) else common)  # nothing new: re-read the last token
+        group.batch.truncate(kept)  # cached tokens past the common prefix no longer count
+        chunks = [ids[k:] for ids, k in zip(token_ids, kept)]
+        out = group.batch.feed_padded(chunks, int(self.tokenizer.pad_token_id))
+        group.ids = [list(ids) for ids in token_ids]
         logits = self.model.score(out.last_hidden_state[:, -1])  # [B, 1]
-        self.forward_passes += 1
-        fed = int(chunk_mask.sum())
-        self.tokens_read += fed
+        self.tokens_read += sum(len(c) for c in chunks)
         return {r: float(v) if math.isfinite(v) else math.nan for r, v in zip(group.rows, logits[:, 0].float().tolist())}
 
     def _supports_streaming(self) -> bool:
@@ -228,11 +207,9 @@ class RewardScorer:
         try:
             with torch.inference_mode():
                 full = score_head(base_model(input_ids=ids).last_hidden_state[:, -1])
-                cache = DynamicCache(config=self.model.config)
-                base_model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
-                part = base_model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True,
-                                  position_ids=torch.arange(4, 6, device=self.device)[None])
-                inc = score_head(part.last_hidden_state[:, -1])
+                rows = RowBatch.empty(base_model, 1, self.device)
+                rows.feed(ids[:, :4])
+                inc = score_head(rows.feed(ids[:, 4:]).last_hidden_state[:, -1])
         except Exception:  # an encoder that takes no cache
             return False
         # Half precision reorders sums between the one-pass and cached paths: a looser tolerance.
@@ -252,29 +229,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class _StreamGroup:
     """Up to batch_size rows that share one reward-side KV cache."""
 
-    rows: list[int]
-    cache: DynamicCache = field(default_factory=DynamicCache)
-    mask: torch.Tensor = None  # [B, L] 1 = a cached position that counts
-    ids: list[list[int]] = None  # per row: the tokens its counted positions hold, in order
-    cols: list[list[int]] = None  # per row: the cache column of each of those tokens
-
-    def __post_init__(self):
-        if self.mask is None:
-            self.mask = torch.zeros((len(self.rows), 0), dtype=torch.long)
-            self.ids = [[] for _ in self.rows]
-            self.cols = [[] for _ in self.rows]
+    rows: list[int]  # the session's row ids, aligned with the batch
+    batch: RowBatch  # their KV cache over the reward model's base model
+    ids: list[list[int]]  # per row: the tokens its cache holds, in order
 
     def keep(self, index: list[int]) -> None:
-        if len(index) == len(self.rows):
-            return
-        if index and self.cache.get_seq_length() > 0:
-            self.cache.batch_select_indices(torch.tensor(index, device=self.cache.layers[0].keys.device))
-        elif not index:
-            self.cache = DynamicCache()
-        self.mask = self.mask[index]
+        self.batch.select(index)
         self.rows = [self.rows[i] for i in index]
         self.ids = [self.ids[i] for i in index]
-        self.cols = [self.cols[i] for i in index]
 
 
 @dataclass

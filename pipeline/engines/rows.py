@@ -1,13 +1,37 @@
-"""Rows of sequences over a causal LM that share one KV cache.
+"""RowBatch: rows of sequences over a causal LM that share one KV cache, the one row-batch type
+every engine and adapter builds on (HFEngine sessions, ADED's and DSBD's tree targets, SLA's
+self-rewarding decoder, ULTS's path-cache expander, the draft model, the streaming reward scorer).
 
-Every batch of rows in the engines starts here: prompts are left-padded so the last column is
-every prompt's last token, the attention mask hides the padding, and position ids count real
-tokens only, so a row's logits match an unpadded run.
+Rows of different lengths are left-padded so the last column is every row's last token; the
+attention mask hides the padding, and position ids come from ``next_position``, which counts real
+tokens only, so a row's logits match an unpadded run. ``attention_mask.sum(-1) == next_position``
+always holds: every attended column is one real token.
+
+    rows, out = RowBatch.prefill(model, prompts, pad_id, device, logits_to_keep=1)
+    rows.fan_out(num_samples)                     # prompt p -> rows p * n .. p * n + n - 1
+    out = rows.feed(tokens[:, None])              # one token per row; [B, 1]
+    rows.select([0, 0, 2])                        # keep / drop / reorder / repeat rows
+    logits = rows.verify(trees)                   # a token tree per row, one forward pass
+    rows.commit([(0, [0, 1]), (2, [])])           # cut the cache to the accepted paths
+
+Extra model kwargs (``logits_to_keep=1``, ``with_rewards=True``) pass through to the model; the
+model's output comes back as it is, so each user reads the logits, rewards or hidden states it
+needs. Tensors are replaced, never written in place, so a ``snapshot`` stays valid while the batch
+moves on.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+from transformers import DynamicCache
+
+from pipeline.decoding.tree import TokenTree
+from pipeline.engines.tree import TreeVerification, commit_paths, verify_tree
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer, each [H, n, D] or [B, H, n, D]
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -21,3 +45,180 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
         mask[i, width - len(p):] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
     return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class RowSnapshot:
+    """A RowBatch's rows at one moment; ``RowBatch.gather`` restarts rows from it later (the draft
+    model resumes from the beams of its last call). It holds references: RowBatch never writes a
+    tensor in place, so later steps do not change it."""
+
+    layers: list[KV]  # per layer (keys, values), each [B, H, L, D]
+    attention_mask: torch.Tensor  # [B, L]
+    next_position: torch.Tensor  # [B]
+
+
+@dataclass
+class RowBatch:
+    """B rows over one model and one KV cache (see the module docstring)."""
+
+    model: Any
+    """A causal LM, or the base model of a reward classifier: anything that takes past_key_values."""
+    cache: DynamicCache
+    """Every layer [B, H, L, D]; cache column j is attention-mask column j. Between ``verify`` and
+    ``commit`` the tree's N nodes follow (L + N), until the commit cuts them to paths."""
+    attention_mask: torch.Tensor  # [B, L] 1 = a token the row attends to; 0 = left padding, a gap
+    # left by a commit of paths of different lengths, or a column truncate forgot
+    next_position: torch.Tensor  # [B] position id of each row's next token (its real tokens so far)
+    counted_by: tuple = ()
+    """Owners whose ``forward_passes`` also count this batch's passes: a running total (an
+    engine's, an adapter's) that outlives the batch."""
+    forward_passes: int = 0
+    """Model forward passes run on this batch."""
+    verification: TreeVerification | None = None
+    """The last ``verify``: its nodes sit in the cache until ``commit`` cuts them to paths."""
+
+    # -- building a batch ----------------------------------------------------------------------
+
+    @classmethod
+    def empty(cls, model, rows: int, device, counted_by: tuple = ()) -> RowBatch:
+        """``rows`` rows with nothing cached yet."""
+        mask = torch.zeros((rows, 0), dtype=torch.long, device=device)  # [B, 0]
+        return cls(model, DynamicCache(config=model.config), mask, torch.zeros(rows, dtype=torch.long, device=device),
+                   counted_by)
+
+    @classmethod
+    def prefill(cls, model, prompts: list[list[int]], pad_id: int, device, counted_by: tuple = (),
+                **model_kwargs) -> tuple[RowBatch, Any]:
+        """One row per prompt, all prompts fed in one left-padded forward pass: (rows, model output)."""
+        rows = cls.empty(model, len(prompts), device, counted_by)
+        return rows, rows.feed_padded(prompts, pad_id, **model_kwargs)
+
+    @classmethod
+    def from_entries(cls, model, rows: list[list[list[KV]]], device, counted_by: tuple = ()) -> RowBatch:
+        """A batch whose row i caches the concatenation of rows[i]'s entries (each a per-layer list
+        of (keys, values) [H, n, D], in sequence order), left-padded to a common length."""
+        lengths = [sum(entry[0][0].shape[1] for entry in entries) for entries in rows]
+        width = max(lengths)
+        cache_data = []
+        for layer in range(len(rows[0][0])):
+            keys, values = [], []
+            for entries, length in zip(rows, lengths):
+                k = torch.cat([e[layer][0] for e in entries], dim=1)  # [H, length, D]
+                v = torch.cat([e[layer][1] for e in entries], dim=1)
+                pad = width - length  # left padding, hidden by the attention mask
+                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            cache_data.append((torch.stack(keys), torch.stack(values)))  # [B, H, width, D]
+        cache = DynamicCache(ddp_cache_data=cache_data, config=model.config)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)  # [B, width]
+        for i, length in enumerate(lengths):
+            mask[i, width - length:] = 1
+        return cls(model, cache, mask, torch.tensor(lengths, device=device), counted_by)
+
+    @classmethod
+    def gather(cls, model, picks: list[tuple[RowSnapshot, int]], counted_by: tuple = ()) -> RowBatch:
+        """Row j is row ``picks[j][1]`` of snapshot ``picks[j][0]``; the snapshots must share one length."""
+        snapshots, index = zip(*picks)
+
+        def rows(tensors) -> torch.Tensor:  # one tensor per pick -> its picked row of each, stacked
+            return torch.cat([t[r:r + 1] for t, r in zip(tensors, index)])
+
+        cache = DynamicCache(config=model.config)
+        for i in range(len(snapshots[0].layers)):
+            cache.update(rows(s.layers[i][0] for s in snapshots), rows(s.layers[i][1] for s in snapshots), i)
+        return cls(model, cache, rows(s.attention_mask for s in snapshots), rows(s.next_position for s in snapshots),
+                   counted_by)
+
+    def snapshot(self) -> RowSnapshot:
+        return RowSnapshot([(layer.keys, layer.values) for layer in self.cache.layers], self.attention_mask,
+                           self.next_position)
+
+    def entries(self, row: int, last: int | None = None) -> list[KV]:
+        """Per layer, copies of row ``row``'s keys and values [H, n, D] of its last ``last`` columns
+        (all when None): what ``from_entries`` takes back."""
+        start = -last if last else 0
+        return [(layer.keys[row, :, start:].clone(), layer.values[row, :, start:].clone())
+                for layer in self.cache.layers]
+
+    # -- rows --------------------------------------------------------------------------------
+
+    def select(self, index: list[int] | torch.Tensor) -> torch.Tensor:
+        """Row j becomes old row ``index[j]`` (keep, drop, reorder, repeat); no rows left frees the
+        cache. Returns ``index`` as a tensor, for the caller's own per-row state."""
+        device = self.attention_mask.device
+        if isinstance(index, list) and index == list(range(len(self.next_position))):
+            return torch.arange(len(index), device=device)  # every row, in order: nothing moves
+        index = torch.as_tensor(index, dtype=torch.long, device=device)  # [B']
+        if len(index):
+            self.cache.batch_select_indices(index)
+        else:  # nothing left to decode: free the cache now
+            self.cache = DynamicCache()
+        self.attention_mask = self.attention_mask[index]
+        self.next_position = self.next_position[index]
+        return index
+
+    def fan_out(self, n: int) -> None:
+        """Row p becomes rows p * n .. p * n + n - 1 (a prompt prefilled once, sampled n times)."""
+        self.cache.batch_repeat_interleave(n)
+        self.attention_mask = self.attention_mask.repeat_interleave(n, 0)
+        self.next_position = self.next_position.repeat_interleave(n, 0)
+
+    def truncate(self, lengths: list[int]) -> None:
+        """Row i keeps only its first ``lengths[i]`` tokens: the cached columns after them are
+        masked out (cheaper than cutting the cache), and the next tokens fed take their positions."""
+        lengths = torch.tensor(lengths, dtype=self.next_position.dtype, device=self.attention_mask.device)  # [B]
+        counted = self.attention_mask.cumsum(-1)  # [B, L] tokens up to and including each column
+        self.attention_mask = self.attention_mask.masked_fill(counted > lengths[:, None], 0)
+        self.next_position = torch.minimum(self.next_position, lengths)
+
+    # -- forward passes ----------------------------------------------------------------------
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **model_kwargs):
+        out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True, **model_kwargs)
+        self._count()
+        return out
+
+    def _count(self) -> None:
+        self.forward_passes += 1
+        for owner in self.counted_by:
+            owner.forward_passes += 1
+
+    @torch.inference_mode()
+    def feed(self, tokens: torch.Tensor, **model_kwargs):
+        """Append the same number T of tokens to every row, tokens [B, T]; returns the model output."""
+        ones = torch.ones(tokens.shape, dtype=self.attention_mask.dtype, device=self.attention_mask.device)
+        self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)  # [B, L + T]
+        steps = torch.arange(tokens.shape[1], device=self.attention_mask.device)
+        out = self._forward(tokens, self.next_position[:, None] + steps, **model_kwargs)  # positions [B, T]
+        self.next_position = self.next_position + tokens.shape[1]
+        return out
+
+    @torch.inference_mode()
+    def feed_padded(self, chunks: list[list[int]], pad_id: int, **model_kwargs):
+        """Append chunks[i] to row i, chunks left-padded so column -1 is every row's last token;
+        returns the model output. A prefill is this on an empty batch."""
+        input_ids, chunk_mask, steps = left_pad(chunks, pad_id, self.attention_mask.device)  # [B, W]
+        self.attention_mask = torch.cat([self.attention_mask, chunk_mask], dim=1)  # [B, L + W]
+        out = self._forward(input_ids, steps + self.next_position[:, None] * chunk_mask, **model_kwargs)
+        self.next_position = self.next_position + chunk_mask.sum(-1)
+        return out
+
+    def verify(self, trees: list[TokenTree]) -> torch.Tensor:
+        """Logits [B, N, V] after every node of every row's tree, in one forward pass
+        (pipeline.engines.tree.verify_tree); the nodes stay cached until ``commit``."""
+        self.verification = verify_tree(self.model, self.cache, self.attention_mask, self.next_position, trees)
+        self._count()
+        return self.verification.logits
+
+    def commit(self, sources: list[tuple[int, list[int]]]) -> None:
+        """Output row j continues row ``sources[j][0]`` of the last ``verify`` with the nodes on
+        path ``sources[j][1]`` (pipeline.engines.tree.commit_paths); no sources frees the cache."""
+        if self.verification is None:
+            raise ValueError("commit needs a verify first")
+        if sources:
+            self.attention_mask, self.next_position = commit_paths(self.cache, self.verification, sources)
+        else:
+            self.select([])
+        self.verification = None

@@ -9,8 +9,8 @@ running its branch alone.
 
 Terms
 -----
-- *row*: one sequence of a batch with a KV cache, held the way HFEngine sessions hold them:
-  ``cache`` (a ``transformers.DynamicCache``, every layer ``[B, H, L, D]``), ``attention_mask``
+- *row*: one sequence of a batch with a KV cache, held the way pipeline.engines.rows.RowBatch
+  holds them: ``cache`` (a ``transformers.DynamicCache``, every layer ``[B, H, L, D]``), ``attention_mask``
   ``[B, L]`` (1 = real token, 0 = padding; padding may be on the left and, after a cut, also in
   gaps) and ``next_position`` ``[B]`` (the position id the next token of each row gets; it counts
   real tokens only).
@@ -43,8 +43,9 @@ API
 ``tree_inputs(trees, attention_mask, next_position, dtype)`` builds the forward inputs (token
     ids, position ids, the 4D additive mask ``[B, 1, N, L + N]``) and is exposed for callers
     that run the model themselves.
-pipeline.engines.adapters.TreeSession and TreeTarget keep (cache, attention_mask, next_position)
-    for decoders that verify tree after tree (DSBD's ForestTarget, ADED's TreeVerifier).
+``RowBatch.verify`` and ``RowBatch.commit`` (pipeline.engines.rows) call these two on a batch's
+    (cache, attention_mask, next_position), for decoders that verify tree after tree (DSBD's
+    ForestTarget and ADED's TreeVerifier, through pipeline.engines.adapters).
 
 The mask is additive float (0 = attend, dtype min = masked), which the eager and SDPA attention
 implementations both take as-is (transformers returns a 4D mask unchanged). Flash-attention
