@@ -65,6 +65,20 @@ def test_chat_template_covers_the_whole_conversation_and_long_ones_lose_old_turn
     assert reject is not None and reject.reason == "prompt cannot be truncated to fit"
 
 
+def test_the_reward_model_reads_the_whole_conversation(scorer):
+    text = scorer.format(CONVERSATIONS[1], "Great blender.")
+    want = scorer.tokenizer.apply_chat_template(CONVERSATIONS[1] + [{"role": "assistant", "content": "Great blender."}],
+                                                tokenize=False)
+    assert text == want and "Hello." in text
+    assert scorer.format(GOOD_PROMPTS[0], "ok") == scorer.format([{"role": "user", "content": GOOD_PROMPTS[0]}], "ok")
+    streamed = scorer.score([CONVERSATIONS[0], CONVERSATIONS[1]], ["Great.", "Bad."])
+    scorer.open("conv", [CONVERSATIONS[0], CONVERSATIONS[1]], 1)
+    try:
+        assert scorer.extend("conv", [0, 1], ["Great.", "Bad."]) == pytest.approx(streamed, abs=1e-4)
+    finally:
+        scorer.close("conv")
+
+
 def build(tiny_models, tmp_path, rows, output_format, column="messages"):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{column: r} for r in rows])
     out = tmp_path / f"out-{output_format}"

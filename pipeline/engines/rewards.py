@@ -65,14 +65,20 @@ class RewardScorer:
         model = AutoModelForSequenceClassification.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
         return cls(model, tokenizer, device, batch_size)
 
-    def format(self, prompt: str, response: str) -> str:
+    def format(self, prompt: str | list[dict], response: str) -> str:
+        """The reward model's text: the conversation (a string prompt is one user turn) plus the
+        response as the assistant's turn, through the chat template when the tokenizer has one;
+        without one, the turns' contents, one per paragraph, then the response."""
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.tokenizer.chat_template:
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
-        return prompt + response
+            return self.tokenizer.apply_chat_template(turns + [{"role": "assistant", "content": response}],
+                                                      tokenize=False)
+        if isinstance(prompt, str):
+            return prompt + response
+        return "\n\n".join(m["content"] for m in turns) + "\n\n" + response
 
     @torch.inference_mode()
-    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+    def score(self, prompts: list[str | list[dict]], responses: list[str]) -> list[float]:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         texts = [self.format(p, r) for p, r in zip(prompts, responses)]
@@ -95,7 +101,7 @@ class RewardScorer:
 
     # -- streaming sessions ------------------------------------------------------------------
 
-    def open(self, session: str, prompts: list[str], num_samples: int) -> None:
+    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int) -> None:
         """Start a session for rows ``prompt index * num_samples + sample`` (the generator's row ids)."""
         if session in self.sessions:
             raise ValueError(f"reward session {session} is already open")
