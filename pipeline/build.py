@@ -292,8 +292,8 @@ def format_summary(manifest: dict) -> str:
             f"  ({', '.join(f'{k}: {v}' for k, v in sorted(manifest['reject_reasons'].items()))})"
             if manifest["reject_reasons"] else ""),
         f"tokens generated       {manifest['generated_tokens']}",
-        f"Best-of-N would need   {manifest['bon_equivalent_tokens']}"
-        + (f"  (saved {1 - manifest['generated_tokens'] / manifest['bon_equivalent_tokens']:.1%})"
+        f"Best-of-N would need   {manifest['bon_equivalent_tokens']}  (estimate)"
+        + (f"  (saved {1 - manifest['generated_tokens'] / manifest['bon_equivalent_tokens']:.1%}, estimated)"
            if manifest["bon_equivalent_tokens"] else ""),
         f"wall time      {manifest['wall_seconds']:.1f}s",
         f"pairs/minute   {manifest['pairs_per_minute']}",

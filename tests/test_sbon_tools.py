@@ -187,3 +187,41 @@ def test_sbon_benchmark_runs_on_a_synthetic_pair(tmp_path, capsys):
     methods = [r["method"] for r in report["tables"]["4"]["rows"]]
     assert methods[0].startswith("SBoN") and "Bo4" in methods and any(m.startswith("memory") for m in methods)
     assert report["tables"]["4"]["max_stream_score_diff"] < 1e-3
+
+
+@pytest.fixture(scope="module")
+def small_bench_models(tmp_path_factory):
+    """Bench models trained briefly (about a minute on 2 cores): a real length-reward relation."""
+    from jobs.bench_models import BenchSettings, make_bench_models
+
+    out = tmp_path_factory.mktemp("bench")
+    make_bench_models(out, BenchSettings(corpus_size=3000, generator_steps=150, reward_steps=100), progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_bon_equivalent_estimate_is_within_10_percent_of_a_real_best_of_n_run(small_bench_models):
+    """What speculative rejection claims Best-of-N would have generated, against a Best-of-N run on
+    the same prompts and seeds (tau 16, alpha 0.875, N 16: the setting where survivors' lengths
+    alone overstated it by 12-14%)."""
+    from pipeline.data.prompts import PromptFormatter, prompt_id
+    from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
+    from pipeline.decoding.protocols import PromptInput
+    from pipeline.decoding.sampling import SamplingParams
+    from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+    from pipeline.engines.hf import HFEngine
+    from pipeline.engines.rewards import RewardScorer
+
+    engine = HFEngine.from_pretrained(str(small_bench_models / "generator"))
+    scorer = RewardScorer.from_pretrained(str(small_bench_models / "reward"))
+    texts = [json.loads(line)["prompt"] for line in (small_bench_models / "prompts.jsonl").read_text().splitlines()]
+    formatter = PromptFormatter(engine.tokenizer, 4096)
+    prompts = [PromptInput(prompt_id(t), *formatter.render(t)[:1], t, formatter.render(t)[1]) for t in texts[:12]]
+    sampling, params = SamplingParams(max_new_tokens=96), SpeculativeRejectionParams(16, 0.875)
+    batches = [prompts[i:i + 4] for i in range(0, len(prompts), 4)]
+    real = sum(r.generated_tokens for b in batches for r in best_of_n(b, engine, scorer, BestOfNParams(), sampling,
+                                                                         16, 0))
+    sbon = [r for b in batches for r in speculative_rejection(b, engine, scorer, params, sampling, 16, 0)]
+    claimed = sum(r.bon_equivalent_tokens for r in sbon)
+    assert sum(r.generated_tokens for r in sbon) < real
+    assert abs(claimed / real - 1) < 0.10, (claimed, real)

@@ -57,6 +57,8 @@ class Candidate:
     """Terminated by speculative rejection at a decision token."""
     stopped_at: int | None = None
     """Decision token at which it was stopped."""
+    partials: dict = field(default_factory=dict)
+    """Speculative rejection: its partial reward at each decision token it was live at (tau -> reward)."""
 
     @property
     def failed(self) -> bool:

@@ -175,8 +175,11 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
             scores = rewards(rows)  # Eq. 2
             by_prompt: dict[int, list[int]] = {}
             for r, s in zip(rows, scores):
+                partials = candidates[r.row].partials if r.row in candidates else {}
+                if not r.finished:
+                    partials = {**partials, tau: s}
                 candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
-                                              score=s, completed=r.finished)
+                                              score=s, completed=r.finished, partials=partials)
                 by_prompt.setdefault(r.row // width, []).append(r.row)
             live = []
             for members in by_prompt.values():
@@ -205,7 +208,7 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
             rows = generator.extend(session, until=sampling.max_new_tokens, keep=live)
             for r, s in zip(rows, rewards(rows)):
                 candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
-                                              score=s, completed=True)
+                                              score=s, completed=True, partials=candidates[r.row].partials)
     finally:
         rewards.close()
         generator.close(session)
@@ -246,17 +249,39 @@ def _screen(prompts: list[PromptInput], num_samples: int, width: int, candidates
 
 
 def _bon_tokens(candidates: dict[int, Candidate], num_samples: int, sampling: SamplingParams) -> dict[int, int]:
-    """Tokens Best-of-N would have spent per row. A stopped row's full length is unknown; it is
-    estimated as the mean length of the completed rows of its prompt that outlived the same
-    decision token (the max length when none did), and never less than what it already has."""
+    """Tokens Best-of-N would have spent per row: an estimate for the rows stopped early, whose
+    full length is unknown (``estimate_length``), the real count for the others."""
     out = {}
     for row, c in candidates.items():
         if not c.stopped_early:
             out[row] = len(c.token_ids)
             continue
         prompt = row // num_samples
-        peers = [len(o.token_ids) for r, o in candidates.items()
-                 if r // num_samples == prompt and o.completed and len(o.token_ids) > c.stopped_at]
-        estimate = round(sum(peers) / len(peers)) if peers else sampling.max_new_tokens
+        anchors = [(o.partials[c.stopped_at], len(o.token_ids)) for r, o in candidates.items()
+                   if r // num_samples == prompt and o.completed and not o.stopped_early
+                   and math.isfinite(o.partials.get(c.stopped_at, math.nan))]
+        estimate = estimate_length(c.partials.get(c.stopped_at, math.nan), anchors, c.stopped_at,
+                                   sampling.max_new_tokens)
         out[row] = max(len(c.token_ids), estimate)
     return out
+
+
+def estimate_length(partial: float, anchors: list[tuple[float, int]], tau: int, cap: int) -> int:
+    """The full length a row stopped at ``tau`` with partial reward ``partial`` would have reached:
+    the least-squares line of final length on partial reward through ``anchors``, the (partial
+    reward at tau, final length) of the prompt's rows that were live at tau and finished, read at
+    ``partial`` (clamped to the anchors' range: no extrapolation), within [tau, cap]. The rows that
+    go on are the best-ranked ones, and better partial rewards come with longer responses, so
+    their mean length alone overstates a stopped row's; the line corrects for the rank, and
+    keep_lowest, which also finishes the lowest-ranked row, makes the anchors span the ranks. One
+    anchor or equal partial rewards: their mean length; none: the cap."""
+    if not anchors:
+        return cap
+    xs, ys = [a for a, _ in anchors], [b for _, b in anchors]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    if sxx <= 0 or not math.isfinite(partial):
+        return round(mean_y)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
+    partial = min(max(partial, min(xs)), max(xs))  # read the line inside its anchors, never beyond
+    return round(min(max(mean_y + slope * (partial - mean_x), tau), cap))
