@@ -63,6 +63,29 @@ def test_channel_follows_eq14_and_reads_policy_and_reward_states(tiny_models):
     torch.testing.assert_close(out.logits, plain(input_ids=ids).logits)
 
 
+def test_self_reward_decoder_equals_a_full_forward_pass(tiny_models):
+    """SLA's SelfRewardingLM (left-padded prefill, select with repeats and drops, token feeds on the
+    KV cache) gives each row the logits and token reward of one full pass over its sequence."""
+    from pipeline.engines.adapters import SelfRewardDecoder
+
+    tok = load_tokenizer(str(tiny_models["generator"]))
+    rt = RewardTransformer.from_pretrained(str(tiny_models["generator"]), hidden_size=16)
+    rt.channel.config.trained = True
+    decoder = SelfRewardDecoder(HFEngine(rt, tok))
+    seqs = [[1, 7, 8, 9, 10, 11], [1, 20, 21]]  # different lengths: the second is left-padded
+    batch = decoder.prefill(seqs)
+    steps = [([0, 0, 1], [30, 31, 32]), ([2, 0], [40, 41]), ([1, 1, 0], [50, 51, 52])]
+    for index, tokens in steps:
+        decoder.select(batch, index)
+        seqs = [list(seqs[i]) for i in index]
+        decoder.feed(batch, torch.tensor(tokens))
+        seqs = [s + [t] for s, t in zip(seqs, tokens)]
+        for row, seq in enumerate(seqs):
+            full = rt(input_ids=torch.tensor([seq]), with_rewards=True)
+            torch.testing.assert_close(batch.logits[row], full.logits[0, -1].float(), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(batch.rewards[row], full.rewards[0, -1].float(), atol=1e-4, rtol=1e-4)
+
+
 def synthetic_pairs(tokenizer, n=16):
     """Chosen responses say 'great', rejected ones 'badly': learnable from token identity."""
     subjects = ["the lamp", "the battery", "the app", "the camera"]
