@@ -109,6 +109,17 @@ class Generator(Protocol):
         many small model calls, too many for a round trip each. One SearchOutput per prompt."""
 
 
+def check_open(open_sessions, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int]) -> None:
+    """The arguments of ``Generator.open`` every engine refuses: a session id in use, a seed count
+    other than one per row, an empty prompt list or prompt."""
+    if session in open_sessions:
+        raise ValueError(f"session {session} is already open")
+    if len(seeds) != len(prompts) * num_samples:
+        raise ValueError(f"need {len(prompts) * num_samples} seeds, got {len(seeds)}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+
+
 class Scorer(Protocol):
     def score(self, prompts: list[str | list[dict]], responses: list[str]) -> list[float]:
         """Reward of each (prompt, response) pair; NaN marks a failed score, never 0. A prompt is

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from pipeline.decoding.protocols import RowState
+from pipeline.decoding.protocols import RowState, check_open
 from pipeline.decoding.sampling import SamplingParams, sample_next
 from pipeline.engines.rows import RowBatch
 
@@ -138,12 +138,7 @@ class HFEngine:
     @torch.inference_mode()
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
              sampling: SamplingParams) -> None:
-        if session in self.sessions:
-            raise ValueError(f"session {session} is already open")
-        if len(seeds) != len(prompts) * num_samples:
-            raise ValueError(f"need {len(prompts) * num_samples} seeds, got {len(seeds)}")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_open(self.sessions, session, prompts, num_samples, seeds)
         generators = []
         for s in seeds:
             g = torch.Generator(device=self.device)

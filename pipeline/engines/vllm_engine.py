@@ -25,7 +25,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pipeline.decoding.protocols import RowState
+from pipeline.decoding.protocols import RowState, check_open
 from pipeline.decoding.sampling import SamplingParams
 
 
@@ -85,12 +85,7 @@ class VLLMEngine:
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
              sampling: SamplingParams) -> None:
-        if session in self.sessions:
-            raise ValueError(f"session {session} is already open")
-        if len(seeds) != len(prompts) * num_samples:
-            raise ValueError(f"need {len(prompts) * num_samples} seeds, got {len(seeds)}")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_open(self.sessions, session, prompts, num_samples, seeds)
         rows = {r: _Row(prompt=list(prompts[r // num_samples]), seed=s) for r, s in enumerate(seeds)}
         self.sessions[session] = _Session(sampling=sampling, rows=rows, live=set(rows))
 
