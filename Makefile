@@ -9,7 +9,7 @@ CONSTRAINTS := infra/constraints.txt
 TINY_MODELS := .cache/tiny-models
 BENCH_MODELS := .cache/bench-models
 
-.PHONY: install demo test test-reliability bench bench-sla bench-dsbd bench-sbon clean
+.PHONY: install demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ demo: install $(TINY_MODELS)/generator/config.json
 
 test: install
 	$(PY) -m pytest -q -ra -m "not reliability" tests
+
+# The quick tier while developing: skips the long statistical and end-to-end tests (marker slow).
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not reliability and not slow" tests
 
 # Fault injection (actor exit/hang, driver SIGKILL, ray job stop), resume and S3-on-Ray tests: slower.
 test-reliability: install

@@ -88,6 +88,7 @@ class _FixedDrafter:
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=3, ignore_eos=True),
                                       SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.7, top_k=4)])
 def test_sampling_acceptance_leaves_the_output_distribution_unchanged(sampling):

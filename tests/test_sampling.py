@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from pipeline.decoding.sampling import SamplingParams, filter_logits, row_seed, sample_next
@@ -23,6 +24,7 @@ def test_top_k_and_top_p_masks():
     assert torch.isfinite(p).tolist() == [[True, False, False, False]]
 
 
+@pytest.mark.slow
 def test_sampler_matches_distribution_chi_square():
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     n = 4000
