@@ -65,7 +65,8 @@ def test_output_contract_columns_and_manifest(mixed_build):
     assert report["pairs_per_hour"] > 0 and report["actor_restarts"] == 0
     # one definition of the rate: this run's pairs over its wall time, wherever it is printed
     assert report["pairs_per_hour"] == report["metrics"]["pairs_per_hour"]
-    assert report["pairs_per_hour"] == pytest.approx(report["pairs"] / report["wall_seconds"] * 3600, rel=1e-3)
+    # (wall_seconds is rounded to the millisecond: a short run needs the looser tolerance)
+    assert report["pairs_per_hour"] == pytest.approx(report["pairs"] / report["wall_seconds"] * 3600, rel=1e-2)
     assert manifest["pairs_per_minute"] == pytest.approx(report["pairs_per_hour"] / 60, abs=0.01)
     assert report["metrics"]["pairs"] == len(GOOD_PROMPTS)
     assert report["metrics"]["tokens_saved"] == report["tokens_saved"] > 0
