@@ -298,18 +298,10 @@ def make_bench_models(output: str | Path, settings: BenchSettings | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
+    from jobs.make_tiny_models import models_cli
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="directory to write generator/, draft/ and reward/ into")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    for name, path in make_bench_models(args.output, BenchSettings(seed=args.seed)).items():
-        print(f"{name}: {path}")
-    print(f"built in {time.perf_counter() - start:.1f}s", file=sys.stderr)
-    return 0
+    return models_cli(argv, __doc__.splitlines()[0],
+                      lambda output, seed: make_bench_models(output, BenchSettings(seed=seed)))
 
 
 if __name__ == "__main__":

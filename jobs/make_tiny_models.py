@@ -84,17 +84,22 @@ def make_tiny_models(output: str | Path, seed: int = 0, vocab_size: int = 512) -
     return paths
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def models_cli(argv: list[str] | None, description: str, build) -> int:
+    """The CLI of a model builder (this job, jobs.bench_models): ``--output DIR [--seed S]``, then
+    ``build(output, seed)``; prints the paths it wrote and the time it took."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--output", required=True, help="directory to write generator/, draft/ and reward/ into")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    paths = make_tiny_models(args.output, args.seed)
-    for name, path in paths.items():
+    for name, path in build(args.output, args.seed).items():
         print(f"{name}: {path}")
     print(f"built in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return models_cli(argv, __doc__.splitlines()[0], make_tiny_models)
 
 
 if __name__ == "__main__":
