@@ -2,6 +2,8 @@
 
 On Ray each actor sits behind a RemoteProxy (actors.remote), a stable slot the coordinator holds,
 which replaces a dead or hung actor with one started the same way (same placement-group bundle).
+Either way each worker is a TimedHandle: its work calls carry the driver's timing, and
+``Workers.stats()["actor_time"]`` says where the actors' time went.
 """
 
 from __future__ import annotations
@@ -17,12 +19,34 @@ from pipeline.coordinator import Serialized
 
 from actors.remote import RemoteProxy
 from pipeline.methods import method
+from pipeline.observability import TIMED_CALLS, CallLedger
 
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
            "AWS_DEFAULT_REGION", "AWS_REGION")
 # storage_options keys (s3fs) and the AWS variables that carry the same setting to a worker.
 STORAGE_ENV = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN",
                "endpoint_url": "AWS_ENDPOINT_URL"}
+
+
+class TimedHandle:
+    """A worker as the coordinator sees it (a RemoteProxy, or an in-process actor behind Serialized)
+    whose work calls (TIMED_CALLS) go through the slot's CallLedger: each carries a CallTiming, and
+    the driver totals the round trips. Everything else passes through unchanged."""
+
+    def __init__(self, worker: Any, ledger: CallLedger | None = None):
+        self.worker = worker
+        self.ledger = ledger or CallLedger()
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        attr = getattr(self.worker, name)
+        return functools.partial(self.ledger.call, attr) if name in TIMED_CALLS else attr
+
+    def pinned(self) -> TimedHandle:
+        """The worker's view pinned to its current actor (RemoteProxy.pinned), timed into this slot's
+        ledger; an in-process worker has no other actor to reach, so it is its own pinned view."""
+        return TimedHandle(self.worker.pinned(), self.ledger) if hasattr(self.worker, "pinned") else self
 
 
 @dataclass
@@ -33,16 +57,56 @@ class Workers:
     shutdown: Callable[[], None] = lambda: None
 
     def stats(self) -> dict:
+        """Totals over the actors: tokens and forward passes, restarts, and ``actor_time``, where the
+        actors' wall time went per role (``actor_time_of``; absent for workers that keep no timeline).
+        The figures are the current actors': an actor replaced after a fault took its own with it."""
         gen = [g.stats() for g in self.generators]
-        return {
+        rew = [s.stats() for s in self.scorers]
+        stats = {
             "generated_tokens": sum(s["generated_tokens"] for s in gen),
             "generator_forward_passes": sum(s["forward_passes"] for s in gen),
-            "reward_forward_passes": sum(s.stats()["forward_passes"] for s in self.scorers),
+            "reward_forward_passes": sum(s["forward_passes"] for s in rew),
             "actor_restarts": self.restarts(),
         }
+        roles = {"generator": actor_time_of(gen, self.generators), "reward": actor_time_of(rew, self.scorers)}
+        if any(roles.values()):
+            stats["actor_time"] = {role: times for role, times in roles.items() if times}
+        return stats
 
     def restarts(self) -> int:
         return sum(getattr(w, "restarts", 0) for w in self.generators + self.scorers)
+
+
+def actor_time_of(stats: list[dict], workers: list[Any]) -> dict | None:
+    """One role's time: ``per_actor`` (each actor's timeline, pipeline.observability.ActorTimeline,
+    plus what its driver-side ledger saw) and the same figures summed over the role's actors:
+
+    - ``span_seconds`` and ``breakdown_seconds``: the actor's span and the parts it splits into
+      (they sum to the span);
+    - ``busy_seconds`` (inside its calls), ``queued_seconds``, ``calls``, ``forward_passes``;
+    - ``round_trip_seconds``: the driver's round trips of those calls (sent to result received);
+    - ``ray_transit_seconds``: round trips minus busy minus queued seconds: Ray's whole share of the
+      calls, both legs, including legs that overlapped other work on the actor (``ray_calls`` in the
+      breakdown counts only the actor's idle time).
+
+    None when no actor of the role keeps a timeline (workers built by hand)."""
+    actors = []
+    for s, worker in zip(stats, workers):
+        if "time" not in s:
+            continue
+        actor = dict(s["time"])
+        if isinstance(worker, TimedHandle):
+            round_trips = worker.ledger.round_trip_seconds
+            actor.update(round_trip_seconds=round_trips,
+                         ray_transit_seconds=round_trips - actor["busy_seconds"] - actor["queued_seconds"])
+        actors.append(actor)
+    if not actors:
+        return None
+    total = {key: sum(a[key] for a in actors) for key in actors[0] if key != "breakdown_seconds"
+             and all(key in a for a in actors)}
+    total["breakdown_seconds"] = {k: sum(a["breakdown_seconds"][k] for a in actors)
+                                  for k in actors[0]["breakdown_seconds"]}
+    return {**total, "per_actor": actors}
 
 
 def _draft_model(config: Config) -> str | None:
@@ -110,7 +174,7 @@ def _start_local(plan: _ActorPlan, rt: RuntimeConfig) -> Workers:
     """In the driver's process, each worker serialized (one call at a time, as an actor would be)."""
     gens = [plan.generator_cls(*plan.generator_args, **plan.generator_kwargs) for _ in range(rt.generator_actors)]
     rewards = [plan.reward_cls(*plan.reward_args) for _ in range(rt.reward_actors)]
-    return Workers([Serialized(g) for g in gens], [Serialized(r) for r in rewards])
+    return Workers([TimedHandle(Serialized(g)) for g in gens], [TimedHandle(Serialized(r)) for r in rewards])
 
 
 def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
@@ -130,7 +194,8 @@ def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
     proxies = gens + rewards
     # Surface model-loading errors now, not on the first call.
     ray.get([p.handle.stats.remote() for p in proxies])
-    return Workers(gens, rewards, [p.handle for p in proxies] + list(drafts.values()),
+    return Workers([TimedHandle(g) for g in gens], [TimedHandle(r) for r in rewards],
+                   [p.handle for p in proxies] + list(drafts.values()),
                    functools.partial(_shutdown_ray, proxies, drafts, place.group))
 
 

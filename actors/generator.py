@@ -1,5 +1,10 @@
 """GeneratorActor: loads a causal LM once and serves the Generator protocol from pipeline.engines.hf
-(or pipeline.engines.vllm_engine with backend "vllm")."""
+(or pipeline.engines.vllm_engine with backend "vllm").
+
+Every work call takes the driver's ``timing`` (pipeline.observability.CallTiming, sent by the
+factory's CallLedger; None from callers that send none) and runs inside the actor's timeline, which
+``stats()["time"]`` reports: forward passes, sampling and bookkeeping, Ray calls, waiting for
+rewards (a session is open whose next call has not come), waiting for work (none is open)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 from pipeline.decoding.protocols import RowState
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
+from pipeline.observability import ActorTimeline, CallTiming
 
 
 class GeneratorActor:
@@ -32,20 +38,27 @@ class GeneratorActor:
             from pipeline.engines.draft import HFDrafter
 
             self.engine.drafter = HFDrafter.from_pretrained(draft, device=device, dtype=dtype)
+        self.timeline = ActorTimeline(lambda: len(self.engine.sessions), compute="sampling_and_bookkeeping",
+                                      open_wait="waiting_for_rewards")
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-             sampling: SamplingParams) -> None:
-        self.engine.open(session, prompts, num_samples, seeds, sampling)
+             sampling: SamplingParams, timing: CallTiming | None = None) -> None:
+        with self.timeline.call(timing):
+            self.engine.open(session, prompts, num_samples, seeds, sampling)
 
-    def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
-        return self.engine.extend(session, until, keep)
+    def extend(self, session: str, until: int, keep: list[int] | None = None,
+               timing: CallTiming | None = None) -> list[RowState]:
+        with self.timeline.call(timing):
+            return self.engine.extend(session, until, keep)
 
-    def close(self, session: str) -> dict:
-        return self.engine.close(session)
+    def close(self, session: str, timing: CallTiming | None = None) -> dict:
+        with self.timeline.call(timing):
+            return self.engine.close(session)
 
     def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-               sampling: SamplingParams, params) -> list:
-        return self.engine.search(method, prompts, num_samples, seeds, sampling, params)
+               sampling: SamplingParams, params, timing: CallTiming | None = None) -> list:
+        with self.timeline.call(timing):
+            return self.engine.search(method, prompts, num_samples, seeds, sampling, params)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return {**self.engine.stats(), "time": self.timeline.stats()}

@@ -1,12 +1,18 @@
 """RewardActor: loads a sequence-classification reward model once and serves the Scorer protocol,
 stateless ``score`` and the streaming sessions (``open`` / ``extend`` / ``close``) whose KV cache
-lives here, so a session's calls must all reach the same actor (the coordinator pins them)."""
+lives here, so a session's calls must all reach the same actor (the coordinator pins them).
+
+Every work call takes the driver's ``timing`` (pipeline.observability.CallTiming; None from callers
+that send none) and runs inside the actor's timeline, which ``stats()["time"]`` reports: forward
+passes, tokenizing and bookkeeping, Ray calls, waiting for the generator (a streaming session is
+open whose next call has not come), waiting for work (none is open)."""
 
 from __future__ import annotations
 
 import torch
 
 from pipeline.engines.rewards import RewardScorer
+from pipeline.observability import ActorTimeline, CallTiming
 
 
 class RewardActor:
@@ -14,18 +20,25 @@ class RewardActor:
                  batch_size: int = 32):
         torch.set_num_threads(max(1, num_threads))
         self.scorer = RewardScorer.from_pretrained(model, device=device, dtype=dtype, batch_size=batch_size)
+        self.timeline = ActorTimeline(lambda: len(self.scorer.sessions), compute="tokenizing_and_bookkeeping",
+                                      open_wait="waiting_for_generator")
 
-    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
-        return self.scorer.score(prompts, responses)
+    def score(self, prompts: list[str], responses: list[str], timing: CallTiming | None = None) -> list[float]:
+        with self.timeline.call(timing):
+            return self.scorer.score(prompts, responses)
 
-    def open(self, session: str, prompts: list[str], num_samples: int) -> None:
-        self.scorer.open(session, prompts, num_samples)
+    def open(self, session: str, prompts: list[str], num_samples: int, timing: CallTiming | None = None) -> None:
+        with self.timeline.call(timing):
+            self.scorer.open(session, prompts, num_samples)
 
-    def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:
-        return self.scorer.extend(session, rows, responses)
+    def extend(self, session: str, rows: list[int], responses: list[str],
+               timing: CallTiming | None = None) -> list[float]:
+        with self.timeline.call(timing):
+            return self.scorer.extend(session, rows, responses)
 
-    def close(self, session: str) -> dict:
-        return self.scorer.close(session)
+    def close(self, session: str, timing: CallTiming | None = None) -> dict:
+        with self.timeline.call(timing):
+            return self.scorer.close(session)
 
     def stats(self) -> dict:
-        return self.scorer.stats()
+        return {**self.scorer.stats(), "time": self.timeline.stats()}

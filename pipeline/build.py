@@ -86,6 +86,7 @@ class BuildPlan:
     origin: dict
     """prompt_id -> (shard, source_row, truncated)."""
     started: float
+    """When planning began (time.perf_counter): the start of the run's wall time and startup."""
     config_hash: str = ""
 
 
@@ -162,19 +163,24 @@ def _record(shard: _Shard, result, source_row: int) -> None:
 def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
     """Generate, pair and commit every pending shard of the plan; verify every marker, write the
     manifest, the run report and _SUCCESS; returns the manifest."""
-    from pipeline.observability import BuildMetrics, ProgressBars, pairs_per_hour
+    from pipeline.observability import BuildMetrics, ProgressBars, pairs_per_hour, round_seconds
 
     config, store, pending, origin = plan.config, plan.store, plan.pending, plan.origin
     metrics = BuildMetrics(started=plan.started)
     bars = ProgressBars(len(plan.prompts), config.strategy.name, enabled=progress)
+    # Startup (planning, cluster, actors, model loads) ends here: the workers are up, and the first
+    # batches go out as soon as the coordinator is asked for results.
+    run_started = last_commit = time.perf_counter()
 
     def commit(shard: _Shard) -> None:
+        nonlocal last_commit
         shard.pairs.sort(key=lambda p: p["source_row"])
         shard.rejects.sort(key=lambda r: r["source_row"])
         shard.stats.update(pairs=len(shard.pairs), rejects=len(shard.rejects))
         store.commit_shard(shard.index, shard.pairs, shard.rejects, shard.fingerprint, plan.config_hash,
                            dict(shard.stats), shard.quarantine, config.data.output_format)
         metrics.shard_committed()
+        last_commit = time.perf_counter()
 
     def sync_restarts() -> None:
         restarts = workers.restarts() if hasattr(workers, "restarts") else 0
@@ -228,16 +234,26 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
     markers = store.verify(plan.num_shards)  # _SUCCESS only after every marker is checked
     manifest = summarize(store, markers, plan.num_shards, plan.prompts_in)
     wall = time.perf_counter() - plan.started
-    manifest.update(wall_seconds=round(wall, 3), config=config.to_dict(), config_hash=plan.config_hash,
-                    shards_written=sorted(pending),
+    run_stats = workers.stats()
+    if "actor_time" in run_stats:
+        run_stats["actor_time"] = round_seconds(run_stats["actor_time"])
+    manifest.update(wall_seconds=round(wall, 3), startup_seconds=round(run_started - plan.started, 3),
+                    run_seconds=round(last_commit - run_started, 3), config=config.to_dict(),
+                    config_hash=plan.config_hash, shards_written=sorted(pending),
                     shards_skipped=sorted(set(range(plan.num_shards)) - set(pending)),
-                    prompts_truncated=sum(1 for _, _, t in origin.values() if t), run_stats=workers.stats(),
+                    prompts_truncated=sum(1 for _, _, t in origin.values() if t), run_stats=run_stats,
                     pairs_this_run=pairs_made)
     # The rate of this run only: resumed shards cost it nothing. One definition for every figure.
     metrics.set_rate(wall)
     manifest["pairs_per_minute"] = round(pairs_per_hour(pairs_made, wall) / 60, 2)
     report = {
         "pairs": pairs_made, "prompts": len(plan.prompts), "wall_seconds": round(wall, 3),
+        # wall = startup (planning, cluster, actors, model loads: up to the first batch dispatched)
+        # + run (to the last shard committed) + the final checks and the manifest.
+        "startup_seconds": manifest["startup_seconds"], "run_seconds": manifest["run_seconds"],
+        # Where each role's actors spent their span (actors.factory.actor_time_of); None for
+        # workers that keep no timeline.
+        "actor_time": run_stats.get("actor_time"),
         "pairs_per_hour": pairs_per_hour(pairs_made, wall),
         "generated_tokens": tokens, "bon_equivalent_tokens": bon_tokens, "tokens_saved": bon_tokens - tokens,
         "tokens_per_pair": round(tokens / pairs_made, 2) if pairs_made else None,
@@ -285,6 +301,8 @@ def summarize(store: OutputStore, markers: dict[int, dict], num_shards: int, pro
 
 
 def format_summary(manifest: dict) -> str:
+    from pipeline.observability import format_actor_time
+
     lines = [
         f"prompts        {manifest['prompts_in']}",
         f"pairs          {manifest['pairs']}",
@@ -295,9 +313,13 @@ def format_summary(manifest: dict) -> str:
         f"Best-of-N would need   {manifest['bon_equivalent_tokens']}  (estimate)"
         + (f"  (saved {1 - manifest['generated_tokens'] / manifest['bon_equivalent_tokens']:.1%}, estimated)"
            if manifest["bon_equivalent_tokens"] else ""),
-        f"wall time      {manifest['wall_seconds']:.1f}s",
+        f"wall time      {manifest['wall_seconds']:.1f}s"
+        + (f"  (startup {manifest['startup_seconds']:.1f}s, run {manifest['run_seconds']:.1f}s)"
+           if "run_seconds" in manifest else ""),
         f"pairs/minute   {manifest['pairs_per_minute']}",
     ]
+    for role, times in manifest.get("run_stats", {}).get("actor_time", {}).items():
+        lines.append(f"{role + ' time':<15}{format_actor_time(times)}")
     if manifest.get("candidates_quarantined"):
         lines.append(f"quarantined    {manifest['candidates_quarantined']} candidates with a non-finite reward (_quarantine/)")
     return "\n".join(lines)

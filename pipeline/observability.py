@@ -1,16 +1,28 @@
-"""What a running build shows: progress bars on the terminal and Ray metrics on the dashboard.
+"""What a running build shows: progress bars on the terminal, Ray metrics on the dashboard, and
+where the actors' time went.
 
 Metrics (ray.util.metrics, exported by every Ray node's metrics agent to Prometheus / the Ray
 dashboard) are recorded when the driver is connected to Ray; ``totals`` keeps the same numbers in
 the process either way, and goes into the run report.
+
+Actor time: each actor keeps an ``ActorTimeline`` (the actor side: its calls, its forward passes,
+its idle gaps) and the driver a ``CallLedger`` per actor (the driver side: it stamps every call
+with a ``CallTiming`` and totals the round trips). The two meet in the factory's ``Workers.stats``
+and the run report's ``actor_time``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 from tqdm.auto import tqdm
+
+from pipeline.engines.rows import ForwardClock, forward_clock
 
 COUNTERS = {
     "bon_pairs": "Preference pairs produced",
@@ -90,3 +102,189 @@ class ProgressBars:
     def close(self) -> None:
         for bar in (self.prompts, self.pairs, self.saved):
             bar.close()
+
+
+# -- where the actors' time goes ------------------------------------------------------------
+
+TIMED_CALLS = frozenset({"open", "extend", "close", "search", "score"})
+"""The actor methods that are work (GeneratorActor's and RewardActor's): they take a ``timing``
+argument and make up the actor's timeline. ``stats`` is not one."""
+
+
+@dataclass
+class CallTiming:
+    """What the driver sends along with each work call, so that the actor can tell the time a call
+    spent on its way (Ray) from the time nothing was asked of it. Stamps are wall-clock (time.time):
+    they compare across the processes of one machine; across machines, up to the clocks' skew."""
+
+    sent_at: float
+    """When the driver sent this call."""
+    returned: list[tuple[float, float]] = field(default_factory=list)
+    """(sent_at, received_at) of this actor's earlier calls whose results reached the driver since
+    the previous call was sent: their return legs, which only the driver sees end."""
+
+
+class CallLedger:
+    """The driver's side of one actor slot: stamps each work call with its CallTiming and totals
+    the round trips. Thread-safe (every coordinator thread calls through it)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        """Work calls that returned."""
+        self.round_trip_seconds = 0.0
+        """Their round trips as the driver saw them: sent to result received (Ray both ways, time
+        queued behind other calls on the actor, the actor's own handling)."""
+        self._returned: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def call(self, method: Callable[..., Any], *args, **kwargs) -> Any:
+        with self._lock:
+            returned, self._returned = self._returned, []
+        sent = time.time()
+        result = method(*args, timing=CallTiming(sent, returned), **kwargs)
+        received = time.time()
+        with self._lock:
+            self._returned.append((sent, received))
+            self.calls += 1
+            self.round_trip_seconds += received - sent
+        return result
+
+
+@dataclass
+class _Gap:
+    """One stretch of an actor's wall time between two of its calls."""
+
+    start: float
+    """The end of the call before it."""
+    dispatched: float
+    """From here to ``end`` the next call was on its way (sent, not started): Ray's time."""
+    end: float
+    """The start of the call after it."""
+    waiting: str
+    """What the actor waited for while nothing was on its way (a key of ActorTimeline's parts)."""
+    returned_until: float = 0.0
+    """A call's result was on its way back to the driver until then: Ray's time too."""
+
+    def split(self) -> tuple[float, float]:
+        """(Ray seconds, waiting seconds): the return leg from the start, the dispatch leg at the end."""
+        returning = min(max(self.returned_until, self.start), self.dispatched) - self.start
+        return self.end - self.dispatched + returning, self.dispatched - self.start - returning
+
+
+class ActorTimeline:
+    """Where one actor's wall time goes, measured inside the actor call by call.
+
+    The span runs from when the driver sent the actor its first work call (or when the actor was
+    ready, if later) to the end of its last one; it splits with no overlap and nothing left over
+    into the parts of ``stats()["breakdown_seconds"]``:
+
+    - ``forward``: inside model forward passes (every RowBatch pass and the reward model's
+      stateless passes, timed into this timeline's ForwardClock);
+    - ``compute`` (named by the actor: ``sampling_and_bookkeeping`` for a generator: sampling,
+      stopping rows, KV-cache row selection, detokenizing; ``tokenizing_and_bookkeeping`` for a
+      reward model): inside its calls, outside forward passes;
+    - ``ray_calls``: idle while one of its calls was on its way, to it (sent, not started: Ray's
+      dispatch, argument transfer and deserialization) or back (ended, result not yet received by
+      the driver). A call sent while the actor was busy waits in its queue; that time is counted
+      as ``queued_seconds``, outside the breakdown (the actor was working meanwhile);
+    - ``open_wait`` (named by the actor: ``waiting_for_rewards`` for a generator,
+      ``waiting_for_generator`` for a reward model): idle, nothing on its way, at least one batch
+      open on the actor (a decoding session, a streaming reward session) whose next call the driver
+      has not sent yet: that batch is with the other model, or in the driver's algorithm code;
+    - ``waiting_for_work``: idle, nothing on its way, no batch open: the coordinator had nothing
+      for this actor (every batch slot busy elsewhere, e.g. scoring, or no batches left).
+
+    Without a driver's CallTiming (a caller that sends none) a call counts as started when sent.
+    """
+
+    def __init__(self, open_batches: Callable[[], int], compute: str, open_wait: str, history: int = 64,
+                 clock: Callable[[], float] = time.time):
+        """``open_batches``: how many batches are open on the actor now; ``compute`` and
+        ``open_wait``: the names of those two parts; ``history``: how many recent gaps a late
+        report of a return leg can still reach; ``clock``: the wall clock CallTiming's stamps use."""
+        self.forward = ForwardClock()
+        """The actor's forward passes: active for the length of each call."""
+        self.calls = 0
+        self._open_batches = open_batches
+        self._parts = dict.fromkeys(["forward", compute, open_wait, "waiting_for_work", "ray_calls"], 0.0)
+        self._compute, self._open_wait = compute, open_wait
+        self._queued = 0.0
+        self._clock = clock
+        self._ready = clock()
+        self._first: float | None = None
+        self._last_end: float | None = None
+        self._gaps: deque[_Gap] = deque(maxlen=history)
+
+    @contextmanager
+    def call(self, timing: CallTiming | None) -> Iterator[None]:
+        """Wrap one work call: the gap before it is split, then the call itself is timed."""
+        start = self._clock()
+        sent = min(timing.sent_at, start) if timing is not None else start
+        if self._last_end is None:
+            self._first = min(max(sent, self._ready), start)
+            self._parts["ray_calls"] += start - self._first
+        else:
+            self._queued += max(0.0, min(self._last_end, start) - sent)
+            waiting = self._open_wait if self._open_batches() else "waiting_for_work"
+            gap = _Gap(self._last_end, min(max(sent, self._last_end), start), start, waiting)
+            self._gaps.append(gap)
+            self._credit(gap)
+        for returned in timing.returned if timing is not None else ():
+            self._returned(*returned)
+        forward_before = self.forward.seconds
+        try:
+            with forward_clock(self.forward):
+                yield
+        finally:
+            end = self._clock()
+            forward = self.forward.seconds - forward_before
+            self._parts["forward"] += forward
+            self._parts[self._compute] += end - start - forward
+            self._last_end = end
+            self.calls += 1
+
+    def _credit(self, gap: _Gap, sign: float = 1.0) -> None:
+        ray, waiting = gap.split()
+        self._parts["ray_calls"] += sign * ray
+        self._parts[gap.waiting] += sign * waiting
+
+    def _returned(self, sent_at: float, received_at: float) -> None:
+        """The result of the call sent at ``sent_at`` reached the driver at ``received_at``: the gaps
+        that began meanwhile were Ray's time up to then, not waiting."""
+        for gap in reversed(self._gaps):
+            if gap.start < sent_at:
+                break  # older gaps began before that call was even sent
+            if gap.start < received_at and received_at > gap.returned_until:
+                self._credit(gap, -1.0)
+                gap.returned_until = received_at
+                self._credit(gap)
+
+    def stats(self) -> dict:
+        """``span_seconds``; ``breakdown_seconds``, the parts above (they sum to the span);
+        ``busy_seconds``, inside calls (forward + compute); ``queued_seconds``; ``calls``;
+        ``forward_passes``."""
+        span = self._last_end - self._first if self._first is not None else 0.0
+        return {"span_seconds": span, "breakdown_seconds": dict(self._parts),
+                "busy_seconds": self._parts["forward"] + self._parts[self._compute],
+                "queued_seconds": self._queued, "calls": self.calls, "forward_passes": self.forward.passes}
+
+
+def round_seconds(figures, digits: int = 3):
+    """``figures`` (nested dicts and lists of numbers) with every float rounded, for the reports."""
+    if isinstance(figures, dict):
+        return {k: round_seconds(v, digits) for k, v in figures.items()}
+    if isinstance(figures, list):
+        return [round_seconds(v, digits) for v in figures]
+    return round(figures, digits) if isinstance(figures, float) else figures
+
+
+def format_actor_time(times: dict) -> str:
+    """One line: a role's summed span and each part's share of it (actors.factory.actor_time_of)."""
+    span = times["span_seconds"]
+    # ActorTimeline's order (a report read back from JSON has its keys sorted): work, then idle.
+    order = {"forward": 0, "waiting_for_work": 3, "ray_calls": 4}
+    names = sorted(times["breakdown_seconds"], key=lambda k: order.get(k, 2 if k.startswith("waiting") else 1))
+    parts = ", ".join(f"{name.replace('_', ' ')} " + (f"{times['breakdown_seconds'][name] / span:.1%}" if span else "-")
+                      for name in names)
+    actors = len(times.get("per_actor", [])) or 1
+    return f"{span:.1f}s" + (f" over {actors} actors" if actors > 1 else "") + f": {parts}"

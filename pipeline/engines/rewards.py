@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from pipeline.engines.hf import DTYPES, load_tokenizer
-from pipeline.engines.rows import RowBatch
+from pipeline.engines.rows import RowBatch, timed_forward
 
 
 class RewardScorer:
@@ -88,7 +88,8 @@ class RewardScorer:
         for start in range(0, len(texts), self.batch_size):
             batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
                                    truncation=True, max_length=self.max_length, add_special_tokens=add_special)
-            logits = self.model(**batch.to(self.device)).logits  # [B, 1]
+            with timed_forward(self.device):  # the streaming path's passes are timed by RowBatch
+                logits = self.model(**batch.to(self.device)).logits  # [B, 1]
             self.forward_passes += 1
             self.tokens_read += int(batch["attention_mask"].sum())
             scores.extend(float(v) if math.isfinite(v) else math.nan for v in logits[:, 0].float().tolist())

@@ -18,12 +18,19 @@ Extra model kwargs (``logits_to_keep=1``, ``with_rewards=True``) pass through to
 model's output comes back as it is, so each user reads the logits, rewards or hidden states it
 needs. Tensors are replaced, never written in place, so a ``snapshot`` stays valid while the batch
 moves on.
+
+Every forward pass is timed into the ``ForwardClock`` active in the calling context (an actor
+activates its own for the length of each call, ``forward_clock``), whichever batch ran it: the
+engine's, an adapter's, a co-located draft model's. Without an active clock nothing is timed.
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -32,6 +39,47 @@ from pipeline.decoding.tree import TokenTree
 from pipeline.engines.tree import TreeVerification, commit_paths, verify_tree
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer, each [H, n, D] or [B, H, n, D]
+
+
+@dataclass
+class ForwardClock:
+    """Model forward passes run while this clock was active (``forward_clock``)."""
+
+    seconds: float = 0.0
+    """Wall seconds (time.time) inside the passes; on CUDA each pass is synchronised before it is
+    stopped, so the seconds are the device's work, not the kernel launches."""
+    passes: int = 0
+    """Forward passes timed."""
+
+
+# Dynamic scope, like torch.inference_mode: each thread (each Ray actor call, each in-process
+# coordinator thread) sees the clock its own caller activated, or None.
+_ACTIVE_CLOCK: ContextVar[ForwardClock | None] = ContextVar("forward_clock", default=None)
+
+
+@contextmanager
+def forward_clock(clock: ForwardClock) -> Iterator[ForwardClock]:
+    """Time every forward pass run inside this block, in this context, into ``clock``."""
+    token = _ACTIVE_CLOCK.set(clock)
+    try:
+        yield clock
+    finally:
+        _ACTIVE_CLOCK.reset(token)
+
+
+@contextmanager
+def timed_forward(device: torch.device) -> Iterator[None]:
+    """One model forward pass (on ``device``), timed into the active clock if there is one."""
+    clock = _ACTIVE_CLOCK.get()
+    if clock is None:
+        yield
+        return
+    start = time.time()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    clock.seconds += time.time() - start
+    clock.passes += 1
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,8 +223,9 @@ class RowBatch:
     # -- forward passes ----------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **model_kwargs):
-        out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, position_ids=position_ids,
-                         past_key_values=self.cache, use_cache=True, **model_kwargs)
+        with timed_forward(input_ids.device):
+            out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, position_ids=position_ids,
+                             past_key_values=self.cache, use_cache=True, **model_kwargs)
         self._count()
         return out
 
@@ -208,7 +257,8 @@ class RowBatch:
     def verify(self, trees: list[TokenTree]) -> torch.Tensor:
         """Logits [B, N, V] after every node of every row's tree, in one forward pass
         (pipeline.engines.tree.verify_tree); the nodes stay cached until ``commit``."""
-        self.verification = verify_tree(self.model, self.cache, self.attention_mask, self.next_position, trees)
+        with timed_forward(self.attention_mask.device):
+            self.verification = verify_tree(self.model, self.cache, self.attention_mask, self.next_position, trees)
         self._count()
         return self.verification.logits
 
