@@ -26,8 +26,12 @@ final rewards reveal with noise, so speculative rejection has something to rank.
 The actors are threads of this process (80 Ray actor processes do not fit a small machine); each
 is serialized as an actor would be. Reported (JSON with --json):
 
-- ``generator_utilization``: the generators' simulated GPU time / (generators x run_seconds);
-  ``reward_utilization`` likewise;
+- ``generator_utilization``: the generators' busy time (inside their calls) / (generators x
+  run_seconds): the share of the run the driver kept them supplied with work; the rest is waiting
+  for rewards, for work, or on calls in transit. ``generator_forward_share``: the simulated forward
+  passes alone over the same; the difference is the simulated actors' own Python (bookkeeping the
+  rows, and the interpreter lock shared by about 200 threads of one process, which separate actor
+  processes would not share). ``reward_utilization`` likewise for the reward models;
 - ``driver_cpu_seconds_per_1000_prompts``: CPU seconds of this process during the run, outside
   the simulated actors' calls (the driver: coordinator, method code, pairing, commit), per 1,000
   prompts; ``driver_cpu_share``, the same seconds over the run's wall time (1.0: one core
@@ -265,8 +269,9 @@ def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: P
     return {
         "generators": generators, "rewards": rewards, "prompts": args.prompts, "pairs": manifest["pairs"],
         "run_seconds": run, "startup_seconds": report["startup_seconds"],
-        "generator_utilization": round(times["generator"]["breakdown_seconds"]["forward"] / (generators * run), 4),
-        "reward_utilization": round(times["reward"]["breakdown_seconds"]["forward"] / (rewards * run), 4),
+        "generator_utilization": round(times["generator"]["busy_seconds"] / (generators * run), 4),
+        "generator_forward_share": round(times["generator"]["breakdown_seconds"]["forward"] / (generators * run), 4),
+        "reward_utilization": round(times["reward"]["busy_seconds"] / (rewards * run), 4),
         "driver_cpu_plan_seconds": round(cpu_planned - cpu_start, 2),
         "driver_cpu_seconds": round(driver_cpu, 2),
         "driver_cpu_seconds_per_1000_prompts": round(driver_cpu / args.prompts * 1000, 3),
@@ -292,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             result = simulate(args, generators, rewards, Path(tmp))
             results.append(result)
             print(f"{generators:>4} generators, {rewards:>3} reward models, {args.prompts} prompts: "
-                  f"generator utilization {result['generator_utilization']:.3f}, "
+                  f"generator utilization {result['generator_utilization']:.3f} "
+                  f"(forward passes {result['generator_forward_share']:.3f}), "
                   f"reward utilization {result['reward_utilization']:.3f}, "
                   f"driver CPU {result['driver_cpu_seconds_per_1000_prompts']:.2f} s per 1,000 prompts "
                   f"({result['driver_cpu_share']:.0%} of a core), lost {result['lost']}, "
