@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from benchmarks.aded import fine_tune
@@ -72,9 +73,10 @@ def main(argv=None) -> int:
     vocab = int(engine.model.config.vocab_size)
     priors = {
         "dirichlet": DirichletPrior(args.alpha, vocab),
-        # C from greedy completions of other prompts than the test ones (section 5.2.1)
-        "empirical": EmpiricalPrior(collect_softmax(PathCacheExpander(engine.model, engine.device), held_out,
-                                                    args.empirical_samples, depth)),
+        # C from greedy completions of other prompts than the test ones (section 5.2.1), pooled
+        "empirical": EmpiricalPrior(np.concatenate(collect_softmax(
+            PathCacheExpander(engine.model, engine.device), held_out,
+            -(-args.empirical_samples // len(held_out)), depth, seeds=list(range(len(held_out))))[0])),
     }
     beliefs = {name: fit_level_beliefs(prior, depth, 1000) for name, prior in priors.items()}
     results = []

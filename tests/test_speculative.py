@@ -2,16 +2,23 @@
 
 The "models" are bigram tables over a 4-token vocabulary, so the target's distribution over the
 first two generated tokens is known in closed form and a chi-square test can check the sampler.
+The whole decoder (speculative_decode) is checked the same way over a 12-token vocabulary, at
+temperatures 1 and 0.7 and under top-k 10 / top-p 0.8 warping, with negative controls.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from pipeline.decoding.sampling import inverse_cdf, residual_distribution
-from pipeline.decoding.speculative import speculative_sampling
+import pipeline.decoding.speculative as speculative
+from pipeline.decoding.sampling import SamplingParams, beam_distribution, inverse_cdf, residual_distribution
+from pipeline.decoding.speculative import speculative_decode, speculative_sampling
+from tests.bigram_models import BigramDrafter, BigramTarget, chi_square_pvalue, exact_beam_sampling, random_table
 
 V = 4
 GAMMA = 3
@@ -79,3 +86,57 @@ def test_accept_all_gives_bonus_from_last_position_and_reject_uses_residual():
 @pytest.mark.parametrize("u,expected", [(0.0, 1), (0.49, 1), (0.51, 3), (0.999, 3)])
 def test_inverse_cdf_skips_zero_mass_tokens(u, expected):
     assert int(inverse_cdf(torch.tensor([0.0, 0.5, 0.0, 0.5]), torch.tensor(u))) == expected
+
+
+# -- speculative decoding end to end, against the exact (warped) multinomial sampling --------------
+
+# Twelve tokens, so that top-k 10 drops some; flat enough rows that top-p 0.8 keeps six or more.
+TARGET_12 = random_table(12, seed=5, spread=0.5)
+DRAFT_12 = 0.5 * TARGET_12 + 0.5 * random_table(12, seed=6, spread=0.5)
+# Temperature 1 and 0.7, the DSBD paper's top-k 10 and top-p 0.8 (section 4.1), and all three.
+WARPINGS = {"T1": SamplingParams(), "T0.7": SamplingParams(temperature=0.7), "top_k10": SamplingParams(top_k=10),
+            "top_p0.8": SamplingParams(top_p=0.8), "paper": SamplingParams(temperature=0.7, top_k=10, top_p=0.8)}
+
+
+class UnwarpedQDrafter(BigramDrafter):
+    """Drafts from the warped q like BigramDrafter, but reports the unwarped q: a wrong q."""
+
+    def draft(self, contexts, prefix_logp, width, depth, sampling, seed):
+        layers = super().draft(contexts, prefix_logp, width, depth, sampling, seed)
+        last = contexts[0][-1]
+        for layer in layers:  # one context, width 1: one parent per layer
+            layer.q_beam = self.table[last].clone()
+            last = layer.tokens[0]
+        return layers
+
+
+def speculative_pvalue(warping: str, drafter=None, runs: int = 3000) -> float:
+    """Two tokens after token 0, gamma = 2 drafts per step: every emitted token is the target's."""
+    sampling = replace(WARPINGS[warping], max_new_tokens=2)
+    drafter = drafter or BigramDrafter(DRAFT_12)
+    counts = Counter(tuple(speculative_decode(BigramTarget(TARGET_12), drafter, [0], 2, sampling, seed))
+                     for seed in range(runs))
+    return chi_square_pvalue(counts, exact_beam_sampling(1, 2, table=TARGET_12, sampling=sampling))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("warping", WARPINGS)
+def test_speculative_decode_is_distributed_as_warped_multinomial_sampling(warping):
+    assert speculative_pvalue(warping) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["resample_from_p", "target_not_warped", "q_not_warped"])
+def test_the_decoding_test_catches_bugs_under_warping(bug, monkeypatch):
+    """Negative controls, paper warping: a rejected draft resampled from p instead of the residual
+    norm(max(0, p - q)); the acceptance test and residual on the unwarped target; a drafter that
+    samples from the warped q but reports the unwarped one."""
+    drafter = None
+    if bug == "resample_from_p":
+        monkeypatch.setattr(speculative, "residual_distribution", lambda p, q: p)
+    elif bug == "target_not_warped":
+        monkeypatch.setattr(speculative, "beam_distribution",
+                            lambda prefix, logp, sampling: beam_distribution(prefix, logp, SamplingParams()))
+    else:
+        drafter = UnwarpedQDrafter(DRAFT_12)
+    assert speculative_pvalue("paper", drafter) < 1e-6

@@ -222,8 +222,9 @@ class ADEDLayerDrafter:
     target-verified tokens, so before drafting, the tokens of the chosen context that are new since
     the last call (beyond their common prefix with it; all of it, prompt included, for a new row)
     go to ``ADEDDrafter.observe``. ``reset()`` restores the matrix it started with; dsbd's search
-    calls it once per batch so that a batch's output depends only on its prompts and seeds
-    (reproducible, resumable), while the matrix adapts across the batch's rows and iterations."""
+    calls it before every prompt, so that a prompt's candidates depend only on the prompt and its
+    seeds, not on its batch-mates (reproducible, resumable), while the matrix adapts across the
+    prompt's rows and iterations."""
 
     drafter: ADEDDrafter
     vocab_size: int

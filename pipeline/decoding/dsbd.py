@@ -35,6 +35,9 @@ draws from the q_beam used to verify them):
 - Beams are sampled with replacement (iid, as the theorem states), so two beams may coincide.
 - A response ends at its first EOS; beams run to max_new_tokens (beam sampling and DSBD alike)
   and the candidate is the final beam with the lowest perplexity (highest target likelihood).
+  The paper does not say how the last iteration meets the length cap: an iteration emits up to
+  gamma + 1 positions (line 33's extra layer), so gamma is at most the room left minus one
+  (``draft_depth``) and the final beams have exactly max_new_tokens tokens, as in beam sampling.
 """
 
 from __future__ import annotations
@@ -318,14 +321,27 @@ def surviving_drafts(layer: DraftLayer, accepted: list[int], vocab: int,
     return survivors, candidates, q_beam
 
 
+def draft_depth(num_draft_layers: int, room: int) -> int:
+    """gamma for an iteration that starts ``room`` positions short of max_new_tokens. When every
+    draft layer passes, Algorithm 1 (lines 31-33) samples one more layer, so an iteration emits up
+    to gamma + 1 positions: gamma <= room - 1 keeps every beam within the cap, and the final beams
+    are ranked (``_finish``) at exactly max_new_tokens tokens, as beam sampling ranks them. (Drafting
+    ``room`` layers would make beams of max_new_tokens + 1 tokens, ranked by a likelihood that
+    includes a token the response then drops: a different output distribution.) With one position
+    left gamma is 0: the forest is the input beams alone and the iteration is lines 31-33 only,
+    one beam-sampling step."""
+    return max(0, min(num_draft_layers, room - 1))
+
+
 def verify_forest(forest: DraftForest, logp: torch.Tensor, beams: list[Beam], params: DSBDParams,
                   sampling: SamplingParams, fixed_width: int | None, uniforms, stats: DecodeStats) -> ForestVerdict:
     """Algorithm 1 lines 3-33 over the forest's target log-probs ``logp`` [W_L, N, V]: layer by layer,
     drop the drafts of rejected parents (line 10), set W_L^(l) by Eq. 6 (line 13; ``fixed_width``:
     a constant W_L) and verify (lines 12-30, verify_layer); stop at the first layer that fails. If
-    every draft layer passes, sample the extra layer from p_beam^(gamma + 1) (lines 31-33)."""
+    every draft layer passes, sample the extra layer from p_beam^(gamma + 1) (lines 31-33): W_L beams,
+    W_L the last layer's width (the input beams' count when gamma is 0)."""
     vocab = logp.shape[-1]
-    if forest.layers[0].q_beam.numel() != len(beams) * vocab:
+    if forest.layers and forest.layers[0].q_beam.numel() != len(beams) * vocab:
         raise ValueError(f"draft and target vocabularies differ: the draft's q_beam has "
                          f"{forest.layers[0].q_beam.numel() // len(beams)} tokens per beam, the target {vocab}")
     accepted = list(range(len(beams)))  # accepted nodes of forest layer l - 1 (layer 0: the input beams)
@@ -374,9 +390,10 @@ def emit_beams(forest: DraftForest, verdict: ForestVerdict, memory_mode: bool,
 def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], params: DSBDParams,
                 sampling: SamplingParams, seed: int, eos_ids: set[int] = frozenset(),
                 stats: DecodeStats | None = None, fixed_width: int | None = None) -> list[int]:
-    """DSBD for one prompt: per iteration, draft gamma layers, build the forest, verify it in one
-    target pass (Algorithm 1 with Eq. 2-7 widths, section 3.3), emit the output beams and cut the
-    target's cache to their paths (optional memory mode, section 3.4). ``fixed_width`` replaces
+    """DSBD for one prompt: per iteration, draft gamma layers (``draft_depth``: room is left for
+    the extra layer of lines 31-33, so no beam outgrows max_new_tokens), build the forest, verify it
+    in one target pass (Algorithm 1 with Eq. 2-7 widths, section 3.3), emit the output beams and cut
+    the target's cache to their paths (optional memory mode, section 3.4). ``fixed_width`` replaces
     Eq. 6 with a constant W_L (the paper's section 3.1 scheme; with draft_width 1 and fixed_width 1
     this is exactly Leviathan et al.'s speculative decoding)."""
 
@@ -388,9 +405,9 @@ def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], param
     while len(beams[0].tokens) < sampling.max_new_tokens:
         stats.iterations += 1
         contexts = [prompt + b.tokens for b in beams]
-        gamma = min(params.num_draft_layers, sampling.max_new_tokens - len(beams[0].tokens))
+        gamma = draft_depth(params.num_draft_layers, sampling.max_new_tokens - len(beams[0].tokens))
         layers = drafter.draft(contexts, [b.logp for b in beams], params.draft_width, gamma, sampling,
-                               int(torch.randint(0, 2**62, (), generator=g)))
+                               int(torch.randint(0, 2**62, (), generator=g))) if gamma else []
         stats.drafted += sum(len(layer.tokens) for layer in layers)
         forest = build_forest(contexts, layers)
         logp = target.verify(forest.trees)  # [W_L, N, V]
@@ -426,17 +443,19 @@ def search(host: DSBDHost, prompts: list[list[int]], num_samples: int, seeds: li
            params: DSBDParams) -> list[SearchOutput]:
     """Model-side ``dsbd``: each candidate is one DSBD generation seeded by its row seed. With no
     draft model (``host.drafter`` None), ADED drafts: an ADEDLayerDrafter over a tri-gram matrix
-    that starts as ``params.trigram`` (or empty), kept by the engine, and reset to that start at
-    every call so that a batch's output depends only on its prompts and seeds."""
+    that starts as ``params.trigram`` (or empty), made once per engine. It is reset to that start
+    for every prompt and adapts over that prompt's rows (ADED appendix Algorithm 2), so what a
+    prompt's candidates are depends only on the prompt and its row seeds, never on the prompts that
+    share its batch (or on sharding and resumption)."""
     drafter = host.drafter
     if drafter is None:
         drafter = host.remember(("dsbd-aded-drafter", params.trigram), lambda: ADEDLayerDrafter(
             ADEDDrafter(host.load_trigram(params.trigram, 12)), host.vocab_size))
-    if isinstance(drafter, ADEDLayerDrafter):
-        drafter.reset()  # each batch starts from the same matrix: reproducible, resumable
     eos = set() if sampling.ignore_eos else set(host.eos_ids)
     outputs = []
     for i, prompt in enumerate(prompts):
+        if isinstance(drafter, ADEDLayerDrafter):
+            drafter.reset()  # every prompt starts from the same matrix
         rows, total = [], DecodeStats()
         for s in range(num_samples):
             row = i * num_samples + s

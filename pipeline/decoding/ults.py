@@ -14,7 +14,7 @@ Terms (paper sections 3.1-3.5):
   a free loc/scale lets the MLE put support above 1 (a value above any possible likelihood) or
   cut off the lower tail, and the 4-parameter Beta MLE is ill-posed (the likelihood is unbounded
   when a or b < 1 and loc/scale touch the data), which is exactly the regime of peaked LLM
-  softmaxes. The model-side search keeps its fits per engine.
+  softmaxes.
 - Posterior (section 3.3): the path likelihood c_{x0->x} is observed, so samples of v_x are
   log c_{x0->x} + log Delta with Delta ~ B_{remaining}. Everything is kept in log space.
 - Algorithm 2: selection descends from the root to the child that is most often the argmax of
@@ -22,10 +22,30 @@ Terms (paper sections 3.1-3.5):
   default) a child's samples are those of its best descendant (Eq. 2) and the backup copies the
   best child's samples up the path; with ``acquisition="posterior"`` the backup is the
   element-wise max of the children's samples. Expansion takes the top-k children from one model
-  call. The search stops when P(c* < v_root) <= epsilon, c* being the best leaf seen so far
-  (section 3.4), or when k_max leaves have been reached; at most k_max nodes are expanded per
-  level (section 3.5: once a level has k_max expansions, its other open nodes and those above it
-  are dropped, as in the authors' code).
+  call. At most k_max nodes are expanded per level (section 3.5: once a level has k_max
+  expansions, its other open nodes and those above it are dropped, as in the authors' code), which
+  also bounds a search to 1 + k_max * depth expansions.
+
+Candidates: the model-side search wants the n = num_samples most likely distinct responses, not
+only the best one, so two things go beyond the paper, which returns one sequence:
+- Distinct responses. Every EOS token ends the response at its parent, so of a node's EOS
+  children only the most likely one becomes a leaf (with several EOS ids, [.., a, eos1] and
+  [.., a, eos2] are one response, and its likelihood is that of its more likely ending); the
+  expansion takes the top-k children counting all EOS tokens as one, so leaves have distinct
+  token ids once EOS is stripped. Two token sequences can still spell one text (a word split
+  differently, byte pieces), so the tree keys each leaf's response (``response_key``: the token
+  ids, or the decoded text in the model-side search) and keeps the best-scoring leaf of each
+  response as its candidate; the other leaves are spares.
+- Termination for n candidates. Section 3.4 stops once P(c* < v_x0*) <= epsilon, c* being the
+  best leaf seen so far; here c* is replaced by c_(n), the n-th best candidate, and v_x0* by the
+  belief over the best value still selectable (the open samples, which leave out the leaves
+  already reached), so the search stops once nothing unexplored is likely to beat the n-th
+  candidate. For n = 1 with the max backup this is the paper's test exactly (a reached leaf is at
+  most c*, so it cannot lift a sample above c*). The k_max-leaves stop of section 3.5 applies too,
+  and both wait until the tree holds n candidates. A tree stops short of n only when nothing is
+  left to select: with token-id responses that needs a vocabulary with fewer than n distinct
+  continuations (the deepest expanded node's children are all leaves then, and there are
+  branching >= n of them otherwise); with text responses, spares fill the candidates up.
 
 Beyond the authors' code (which expands one node per model call and re-runs the whole prefix):
 several trees (prompts) advance in lockstep and their selected nodes are expanded in one batched
@@ -34,6 +54,11 @@ forward pass; ``expansions_per_step`` > 1 also selects several distinct nodes pe
 entries and reuses them along paths (pipeline.engines.adapters.PathCacheExpander), so an expansion feeds one
 token, not the prefix. A leaf is a node at the depth cap or one whose token is EOS. The score of
 a sequence is its total log-likelihood, or (``score="mean"``) the length-normalised one.
+
+Reproducible candidates: what a prompt gets is a function of the prompt (and the run's seed)
+alone. The Dirichlet prior's beliefs depend only on the configuration, so the engine keeps one
+fit; the empirical prior is collected and fitted per prompt from the prompt's own rollouts
+(``collect_softmax``), with that prompt's seed, and nothing of it is kept between batches.
 """
 
 from __future__ import annotations
@@ -41,7 +66,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Callable, Hashable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -90,7 +115,9 @@ class EmpiricalPrior:
     """p(c) = Unif(C), C a set of softmax vectors collected from the model (section 3.1)."""
 
     probs: np.ndarray
-    """[M, V] softmax vectors (rows sum to 1)."""
+    """[M, m] softmax vectors (m = V, rows sum to 1), or only the m largest entries of each, sorted
+    descending (what ``collect_softmax`` keeps): Algorithm 1 reads no more than the TOP_CHILDREN
+    largest entries of a draw, and does not care where in the vocabulary they are."""
 
     @property
     def branching(self) -> int:
@@ -178,12 +205,15 @@ def _fit_beta(x: np.ndarray) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def fit_level_beliefs(prior: Prior, depth: int, num_samples: int = 1000, seed: int = 0) -> LevelBeliefs:
+def fit_level_beliefs(prior: Prior, depth: int, num_samples: int = 1000,
+                      seed: int | Sequence[int] = 0) -> LevelBeliefs:
     """Algorithm 1: Beta beliefs B_r over Delta for r = 1..depth remaining tokens, fitted bottom-up.
 
     r = 1 (a node whose children are leaves): Delta = max_j c_j. r > 1: Delta = max_j c_j * Delta_j,
-    Delta_j ~ B_{r-1}. Cost O(branching * num_samples + depth * num_samples * TOP_CHILDREN); the model-side
-    search keeps the result per engine (one fit per (prior, depth, num_samples))."""
+    Delta_j ~ B_{r-1}. Cost O(branching * num_samples + depth * num_samples * TOP_CHILDREN) (in
+    practice about depth * 64 * num_samples Beta draws): the model-side search keeps one Dirichlet fit
+    per engine and fits an empirical prior once per prompt (``level_beliefs``). A pure function of its
+    arguments (``seed`` seeds numpy's generator)."""
     rng = np.random.default_rng(seed)
     params = np.ones((depth + 1, 2))
     # One set of N prior draws serves every level (fresh Delta draws each time), as the authors'
@@ -205,19 +235,21 @@ def fit_level_beliefs(prior: Prior, depth: int, num_samples: int = 1000, seed: i
 @dataclass
 class ULTSParams:
     prior: str = "dirichlet"
-    """dirichlet: symmetric Dirichlet(alpha) over the vocabulary; empirical: softmax vectors
-    collected by greedy decoding from the first prompts the generator sees (section 3.1)."""
+    """dirichlet: symmetric Dirichlet(alpha) over the vocabulary; empirical: Unif(C), C the softmax
+    vectors along rollouts of each prompt itself (section 3.1; ``collect_softmax``), fitted per prompt."""
     alpha: float = 1e-4
     """Dirichlet concentration (the paper's LLM experiments use 1e-4)."""
     empirical_samples: int = 256
-    """Softmax vectors collected for the empirical prior."""
+    """|C|: softmax vectors collected per prompt for the empirical prior."""
     epsilon: float = 0.1
-    """Stop once P(c* < v_root) <= epsilon."""
+    """Stop once P(c_(n) < v) <= epsilon: c_(n) the n-th best leaf (n = num_samples), v the best value
+    still selectable (section 3.4, where n = 1)."""
     k_max: int | None = 5
-    """At most k_max expansions per level, and stop after k_max leaves are reached (section 3.5);
-    None: no cap (the toy experiment of section 5.1)."""
+    """At most k_max expansions per level, and stop after k_max leaves are reached once there are
+    num_samples leaves (section 3.5); None: no cap (the toy experiment of section 5.1)."""
     branching: int = 5
-    """Top-k children per expansion (raised to num_samples so there are enough leaves)."""
+    """Top-k children per expansion, all EOS tokens counting as one (raised to num_samples so there
+    are enough leaves)."""
     belief_samples: int = 1000
     """N: posterior samples per node and prior samples per level in Algorithm 1."""
     acquisition: str = "descendant"
@@ -289,15 +321,21 @@ class SearchNode:
 
 class LikelihoodTree:
     """One prompt's ULTS tree (Algorithm 2): ``select`` (Eq. 1), ``expand`` (top-k children with
-    posterior samples, section 3.3), ``backup`` (Eq. 2 or the max), and the termination test
-    ``done`` (section 3.4, with the k_max caps of section 3.5)."""
+    posterior samples, section 3.3; one leaf per distinct response), ``backup`` (Eq. 2 or the max),
+    and the termination test ``done`` (section 3.4 for the min_leaves-th best leaf, with the k_max
+    caps of section 3.5)."""
 
-    def __init__(self, beliefs: LevelBeliefs, max_depth: int, params: ULTSParams, min_leaves: int = 1, seed: int = 0):
+    def __init__(self, beliefs: LevelBeliefs, max_depth: int, params: ULTSParams, min_leaves: int = 1, seed: int = 0,
+                 response_key: Callable[[list[int]], Hashable] | None = None):
         self.beliefs, self.max_depth, self.epsilon = beliefs, max_depth, params.epsilon
         self.k_max = math.inf if params.k_max is None else params.k_max
         self.n, self.acquisition, self.score = params.belief_samples, params.acquisition, params.score
-        self.selection = params.selection
+        self.selection, self.branching = params.selection, params.branching
         self.min_leaves = min_leaves
+        """n: the search wants this many distinct responses."""
+        self.response_key = response_key or tuple
+        """A leaf's response (its tokens without EOS) -> what makes two responses the same: the token
+        ids by default; the model-side search passes the decoded text."""
         self.rng = np.random.default_rng(seed)
         root_samples = self._posterior_samples(0.0, 0, terminal=False)
         self.root = SearchNode(0, None, -1, 0, 0.0, UNEXPANDED, root_samples, root_samples)
@@ -308,6 +346,11 @@ class LikelihoodTree:
         self.best_leaf: SearchNode | None = None
         self.best_score = -math.inf
         self.leaves: list[SearchNode] = []
+        """Every leaf found (distinct token ids, see ``distinct_children``)."""
+        self.responses: dict[Hashable, SearchNode] = {}
+        """response_key -> the best-scoring leaf that gives that response: the candidates."""
+        self.top_scores: list[float] = []
+        """The min_leaves best candidate scores, descending: c* = top_scores[0], c_(n) = top_scores[-1]."""
 
     # scores --------------------------------------------------------------------------------
     def _posterior_samples(self, logp: float, depth: int, terminal: bool,
@@ -382,13 +425,15 @@ class LikelihoodTree:
     # expansion (section 3.3) -----------------------------------------------------------------
     def expand(self, node: SearchNode, tokens: list[int], logprobs: list[float],
                eos_ids: set[int] = frozenset()) -> None:
-        """Expansion: add the top-k children of ``node`` (token ids and their log-probabilities), each
-        with N posterior samples (section 3.3); update the best leaf c*; then back up, or drop the
-        level once it has k_max expansions (section 3.5)."""
+        """Expansion: add the top-k children of ``node`` (candidate token ids and their
+        log-probabilities, k = branching, see ``distinct_children``), each with N posterior samples
+        (section 3.3); update the best leaves c*, c_(n); then back up, or drop the level once it has
+        k_max expansions (section 3.5)."""
         level = node.depth
         self.expansions += 1
         node.state = EXPANDED
         depth = level + 1
+        tokens, logprobs = distinct_children(tokens, logprobs, eos_ids, self.branching)
         log_delta = self.beliefs.sample_log_delta(self.max_depth - depth, (len(tokens), self.n), self.rng)  # [k, N]
         for j, (tok, lp) in enumerate(zip(tokens, logprobs)):
             logp = node.logp + float(lp)
@@ -399,15 +444,34 @@ class LikelihoodTree:
             self.nodes.append(child)
             node.children.append(child)
             if terminal:
-                self.leaves.append(child)
-                if self.leaf_score(child) > self.best_score:
-                    self.best_leaf, self.best_score = child, self.leaf_score(child)
+                self._add_leaf(child, eos=tok in eos_ids)
         self.expanded_per_level[level] = self.expanded_per_level.get(level, 0) + 1
         if self.expanded_per_level[level] >= self.k_max:
             self._drop_level(level)
         else:
             self.backup(node)
             self._refresh_open(node)
+
+    def _add_leaf(self, leaf: SearchNode, eos: bool) -> None:
+        """A new leaf: update c*, and the candidates and their min_leaves best scores. A leaf whose
+        response an earlier leaf gives already (the same text from other tokens) replaces it as the
+        candidate if it scores higher, and is a spare otherwise."""
+        score = self.leaf_score(leaf)
+        self.leaves.append(leaf)
+        if score > self.best_score:
+            self.best_leaf, self.best_score = leaf, score
+        tokens = self.path(leaf)
+        key = self.response_key(tokens[:-1] if eos else tokens)
+        twin = self.responses.get(key)
+        if twin is not None and self.leaf_score(twin) >= score:
+            return
+        self.responses[key] = leaf
+        if twin is not None:  # a better leaf for a known response: rare, so recount
+            self.top_scores = sorted((self.leaf_score(x) for x in self.responses.values()), reverse=True)
+        elif len(self.top_scores) < self.min_leaves or score > self.top_scores[-1]:
+            self.top_scores.append(score)
+            self.top_scores.sort(reverse=True)
+        del self.top_scores[self.min_leaves:]
 
     def _drop_level(self, level: int) -> None:
         """Section 3.5: k_max nodes expanded at ``level``, so its other unexpanded nodes and those above
@@ -451,28 +515,40 @@ class LikelihoodTree:
 
     # termination (sections 3.4-3.5) ----------------------------------------------------------
     @property
-    def root_samples(self) -> np.ndarray:
-        """Samples of v_{x0*}: the root's, or with boundary selection the max over the boundary."""
+    def open_root_samples(self) -> np.ndarray:
+        """Samples of the best value still selectable: the root's open samples (Eq. 2 or the max over
+        what can still be selected), or with boundary selection the max over the open boundary. [N]"""
         if self.selection == "boundary":
-            frontier = [x.samples for x in self.nodes if x.state in (UNEXPANDED, LEAF, REACHED)]
-            return np.max(np.stack(frontier), axis=0)
-        return self.root.samples
+            frontier = [x.open_samples for x in self.nodes if x.state in (UNEXPANDED, LEAF)]
+            return np.max(np.stack(frontier), axis=0) if frontier else np.full(self.n, -np.inf, dtype=np.float32)
+        return self.root.open_samples
 
     def termination_probability(self) -> float:
-        """P̂(c* < v_root) = fraction of root samples above the best leaf score so far (section 3.4)."""
-        if self.best_leaf is None:
+        """P̂(c_(n) < v) = fraction of the samples of the best value still selectable that lie above
+        the n-th best candidate's score, n = min_leaves (section 3.4's P̂(c* < v_x0*) for n
+        candidates; 1 while there are fewer than n candidates). A reached leaf is known, so it is
+        left out of v: for n = 1 it is at most c* and could not lift a sample above it anyway, and
+        for n > 1 a reached leaf among the n best must not count as something that may still beat
+        c_(n)."""
+        if len(self.top_scores) < self.min_leaves:
             return 1.0
         # compare in the samples' float32: a leaf's own samples are its score rounded to float32
-        return float(np.mean(np.float32(self.best_score) < self.root_samples))
+        return float(np.mean(np.float32(self.top_scores[-1]) < self.open_root_samples))
 
     def done(self) -> bool:
-        """Termination: nothing left to select, k_max leaves reached (section 3.5), or (once there are
-        min_leaves leaves) P̂(c* < v_root) <= epsilon (section 3.4)."""
+        """Termination. Once the tree holds min_leaves candidates (distinct responses): k_max leaves
+        reached (section 3.5) or P̂(c_(n) < v) <= epsilon (section 3.4). Before that the search goes
+        on, even past k_max reached leaves, since it owes min_leaves candidates; it is bounded all the
+        same by the k_max expansions per level. Also done when nothing is left to select: the tree is
+        exhausted, holding every leaf the top-k expansions and the k_max caps allow. With token-id
+        responses that is fewer than min_leaves only for a vocabulary with fewer than min_leaves
+        distinct continuations; with text responses the leaves may also give fewer distinct texts
+        (``ranked_leaves`` then fills up with spares)."""
         if not self.root.open:
             return True
-        if self.reached >= self.k_max:
-            return True
-        return len(self.leaves) >= self.min_leaves and self.termination_probability() <= self.epsilon
+        if len(self.responses) < self.min_leaves:
+            return False
+        return self.reached >= self.k_max or self.termination_probability() <= self.epsilon
 
     # the answer ------------------------------------------------------------------------------
     def path(self, node: SearchNode) -> list[int]:
@@ -484,8 +560,13 @@ class LikelihoodTree:
         return tokens[::-1]
 
     def ranked_leaves(self) -> list[SearchNode]:
-        """Every leaf found, best score first (ties: the earlier node): Algorithm 2's x* and the runners-up."""
-        return sorted(self.leaves, key=lambda x: (-self.leaf_score(x), x.id))
+        """Every leaf found: the candidates (one leaf per response), best score first (ties: the earlier
+        node), Algorithm 2's x* and the runners-up; then the spares (leaves whose response a candidate
+        gives already), best first."""
+        rank = lambda x: (-self.leaf_score(x), x.id)  # noqa: E731
+        candidates = {x.id for x in self.responses.values()}
+        return (sorted(self.responses.values(), key=rank)
+                + sorted((x for x in self.leaves if x.id not in candidates), key=rank))
 
 
 def _best_child_counts(children_samples: list[np.ndarray]) -> np.ndarray:
@@ -517,25 +598,55 @@ def _top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[f
     return top.indices.tolist(), top.values.tolist()
 
 
+def distinct_children(tokens: list[int], logprobs: list[float], eos_ids: set[int],
+                      k: int) -> tuple[list[int], list[float]]:
+    """The k most likely children of a node as distinct responses, most likely first. Every EOS token
+    ends the response at the parent, so only the most likely EOS child is kept (ties: the earlier):
+    [.., a, eos1] and [.., a, eos2] are one candidate once EOS is stripped. Expansion (section 3.3)
+    asks the model for k + |eos_ids| - 1 candidates so that k remain."""
+    order = sorted(range(len(tokens)), key=lambda j: -logprobs[j])  # stable: ties keep the model's order
+    kept, eos_kept = [], False
+    for j in order:
+        if tokens[j] in eos_ids:
+            if eos_kept:
+                continue
+            eos_kept = True
+        kept.append(j)
+        if len(kept) == k:
+            break
+    return [tokens[j] for j in kept], [logprobs[j] for j in kept]
+
+
 @dataclass
 class SearchResult:
     leaves: list[tuple[list[int], float, float]]
-    """(token ids, total log-likelihood, score), best score first; EOS is not in the token ids."""
+    """(token ids, total log-likelihood, score): the candidates (distinct responses) best score first,
+    then the spares (``LikelihoodTree.ranked_leaves``); EOS is not in the token ids, and no two leaves
+    have the same token ids."""
     expansions: int
     forward_passes: int
     stats: dict = field(default_factory=dict)
 
 
-def ults_search(expander: NodeExpander, prompts: list[list[int]], beliefs: LevelBeliefs, max_depth: int,
-                params: ULTSParams, eos_ids: set[int] = frozenset(), min_leaves: int = 1,
-                seeds: list[int] | None = None) -> list[SearchResult]:
+def ults_search(expander: NodeExpander, prompts: list[list[int]], beliefs: LevelBeliefs | list[LevelBeliefs],
+                max_depth: int, params: ULTSParams, eos_ids: set[int] = frozenset(), min_leaves: int = 1,
+                seeds: list[int] | None = None,
+                response_key: Callable[[list[int]], Hashable] | None = None) -> list[SearchResult]:
     """Algorithm 2 for several prompts in lockstep: each step every unfinished tree selects up to
-    ``params.expansions_per_step`` nodes and all of them are expanded in one forward pass. A tree
-    goes on until it has ``min_leaves`` leaves; ``seeds`` (one per prompt) drive its posterior samples."""
+    ``params.expansions_per_step`` nodes and all of them are expanded in one forward pass.
+
+    ``beliefs``: Algorithm 1's, shared or one per prompt. A tree goes on until it holds ``min_leaves``
+    distinct responses (``response_key``: what makes two responses the same, token ids by default)
+    and its termination test passes (``LikelihoodTree.done``); if the tree is exhausted first, its
+    result holds every leaf it has, possibly fewer than min_leaves. ``seeds`` (one per prompt) drive
+    the posterior samples."""
     seeds = seeds or list(range(len(prompts)))
-    trees = [LikelihoodTree(beliefs, max_depth, params, min_leaves, seed) for seed in seeds]
+    per_tree = beliefs if isinstance(beliefs, list) else [beliefs] * len(prompts)
+    trees = [LikelihoodTree(bel, max_depth, params, min_leaves, seed, response_key)
+             for bel, seed in zip(per_tree, seeds)]
     forward = [1] * len(trees)
-    ids, vals = _top_k(expander.roots(prompts), params.branching)  # the root expansions, one prefill for all prompts
+    width = params.branching + max(len(eos_ids) - 1, 0)  # all EOS tokens count as one child (distinct_children)
+    ids, vals = _top_k(expander.roots(prompts), width)  # the root expansions, one prefill for all prompts
     for tree, tokens, logprobs in zip(trees, ids, vals):
         tree.expand(tree.root, tokens, logprobs, eos_ids)
     while True:
@@ -544,7 +655,7 @@ def ults_search(expander: NodeExpander, prompts: list[list[int]], beliefs: Level
         if not picked:
             break
         ids, vals = _top_k(expander.expand([(t, node.id, node.parent.id, node.token) for t, node in picked]),
-                           params.branching)
+                           width)
         for (t, node), tokens, logprobs in zip(picked, ids, vals):
             trees[t].expand(node, tokens, logprobs, eos_ids)
         for t in {t for t, _ in picked}:
@@ -557,7 +668,7 @@ def ults_search(expander: NodeExpander, prompts: list[list[int]], beliefs: Level
 
 
 def _search_result(tree: LikelihoodTree, forward_passes: int, eos_ids: set[int]) -> SearchResult:
-    """The tree's leaves, best score first, each without its EOS."""
+    """The tree's leaves (``ranked_leaves``: candidates, then spares), each without its EOS."""
     leaves = []
     for leaf in tree.ranked_leaves():
         tokens = tree.path(leaf)
@@ -627,24 +738,60 @@ def beam_search(expander: NodeExpander, prompts: list[list[int]], max_depth: int
 # -- the build strategy (model-side) -------------------------------------------------------------
 
 
-def collect_softmax(expander: NodeExpander, prompts: list[list[int]], count: int, depth: int) -> np.ndarray:
-    """The empirical prior's C: softmax vectors along greedy completions of ``prompts`` [count, V]."""
-    vectors = []
-    logprobs = expander.roots(prompts)
-    paths = [(t, 0) for t in range(len(prompts))]
-    node_id = 1
-    for _ in range(depth):
-        vectors.append(logprobs.float().exp().cpu().numpy())
-        if sum(len(v) for v in vectors) >= count:
+def collect_softmax(expander: NodeExpander, prompts: list[list[int]], count: int, depth: int,
+                    seeds: list[int], eos_ids: set[int] = frozenset()) -> tuple[list[np.ndarray], list[int]]:
+    """The empirical prior's C for each prompt (section 3.1), from rollouts of that prompt itself:
+    ``count`` softmax vectors per prompt, each kept as its TOP_CHILDREN largest entries sorted
+    descending (all Algorithm 1 reads), so [count, min(TOP_CHILDREN, V)] per prompt; and the tokens
+    each prompt's rollouts fed the model.
+
+    C is the model's softmax along a greedy completion of the context, as in the authors' public
+    code (examples/sample_llm_outputs.py, over their data sets' texts). A prompt has one greedy path
+    of at most ``depth`` tokens, so when ``count`` needs more, the prompt runs ceil(count / depth)
+    rollouts side by side: the first greedy, the others sampled from the model with the prompt's
+    seed; a rollout that emits EOS starts again from the prompt, sampled.
+
+    Each prompt's rollouts have forward passes of their own, not shared with other prompts: a batched
+    forward pass moves the last float bits of a row's logits with the batch's shape, and Algorithm 1
+    turns such bits into other Beta fits and other Beta draws, so a shared pass would make a prompt's
+    prior depend on its batch. ceil(count / rollouts) - 1 <= depth - 1 passes per prompt after the
+    prefill."""
+    per_prompt = [_rollout_softmax(expander, prompt, count, depth, seed, eos_ids)
+                  for prompt, seed in zip(prompts, seeds)]
+    return [c for c, _ in per_prompt], [fed for _, fed in per_prompt]
+
+
+def _rollout_softmax(expander: NodeExpander, prompt: list[int], count: int, depth: int, seed: int,
+                     eos_ids: set[int]) -> tuple[np.ndarray, int]:
+    """One prompt's C [count, m] and the tokens its rollouts fed (``collect_softmax``); tree 0 of the expander."""
+    rollouts = math.ceil(count / max(depth, 1))
+    steps = math.ceil(count / rollouts)
+    rng = np.random.default_rng([seed, 1])
+    root = expander.roots([prompt]).float()[0]  # [V]
+    vocab = root.shape[-1]
+    nodes, greedy = [0] * rollouts, [r == 0 for r in range(rollouts)]  # each rollout's last node (0: the prompt)
+    logprobs = root.expand(rollouts, vocab)  # [R, V]
+    vectors, fed, next_id = [], 0, 1
+    for step in range(steps):
+        vectors.append(torch.topk(logprobs, min(TOP_CHILDREN, vocab), dim=-1).values.exp().cpu().numpy())  # [R, m]
+        if step == steps - 1:
             break
-        tokens = logprobs.argmax(-1).tolist()
-        items = [(t, node_id + i, parent, tok) for i, ((t, parent), tok) in enumerate(zip(paths, tokens))]
-        paths = [(t, node_id + i) for i, (t, _) in enumerate(paths)]
-        node_id += len(paths)
-        logprobs = expander.expand(items)
-    for t in range(len(prompts)):
-        expander.release(t)
-    return np.concatenate(vectors)[:count]
+        u = torch.tensor(rng.random(rollouts), dtype=torch.float64, device=logprobs.device)  # [R]
+        cdf = logprobs.double().exp().cumsum(-1)  # [R, V]
+        sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp_max(vocab - 1).tolist()
+        chosen = [g if is_greedy else s for g, s, is_greedy in zip(logprobs.argmax(-1).tolist(), sampled, greedy)]
+        items = []
+        for r, token in enumerate(chosen):
+            if token in eos_ids:  # starts again from the prompt, sampled
+                nodes[r], greedy[r] = 0, False
+            else:
+                items.append((0, next_id, nodes[r], token))
+                nodes[r], next_id = next_id, next_id + 1
+        out = iter(expander.expand(items).float()) if items else iter(())  # [len(items), V]
+        logprobs = torch.stack([root if node == 0 else next(out) for node in nodes])
+        fed += len(items)
+    expander.release(0)
+    return np.concatenate(vectors)[:count], fed
 
 
 class ULTSHost(Protocol):
@@ -662,40 +809,54 @@ class ULTSHost(Protocol):
     def decode(self, token_lists: list[list[int]]) -> list[str]: ...
 
 
-def make_prior(params: ULTSParams, host: ULTSHost, expander: NodeExpander, prompts: list[list[int]],
-               max_depth: int) -> Prior:
-    """The Dirichlet prior, or the engine's empirical prior (collected once, from the first prompts
-    it is asked for)."""
+def level_beliefs(params: ULTSParams, host: ULTSHost, expander: NodeExpander, prompts: list[list[int]],
+                  max_depth: int, seeds: list[int], eos_ids: set[int]) -> tuple[list[LevelBeliefs], list[int]]:
+    """Algorithm 1's beliefs for each prompt, and the tokens each prompt's prior cost.
+
+    Dirichlet: a function of (alpha, V, depth, N) alone, so the engine fits it once and keeps it (no
+    tokens). Empirical: C from the prompt's own rollouts (``collect_softmax``) and a fit seeded with
+    the prompt's seed, made for this call and not kept, so a prompt's beliefs, and with them its
+    candidates, do not depend on which prompts share its batch or came before it. The cost is the
+    rollouts' tokens and one Algorithm 1 fit (``fit_level_beliefs``) per prompt."""
     if params.prior == "dirichlet":
-        return DirichletPrior(params.alpha, host.vocab_size)
-    per_prompt = math.ceil(params.empirical_samples / len(prompts))
-    return host.remember(("ults-empirical-prior", params.empirical_samples), lambda: EmpiricalPrior(
-        collect_softmax(expander, prompts, params.empirical_samples, min(max_depth, per_prompt))))
+        prior = DirichletPrior(params.alpha, host.vocab_size)
+        shared = host.remember(("ults-beliefs", prior.key, max_depth, params.belief_samples),
+                               lambda: fit_level_beliefs(prior, max_depth, params.belief_samples, seed=0))
+        return [shared] * len(prompts), [0] * len(prompts)
+    collected, fed = collect_softmax(expander, prompts, params.empirical_samples, max_depth, seeds, eos_ids)
+    return [fit_level_beliefs(EmpiricalPrior(c), max_depth, params.belief_samples, seed=[seed, 2])
+            for c, seed in zip(collected, seeds)], fed
 
 
 def search(host: ULTSHost, prompts: list[list[int]], num_samples: int, seeds: list[int],
            sampling: SamplingParams, params: ULTSParams) -> list[SearchOutput]:
-    """Model-side ``ults``: one ULTS tree per prompt; the num_samples best leaves (distinct sequences)
-    are the candidates. ULTS maximises likelihood, so of the sampling settings only max_new_tokens
-    (the depth) and ignore_eos apply; the seeds only drive the posterior samples."""
+    """Model-side ``ults``: one ULTS tree per prompt; its num_samples best leaves, distinct responses
+    (decoded texts: two token sequences can spell one text, and the pairs are made of texts), are the
+    candidates; should the tree end with fewer distinct texts, the best spares (other token ids, a
+    text already taken) fill up. ULTS maximises likelihood, so of the sampling settings only
+    max_new_tokens (the depth) and ignore_eos apply; each prompt's first seed drives its
+    posterior samples (and its empirical prior's rollouts and fit), so a prompt's candidates do not
+    depend on its batch. A prompt's cost (generated_tokens) is its expansions plus its prior's
+    rollout tokens. RuntimeError only when a tree is exhausted with fewer than num_samples leaves:
+    the vocabulary has fewer than num_samples distinct continuations (see ``LikelihoodTree.done``)."""
     expander = host.node_expander()
     eos = set() if sampling.ignore_eos else set(host.eos_ids)
     depth = sampling.max_new_tokens
-    prior = make_prior(params, host, expander, prompts, depth)
-    beliefs = host.remember(("ults-beliefs", prior.key, depth, params.belief_samples),
-                            lambda: fit_level_beliefs(prior, depth, params.belief_samples, seed=0))
+    prompt_seeds = [seeds[i * num_samples] for i in range(len(prompts))]
+    beliefs, prior_tokens = level_beliefs(params, host, expander, prompts, depth, prompt_seeds, eos)
     wide_enough = replace(params, branching=max(params.branching, num_samples))  # num_samples leaves at least
     results = ults_search(expander, prompts, beliefs, depth, wide_enough, eos, min_leaves=num_samples,
-                          seeds=[seeds[i * num_samples] for i in range(len(prompts))])
+                          seeds=prompt_seeds, response_key=lambda tokens: host.decode([tokens])[0])
     outputs = []
     for i, res in enumerate(results):
         leaves = res.leaves[:num_samples]
         if len(leaves) < num_samples:
-            raise RuntimeError(f"ults: prompt {i} ended with {len(leaves)} leaves, need {num_samples}")
+            raise RuntimeError(f"ults: prompt {i} has only {len(leaves)} distinct responses of at most {depth} "
+                               f"tokens under top-{wide_enough.branching} expansion, need num_samples={num_samples}")
         texts = host.decode([tokens for tokens, _, _ in leaves])
         rows = [RowState(row=i * num_samples + s, token_ids=tokens, text=text, finished=True)
                 for s, ((tokens, _, _), text) in enumerate(zip(leaves, texts))]
-        outputs.append(SearchOutput(rows=rows, generated_tokens=res.expansions, stats={
-            "expansions": res.expansions, "forward_passes": res.forward_passes,
+        outputs.append(SearchOutput(rows=rows, generated_tokens=res.expansions + prior_tokens[i], stats={
+            "expansions": res.expansions, "forward_passes": res.forward_passes, "prior_tokens": prior_tokens[i],
             "best_loglik": leaves[0][1]}))
     return outputs

@@ -1,6 +1,8 @@
 """The adapters that present a Hugging Face generator engine to the decoding algorithms, each
 through the small Protocol its algorithm declares, and the per-engine state those algorithms
-keep (tri-gram matrices, empirical priors, fitted beliefs).
+keep (tri-gram matrices, ULTS's Dirichlet beliefs). ULTS keeps here only what is a function of
+its configuration; its empirical prior depends on the prompt, so ULTS makes it per prompt and does
+not keep it.
 
     host = HFSearchHost(engine)      # engine.search_host: one per HFEngine
     host.tree_target()               # ADED's TreeVerifier            (TreeTarget)
