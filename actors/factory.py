@@ -85,7 +85,8 @@ def actor_time_of(stats: list[dict], workers: list[Any]) -> dict | None:
       (they sum to the span);
     - ``busy_seconds`` (inside its calls), ``queued_seconds``, ``calls``, ``forward_passes``;
     - ``round_trip_seconds``: the driver's round trips of those calls (sent to result received);
-    - ``ray_transit_seconds``: round trips minus busy minus queued seconds: Ray's whole share of the
+    - ``ray_transit_seconds``: round trips minus the calls' durations (``call_seconds``; busy
+      seconds unless calls overlap) minus queued seconds: Ray's whole share of the
       calls, both legs, including legs that overlapped other work on the actor (``ray_calls`` in the
       breakdown counts only the actor's idle time).
 
@@ -98,7 +99,7 @@ def actor_time_of(stats: list[dict], workers: list[Any]) -> dict | None:
         if isinstance(worker, TimedHandle):
             round_trips = worker.ledger.round_trip_seconds
             actor.update(round_trip_seconds=round_trips,
-                         ray_transit_seconds=round_trips - actor["busy_seconds"] - actor["queued_seconds"])
+                         ray_transit_seconds=round_trips - actor["call_seconds"] - actor["queued_seconds"])
         actors.append(actor)
     if not actors:
         return None
@@ -155,10 +156,16 @@ def _plan_actors(config: Config) -> _ActorPlan:
     return _ActorPlan(
         generator_cls=with_faults(GeneratorActor, "generator", faults),
         generator_args=(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus))),
-        generator_kwargs={"draft": None if draft_actors else draft, "backend": m.backend},
+        generator_kwargs={"draft": None if draft_actors else draft, "backend": m.backend,
+                          "merged_decoding": merged_decoding(config)},
         reward_cls=with_faults(RewardActor, "reward", faults),
         reward_args=(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size),
         draft_actor_args=(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus))) if draft_actors else None)
+
+
+def merged_decoding(config: Config) -> bool:
+    """runtime.merged_decoding, for the engine that has it (HF)."""
+    return config.runtime.merged_decoding and config.models.backend == "hf"
 
 
 def start_workers(config: Config) -> Workers:
@@ -171,10 +178,13 @@ def start_workers(config: Config) -> Workers:
 
 
 def _start_local(plan: _ActorPlan, rt: RuntimeConfig) -> Workers:
-    """In the driver's process, each worker serialized (one call at a time, as an actor would be)."""
+    """In the driver's process, each worker serialized (one call at a time, as an actor would be),
+    except a generator with merged decoding, which takes the coordinator's threads at once."""
     gens = [plan.generator_cls(*plan.generator_args, **plan.generator_kwargs) for _ in range(rt.generator_actors)]
     rewards = [plan.reward_cls(*plan.reward_args) for _ in range(rt.reward_actors)]
-    return Workers([TimedHandle(Serialized(g)) for g in gens], [TimedHandle(Serialized(r)) for r in rewards])
+    merged = plan.generator_kwargs["merged_decoding"]
+    return Workers([TimedHandle(g if merged else Serialized(g)) for g in gens],
+                   [TimedHandle(Serialized(r)) for r in rewards])
 
 
 def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
@@ -236,13 +246,16 @@ class _RayPlacement:
     group: Any = None
 
     def spawner(self, cls: type, args: tuple, resources: ActorResources, bundle: int,
-                kwargs: dict | None = None) -> Callable[..., Any]:
+                kwargs: dict | None = None, max_concurrency: int = 1) -> Callable[..., Any]:
         """A function that starts a fresh ``cls`` actor with these options in bundle ``bundle`` at each
-        call (keyword arguments it is given join ``kwargs``): a RemoteProxy's spawn."""
+        call (keyword arguments it is given join ``kwargs``): a RemoteProxy's spawn. ``max_concurrency``
+        > 1: a threaded actor that runs that many calls at once."""
         import ray
 
         options: dict = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus, "max_restarts": 0,
                          "runtime_env": self.runtime_env or None}
+        if max_concurrency > 1:
+            options["max_concurrency"] = max_concurrency
         if self.group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -255,7 +268,10 @@ class _RayPlacement:
 def _generator_spawner(plan: _ActorPlan, rt: RuntimeConfig, place: _RayPlacement, i: int,
                        drafts: dict[int, Any]) -> Callable[[], Any]:
     """Generator i's spawn; with draft actors, each spawn starts a fresh DraftActor first (``drafts``)."""
-    spawn = place.spawner(plan.generator_cls, plan.generator_args, rt.generator, i, plan.generator_kwargs)
+    # Merged decoding: the actor takes each batch in flight's calls at once (a threaded actor).
+    concurrency = rt.batches_in_flight if plan.generator_kwargs["merged_decoding"] else 1
+    spawn = place.spawner(plan.generator_cls, plan.generator_args, rt.generator, i, plan.generator_kwargs,
+                          max_concurrency=concurrency)
     if plan.draft_actor_args is None:
         return spawn
     from actors.draft import DraftActor

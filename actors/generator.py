@@ -4,9 +4,16 @@
 Every work call takes the driver's ``timing`` (pipeline.observability.CallTiming, sent by the
 factory's CallLedger; None from callers that send none) and runs inside the actor's timeline, which
 ``stats()["time"]`` reports: forward passes, sampling and bookkeeping, Ray calls, waiting for
-rewards (a session is open whose next call has not come), waiting for work (none is open)."""
+rewards (a session is open whose next call has not come), waiting for work (none is open).
+
+With ``merged_decoding`` the actor takes several calls at once (a threaded Ray actor, or the
+coordinator's threads in-process) and the engine merges their decoding steps; otherwise its calls
+run one at a time, however many reach it together."""
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 
@@ -18,18 +25,20 @@ from pipeline.observability import ActorTimeline, CallTiming
 
 class GeneratorActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
-                 draft: str | None = None, draft_actor=None, backend: str = "hf"):
+                 draft: str | None = None, draft_actor=None, backend: str = "hf", merged_decoding: bool = False):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
         (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``: "hf"
-        (HFEngine) or "vllm" (VLLMEngine, for the methods whose registry record lists it)."""
+        (HFEngine) or "vllm" (VLLMEngine, for the methods whose registry record lists it);
+        ``merged_decoding``: concurrent calls share the HF engine's step loop (runtime.merged_decoding;
+        the vLLM engine batches on its own and ignores it)."""
         torch.set_num_threads(max(1, num_threads))
         if backend == "vllm":
             from pipeline.engines.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine.from_pretrained(model, dtype=dtype)
         else:
-            self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype)
+            self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype, merged=merged_decoding)
         if draft_actor is not None:
             from actors.remote import RemoteProxy
 
@@ -38,26 +47,28 @@ class GeneratorActor:
             from pipeline.engines.draft import HFDrafter
 
             self.engine.drafter = HFDrafter.from_pretrained(draft, device=device, dtype=dtype)
+        merged = getattr(self.engine, "merged", False)
+        self._one_at_a_time = contextlib.nullcontext() if merged else threading.Lock()
         self.timeline = ActorTimeline(lambda: len(self.engine.sessions), compute="sampling_and_bookkeeping",
                                       open_wait="waiting_for_rewards")
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
              sampling: SamplingParams, timing: CallTiming | None = None) -> None:
-        with self.timeline.call(timing):
+        with self._one_at_a_time, self.timeline.call(timing):
             self.engine.open(session, prompts, num_samples, seeds, sampling)
 
     def extend(self, session: str, until: int, keep: list[int] | None = None,
                timing: CallTiming | None = None) -> list[RowState]:
-        with self.timeline.call(timing):
+        with self._one_at_a_time, self.timeline.call(timing):
             return self.engine.extend(session, until, keep)
 
     def close(self, session: str, timing: CallTiming | None = None) -> dict:
-        with self.timeline.call(timing):
+        with self._one_at_a_time, self.timeline.call(timing):
             return self.engine.close(session)
 
     def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
                sampling: SamplingParams, params, timing: CallTiming | None = None) -> list:
-        with self.timeline.call(timing):
+        with self._one_at_a_time, self.timeline.call(timing):
             return self.engine.search(method, prompts, num_samples, seeds, sampling, params)
 
     def stats(self) -> dict:

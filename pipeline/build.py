@@ -197,7 +197,8 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
     coordinator = Coordinator(config.strategy.name, config.strategy.params, sampling_params(config),
                               config.sampling.num_samples, config.seed, workers.generators, workers.scorers,
                               config.runtime.prompts_per_batch, config.runtime.batches_in_flight,
-                              max_attempts=config.runtime.max_attempts, on_retry=on_retry)
+                              max_attempts=config.runtime.max_attempts, on_retry=on_retry,
+                              rows_in_flight=config.runtime.rows_in_flight)
     pairs_made = tokens = bon_tokens = 0
     try:
         for result in coordinator.run(plan.prompts):

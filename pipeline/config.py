@@ -140,10 +140,25 @@ class RuntimeConfig:
     each GeneratorActor's process, on its device) or actor (one DraftActor per generator)."""
     draft: ActorResources = field(default_factory=ActorResources)
     """Resources of each DraftActor (placement actor): num_gpus 1 for its own GPU, a fraction to share."""
-    prompts_per_batch: int = 4
-    """Prompts decoded together in one engine batch (rows = prompts_per_batch * num_samples)."""
-    batches_in_flight: int = 2
-    """Batches in flight per generator actor, so one generates while another is being scored."""
+    prompts_per_batch: int = 2
+    """Prompts decoded together in one engine batch (rows = prompts_per_batch * num_samples): one
+    session, scored together at each decision token. With merged decoding, batches share the
+    generator's steps anyway, and small batches let rows_in_flight admit work in small steps."""
+    batches_in_flight: int = 16
+    """Batches in flight per generator actor, so one generates while another is being scored; with
+    rows_in_flight, the most batches a generator takes at once (and, with merged decoding, the
+    calls a Ray generator actor serves at once)."""
+    rows_in_flight: int = 128
+    """Candidate rows to keep decoding per generator actor: a generator takes a new batch whenever
+    the live rows of its batches (opened, minus those pruned, finished or closed) drop below this,
+    up to batches_in_flight batches. With merged_decoding, the rows that speculative rejection
+    frees at a decision token are refilled at once by the next prompts. 0: batches_in_flight alone
+    decides."""
+    merged_decoding: bool = True
+    """The HF generator takes its batches' calls concurrently and decodes the rows of every batch
+    being extended in one forward pass per step (pipeline/engines/hf.py); each batch still reaches
+    its decision tokens on its own schedule, and candidates are the same as without it. false:
+    one call at a time, each batch decoded alone."""
     reward_batch_size: int = 32
     """Sequences per reward-model forward pass."""
     local: bool = False
@@ -167,6 +182,8 @@ class RuntimeConfig:
                     "max_attempts"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"runtime.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.rows_in_flight < 0:
+            raise ConfigError(f"runtime.rows_in_flight: must be >= 0 (0: no row limit), got {self.rows_in_flight}")
         if self.call_timeout_s <= 0:
             raise ConfigError(f"runtime.call_timeout_s: must be > 0, got {self.call_timeout_s}")
         if self.placement_strategy not in ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):

@@ -3,7 +3,11 @@
 Prompts are cut into batches (``prompts_per_batch`` prompts, decoded together as one engine
 batch). Each generator handle serves ``batches_in_flight`` batches at a time, so while one batch
 waits for the reward model at a decision token, another is decoding on the same generator: neither
-actor sits idle. A batch keeps its generator for its whole life (the KV cache lives there);
+actor sits idle. With ``rows_in_flight`` a generator also takes a new batch only while its batches'
+live rows (as their open / extend(keep) / close calls and the rows they report finished show them)
+number fewer than that: a batch that prunes its candidates makes room for the next batch at once,
+and with merged decoding (pipeline.engines.hf) the rows of every batch in flight share each step,
+so the generator stays full. A batch keeps its generator for its whole life (the KV cache lives there);
 stateless reward calls are spread round-robin, and a streaming reward session (its reward-side KV
 cache) stays on the reward handle that opened it.
 
@@ -21,7 +25,6 @@ BatchFailed, naming its prompts.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
@@ -67,6 +70,92 @@ class Serialized:
         return call
 
 
+class _Admission:
+    """Which generator a batch starts on, and when: one with fewer than ``batches`` batches and (when
+    ``rows`` > 0) fewer than ``rows`` live rows in flight; the least loaded one first."""
+
+    def __init__(self, generators: int, batches: int, rows: int):
+        self._batches, self._rows = [0] * generators, [0] * generators
+        self._max_batches, self._max_rows = batches, rows
+        self._cond = threading.Condition()
+
+    def acquire(self, rows: int = 0) -> int:
+        """A generator for a new batch, counted with ``rows`` rows until the batch says otherwise."""
+        with self._cond:
+            while True:
+                free = [g for g in range(len(self._batches)) if self._batches[g] < self._max_batches
+                        and (not self._max_rows or self._rows[g] < self._max_rows)]
+                if free:
+                    index = min(free, key=lambda g: (self._rows[g], self._batches[g], g))
+                    self._batches[index] += 1
+                    self._rows[index] += rows
+                    return index
+                self._cond.wait()
+
+    def release(self, index: int) -> None:
+        with self._cond:
+            self._batches[index] -= 1
+            self._cond.notify_all()
+
+    def add_rows(self, index: int, rows: int) -> None:
+        if not rows:
+            return
+        with self._cond:
+            self._rows[index] += rows
+            self._cond.notify_all()
+
+
+class _CountedRows:
+    """A generator as one batch's strategy sees it, reporting the batch's live rows to the admission:
+    a session's rows count from its open, drop to ``keep`` when an extend prunes, to the unfinished
+    rows an extend returns, and to none at its close (or when the batch ends, however it ends)."""
+
+    def __init__(self, generator: Generator, admission: _Admission, index: int, reserved: int):
+        self._generator, self._admission, self._index = generator, admission, index
+        # session -> its live rows; None: the rows the batch was admitted with, until its first open
+        self._sessions: dict[str | None, int] = {None: reserved}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._generator, name)
+
+    def _set(self, session: str | None, rows: int) -> None:
+        self._admission.add_rows(self._index, rows - self._sessions.get(session, 0))
+        self._sessions[session] = rows
+
+    def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+             sampling: SamplingParams) -> None:
+        self._set(None, 0)
+        self._set(session, len(seeds))
+        return self._generator.open(session, prompts, num_samples, seeds, sampling)
+
+    def extend(self, session: str, until: int, keep: list[int] | None = None) -> list:
+        if keep is not None:
+            self._set(session, min(len(keep), self._sessions.get(session, len(keep))))
+        rows = self._generator.extend(session, until=until, keep=keep)
+        self._set(session, sum(not r.finished for r in rows))
+        return rows
+
+    def close(self, session: str) -> dict:
+        self._set(session, 0)
+        return self._generator.close(session)
+
+    def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+               sampling: SamplingParams, params) -> list:
+        self._set(None, 0)
+        self._set(method, len(seeds))
+        try:
+            return self._generator.search(method, prompts, num_samples, seeds, sampling, params)
+        finally:
+            self._set(method, 0)
+
+    def release(self) -> None:
+        """The batch ended: whatever it did not close no longer counts."""
+        self._admission.add_rows(self._index, -sum(self._sessions.values()))
+        self._sessions.clear()
+
+
 class _RoundRobin:
     def __init__(self, scorers: list[Scorer]):
         self._cycle = itertools.cycle(scorers)
@@ -99,7 +188,9 @@ class Coordinator:
     def __init__(self, strategy: str, params: Any, sampling: SamplingParams, num_samples: int, seed: int,
                  generators: list[Generator], scorers: list[Scorer], prompts_per_batch: int = 4,
                  batches_in_flight: int = 2, max_attempts: int = 1,
-                 on_retry: Callable[[BatchFailed], None] = lambda failure: None):
+                 on_retry: Callable[[BatchFailed], None] = lambda failure: None, rows_in_flight: int = 0):
+        """``rows_in_flight`` > 0: a generator takes a new batch only while fewer candidate rows than
+        that are live on it (see the module docstring); 0: ``batches_in_flight`` alone decides."""
         if not generators or not scorers:
             raise ValueError("need at least one generator and one scorer")
         self.strategy_name = strategy
@@ -112,17 +203,21 @@ class Coordinator:
         self.scorer = _RoundRobin(scorers)
         self.prompts_per_batch = prompts_per_batch
         self.batches_in_flight = batches_in_flight
+        self.rows_in_flight = rows_in_flight
         self.max_attempts = max_attempts
         self.on_retry = on_retry
         self.retries = 0
 
-    def _run_batch(self, batch: list[PromptInput], slots: queue.Queue) -> list[PromptResult]:
+    def _run_batch(self, batch: list[PromptInput], admission: _Admission) -> list[PromptResult]:
         for attempt in range(1, self.max_attempts + 1):
-            index = slots.get()
+            reserved = len(batch) * self.num_samples if self.rows_in_flight else 0
+            index = admission.acquire(reserved)
             generator = self.generators[index]
             # A batch's session lives in one actor: pin the batch to it (Ray proxies), so a batch
             # that outlives a replacement fails over too, rather than asking the new actor.
             generator = generator.pinned() if hasattr(generator, "pinned") else generator
+            if self.rows_in_flight:
+                generator = _CountedRows(generator, admission, index, reserved)
             try:
                 results = self.strategy(batch, generator, self.scorer, self.params, self.sampling,
                                         self.num_samples, self.seed)
@@ -138,7 +233,9 @@ class Coordinator:
                 self.retries += 1
                 self.on_retry(failure)
             finally:
-                slots.put(index)
+                if isinstance(generator, _CountedRows):
+                    generator.release()
+                admission.release(index)
         if [r.prompt.prompt_id for r in results] != [p.prompt_id for p in batch]:
             raise RuntimeError(f"{self.strategy_name}: results do not match the batch's prompts")
         for r in results:
@@ -151,13 +248,10 @@ class Coordinator:
         """Yields one PromptResult per prompt, in completion order."""
         batches = [prompts[i:i + self.prompts_per_batch] for i in range(0, len(prompts), self.prompts_per_batch)]
         workers = len(self.generators) * self.batches_in_flight
-        slots: queue.Queue = queue.Queue()
-        for _ in range(self.batches_in_flight):
-            for g in range(len(self.generators)):
-                slots.put(g)
+        admission = _Admission(len(self.generators), self.batches_in_flight, self.rows_in_flight)
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coordinator")
         pending = iter(batches)
-        running = {pool.submit(self._run_batch, b, slots) for b in itertools.islice(pending, workers)}
+        running = {pool.submit(self._run_batch, b, admission) for b in itertools.islice(pending, workers)}
         try:
             while running:
                 done, running = wait(running, return_when=FIRST_COMPLETED)
@@ -165,7 +259,7 @@ class Coordinator:
                     yield from future.result()
                     nxt = next(pending, None)
                     if nxt is not None:
-                        running.add(pool.submit(self._run_batch, nxt, slots))
+                        running.add(pool.submit(self._run_batch, nxt, admission))
             pool.shutdown()
         finally:
             # On failure, don't wait for batches still running: the caller shuts the actors down,

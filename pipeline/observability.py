@@ -214,34 +214,50 @@ class ActorTimeline:
         self._first: float | None = None
         self._last_end: float | None = None
         self._gaps: deque[_Gap] = deque(maxlen=history)
+        self._lock = threading.Lock()
+        self._active = 0  # calls under way
+        self._busy_since = 0.0  # the start of the first of them
+        self._forward_before = 0.0  # forward seconds then
+        self._call_seconds = 0.0
 
     @contextmanager
     def call(self, timing: CallTiming | None) -> Iterator[None]:
-        """Wrap one work call: the gap before it is split, then the call itself is timed."""
+        """Wrap one work call: the gap before it is split, then the call itself is timed. Calls may
+        overlap (a threaded actor): the actor is busy from the start of the first to the end of the
+        last of them, and a call that starts while it is busy has no gap before it."""
         start = self._clock()
         sent = min(timing.sent_at, start) if timing is not None else start
-        if self._last_end is None:
-            self._first = min(max(sent, self._ready), start)
-            self._parts["ray_calls"] += start - self._first
-        else:
-            self._queued += max(0.0, min(self._last_end, start) - sent)
-            waiting = self._open_wait if self._open_batches() else "waiting_for_work"
-            gap = _Gap(self._last_end, min(max(sent, self._last_end), start), start, waiting)
-            self._gaps.append(gap)
-            self._credit(gap)
-        for returned in timing.returned if timing is not None else ():
-            self._returned(*returned)
-        forward_before = self.forward.seconds
+        with self._lock:
+            if self._active:  # sent while the actor was busy: its way here overlapped work
+                self._queued += start - sent
+            elif self._last_end is None:
+                self._first = min(max(sent, self._ready), start)
+                self._parts["ray_calls"] += start - self._first
+            else:
+                self._queued += max(0.0, min(self._last_end, start) - sent)
+                waiting = self._open_wait if self._open_batches() else "waiting_for_work"
+                gap = _Gap(self._last_end, min(max(sent, self._last_end), start), start, waiting)
+                self._gaps.append(gap)
+                self._credit(gap)
+            if not self._active:
+                self._busy_since, self._forward_before = start, self.forward.seconds
+            self._active += 1
+            for returned in timing.returned if timing is not None else ():
+                self._returned(*returned)
         try:
             with forward_clock(self.forward):
                 yield
         finally:
             end = self._clock()
-            forward = self.forward.seconds - forward_before
-            self._parts["forward"] += forward
-            self._parts[self._compute] += end - start - forward
-            self._last_end = end
-            self.calls += 1
+            with self._lock:
+                self._active -= 1
+                self.calls += 1
+                self._call_seconds += end - start
+                if not self._active:
+                    forward = self.forward.seconds - self._forward_before
+                    self._parts["forward"] += forward
+                    self._parts[self._compute] += end - self._busy_since - forward
+                    self._last_end = end
 
     def _credit(self, gap: _Gap, sign: float = 1.0) -> None:
         ray, waiting = gap.split()
@@ -261,12 +277,15 @@ class ActorTimeline:
 
     def stats(self) -> dict:
         """``span_seconds``; ``breakdown_seconds``, the parts above (they sum to the span);
-        ``busy_seconds``, inside calls (forward + compute); ``queued_seconds``; ``calls``;
-        ``forward_passes``."""
-        span = self._last_end - self._first if self._first is not None else 0.0
-        return {"span_seconds": span, "breakdown_seconds": dict(self._parts),
-                "busy_seconds": self._parts["forward"] + self._parts[self._compute],
-                "queued_seconds": self._queued, "calls": self.calls, "forward_passes": self.forward.passes}
+        ``busy_seconds``, inside calls (forward + compute); ``call_seconds``, the calls' own
+        durations added up (more than busy_seconds when calls overlap); ``queued_seconds``;
+        ``calls``; ``forward_passes``."""
+        with self._lock:
+            span = self._last_end - self._first if self._first is not None else 0.0
+            return {"span_seconds": span, "breakdown_seconds": dict(self._parts),
+                    "busy_seconds": self._parts["forward"] + self._parts[self._compute],
+                    "call_seconds": self._call_seconds, "queued_seconds": self._queued, "calls": self.calls,
+                    "forward_passes": self.forward.passes}
 
 
 def round_seconds(figures, digits: int = 3):

@@ -72,3 +72,84 @@ def test_eos_stops_a_row_and_is_not_in_the_text(tiny_models):
     assert engine.generated_tokens == 4  # the EOS token was generated, then the row left the batch
     fixed = engine.generate([prompt], 1, [0], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))[0]
     assert fixed.token_ids == greedy  # ignore_eos: the EOS token is kept and decoding runs to the cap
+
+
+def _sbon_like(engine, name, prompts, width, seeds, sampling, pause=0.0):
+    """open, decode to a decision token, prune to every third row, decode to the end, close."""
+    import time
+
+    engine.open(name, prompts, width, seeds, sampling)
+    time.sleep(pause)
+    first = engine.extend(name, until=3)
+    live = [r.row for r in first if not r.finished][::3]
+    rest = engine.extend(name, until=sampling.max_new_tokens, keep=live)
+    counters = engine.close(name)
+    return [(r.row, r.token_ids, r.text, r.finished) for r in first + rest], counters
+
+
+def test_merged_decoding_makes_the_same_candidates_as_separate_batches(tiny_models):
+    """Sessions on concurrent threads share the merged step loop (rows join, prune, hit EOS and leave
+    at different steps), and every row's tokens and text equal the unmerged engine's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    prompt = ids(base, "Write a review")
+    sampling = SamplingParams(max_new_tokens=16)
+    # An EOS the tiny model samples now and then, so some rows finish early.
+    sampled = base.generate([prompt], 8, list(range(8)), sampling)
+    eos = max({t for r in sampled for t in r.token_ids[2:]}, key=lambda t: sum(r.token_ids.count(t) for r in sampled))
+    base.model.generation_config.eos_token_id = eos
+    alone = HFEngine(base.model, base.tokenizer)
+    merged = HFEngine(base.model, base.tokenizer, merged=True)
+    texts = ["Write a review of the lamp", "Explain why the phone broke so quickly today", "Describe the blender",
+             "Tell me if the camera is good", "Summarize the app", "A note about the delivery, please, today"]
+    jobs = [(f"s{i}", [ids(base, t) for t in texts[i:i + 1 + i % 2]], 3 + i % 3, 0.01 * (i % 3))
+            for i in range(len(texts))]
+    jobs = [(name, p, w, [1000 * i + k for k in range(len(p) * w)], pause)
+            for i, (name, p, w, pause) in enumerate(jobs)]
+    expected = [_sbon_like(alone, name, p, w, seeds, sampling) for name, p, w, seeds, _ in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: _sbon_like(merged, job[0], job[1], job[2], job[3], sampling, job[4]), jobs))
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    assert [g[1]["generated_tokens"] for g in got] == [e[1]["generated_tokens"] for e in expected]
+    assert any(finished for rows, _ in expected for *_, finished in rows)  # precondition: EOS happened
+    # The sessions shared forward passes: fewer in all than their own counts add up to.
+    assert merged.forward_passes < sum(c["forward_passes"] for _, c in got)
+    assert merged.sessions == {} and merged._members == [] and merged._merged is None
+
+
+def test_merged_decoding_hands_a_model_error_to_every_call_in_the_step(tiny_models):
+    engine = HFEngine.from_pretrained(str(tiny_models["generator"]), merged=True)
+    prompt = ids(engine, "Write a review")
+    engine.open("a", [prompt], 2, [1, 2], SAMPLE)
+    forward = engine.model.forward
+    engine.model.forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("device lost"))
+    try:
+        import pytest
+
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.extend("a", until=4)
+    finally:
+        engine.model.forward = forward
+    assert engine._members == [] and engine._merged is None and engine._driving is None
+    engine.open("b", [prompt], 2, [1, 2], SAMPLE)  # the loop still serves
+    assert len(engine.extend("b", until=4)) == 2
+
+
+def test_merged_decoding_refuses_a_call_from_inside_its_own_model_work(tiny_models, monkeypatch):
+    """A model-side method runs between steps, as the loop's driver: an engine call from it would
+    wait for itself, so it fails at once instead of hanging."""
+    import pytest
+
+    from pipeline.decoding.best_of_n import BestOfNParams
+    from pipeline.methods import METHODS, Method
+
+    def nested(host, token_ids, num_samples, seeds, sampling, params):
+        return host.engine.generate(token_ids, num_samples, seeds, sampling)
+
+    monkeypatch.setitem(METHODS, "nested", Method("nested", BestOfNParams, "test method", search=nested))
+    engine = HFEngine.from_pretrained(str(tiny_models["generator"]), merged=True)
+    prompt = ids(engine, "Write a review")
+    with pytest.raises(RuntimeError, match="would wait for itself"):
+        engine.search("nested", [prompt], 2, [1, 2], SAMPLE, BestOfNParams())
+    assert len(engine.generate([prompt], 2, [1, 2], SAMPLE)) == 2  # the engine still serves

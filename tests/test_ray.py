@@ -46,6 +46,29 @@ def test_ray_actors_give_the_same_candidates_as_in_process(cluster, tiny_models,
     assert stats["generated_tokens"] > 0 and stats["reward_forward_passes"] > 0
 
 
+def test_merged_decoding_on_a_threaded_actor_gives_the_same_candidates(cluster, tiny_models, engine, scorer):
+    """Batches admitted by rows in flight share the actor's decoding steps (a threaded actor): the
+    candidates are those of one batch at a time in-process, in fewer forward passes."""
+    cfg = config(tiny_models, merged_decoding=True, batches_in_flight=4, rows_in_flight=10, prompts_per_batch=1)
+    sampling = SamplingParams(max_new_tokens=16)
+    passes = engine.forward_passes
+    local = Coordinator("sbon", cfg.strategy.params, sampling, 4, 0, [Serialized(engine)], [Serialized(scorer)], 1, 1)
+    expected = {r.prompt.prompt_id: [(c.token_ids, c.stopped_early) for c in r.candidates]
+                for r in local.run(prompts(engine))}
+    alone = engine.forward_passes - passes
+    workers = start_workers(cfg)
+    try:
+        remote = Coordinator("sbon", cfg.strategy.params, sampling, 4, 0, workers.generators, workers.scorers, 1, 4,
+                             rows_in_flight=10)
+        got = {r.prompt.prompt_id: [(c.token_ids, c.stopped_early) for c in r.candidates]
+               for r in remote.run(prompts(engine))}
+        stats = workers.stats()
+    finally:
+        workers.shutdown()
+    assert got == expected
+    assert stats["generator_forward_passes"] < alone
+
+
 def test_build_job_on_local_ray_with_mixed_input(cluster, tiny_models, tmp_path):
     prompt_file = write_jsonl(tmp_path / "mixed.jsonl", MIXED_ROWS)
     rc = main(["--config", "configs/demo.yaml", "--prompts", str(prompt_file), "--output", str(tmp_path / "out"),

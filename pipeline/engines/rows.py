@@ -11,6 +11,8 @@ always holds: every attended column is one real token.
     rows.fan_out(num_samples)                     # prompt p -> rows p * n .. p * n + n - 1
     out = rows.feed(tokens[:, None])              # one token per row; [B, 1]
     rows.select([0, 0, 2])                        # keep / drop / reorder / repeat rows
+    both = RowBatch.concat([rows, other])         # the rows of several batches as one
+    kept, moved = both.split([[0, 1], [2]])       # and back apart, into new batches
     logits = rows.verify(trees)                   # a token tree per row, one forward pass
     rows.commit([(0, [0, 1]), (2, [])])           # cut the cache to the accepted paths
 
@@ -95,6 +97,16 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def _cache_of(model, layers: list[KV]) -> DynamicCache:
+    """A cache holding ``layers`` (per layer (keys, values) [B, H, L, D]) as they are: filling it
+    through ``update`` would copy every tensor once more."""
+    cache = DynamicCache(config=model.config)
+    for layer, (keys, values) in zip(cache.layers, layers):
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return cache
+
+
 @dataclass
 class RowSnapshot:
     """A RowBatch's rows at one moment; ``RowBatch.gather`` restarts rows from it later (the draft
@@ -177,6 +189,50 @@ class RowBatch:
             cache.update(rows(s.layers[i][0] for s in snapshots), rows(s.layers[i][1] for s in snapshots), i)
         return cls(model, cache, rows(s.attention_mask for s in snapshots), rows(s.next_position for s in snapshots),
                    counted_by)
+
+    @classmethod
+    def concat(cls, batches: list[RowBatch], counted_by: tuple = ()) -> RowBatch:
+        """The rows of ``batches``, in order, as one batch over their (shared) model: each batch's
+        cache is left-padded to the longest one with columns its attention mask hides, so a row's
+        logits stay those it had in its own batch (up to float rounding). The inputs are left as
+        they were; use the result instead."""
+        batches = [b for b in batches if len(b.next_position)]
+        if any(b.verification is not None for b in batches):
+            raise ValueError("concat between verify and commit")
+        if not batches:
+            raise ValueError("concat needs a batch with rows")
+        width = max(b.attention_mask.shape[1] for b in batches)
+        pads = [width - b.attention_mask.shape[1] for b in batches]
+
+        def cat(tensors) -> torch.Tensor:  # each [B_i, H, L_i, D] -> [sum B_i, H, width, D]
+            return torch.cat([torch.nn.functional.pad(t, (0, 0, pad, 0)) for t, pad in zip(tensors, pads)])
+
+        layers = [(cat(b.cache.layers[i].keys for b in batches), cat(b.cache.layers[i].values for b in batches))
+                  for i in range(len(batches[0].cache.layers))]
+        mask = torch.cat([torch.nn.functional.pad(b.attention_mask, (pad, 0)) for b, pad in zip(batches, pads)])
+        return cls(batches[0].model, _cache_of(batches[0].model, layers), mask,
+                   torch.cat([b.next_position for b in batches]), counted_by)
+
+    def split(self, groups: list[list[int]]) -> list[RowBatch]:
+        """One new batch per group of row positions (``concat`` backwards; a group may be empty),
+        each cut to its own rows' longest cache: the leading columns that every row of the group
+        hides are dropped. This batch is left as it was; use the parts instead."""
+        if self.verification is not None:
+            raise ValueError("split between verify and commit")
+        device = self.attention_mask.device
+        parts = []
+        for group in groups:
+            index = torch.as_tensor(group, dtype=torch.long, device=device)  # [B']
+            mask = self.attention_mask[index]  # [B', L]
+            if not len(group):
+                parts.append(RowBatch(self.model, DynamicCache(), mask, self.next_position[index], self.counted_by))
+                continue
+            attended = mask.any(0).nonzero()  # columns some row of the group attends to
+            start = int(attended[0]) if len(attended) else mask.shape[1]
+            layers = [(layer.keys[index, :, start:], layer.values[index, :, start:]) for layer in self.cache.layers]
+            parts.append(RowBatch(self.model, _cache_of(self.model, layers), mask[:, start:],
+                                  self.next_position[index], self.counted_by))
+        return parts
 
     def snapshot(self) -> RowSnapshot:
         return RowSnapshot([(layer.keys, layer.values) for layer in self.cache.layers], self.attention_mask,

@@ -1,0 +1,94 @@
+"""Coordinator scheduling without Ray: rows in flight decide when a generator takes the next batch,
+and merged decoding (pipeline.engines.hf) under the coordinator's threads changes no candidate."""
+
+import threading
+
+import pytest
+
+from pipeline.coordinator import Coordinator, Serialized, _Admission, _CountedRows
+from pipeline.decoding.protocols import PromptInput, RowState
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams
+from pipeline.engines.hf import HFEngine
+from tests.conftest import GOOD_PROMPTS
+
+
+class Rows:
+    """A generator whose extend reports the kept rows, the first ``finished`` of them finished."""
+
+    def __init__(self, finished: int = 0):
+        self.finished = finished
+
+    def open(self, session, prompts, num_samples, seeds, sampling):
+        pass
+
+    def extend(self, session, until, keep=None):
+        return [RowState(row=r, token_ids=[], text="", finished=i < self.finished) for i, r in enumerate(keep)]
+
+    def close(self, session):
+        return {}
+
+
+class Waiting:
+    """A batch waiting for admission on a thread of its own."""
+
+    def __init__(self, admission: _Admission, rows: int):
+        self.got: list[int] = []
+        self.thread = threading.Thread(target=lambda: self.got.append(admission.acquire(rows)), daemon=True)
+        self.thread.start()
+
+    def admitted(self, seconds: float) -> bool:
+        self.thread.join(seconds)
+        return bool(self.got)
+
+
+def test_a_batch_is_admitted_once_the_rows_in_flight_drop_below_the_limit():
+    admission = _Admission(generators=1, batches=8, rows=10)
+    first = _CountedRows(Rows(finished=1), admission, admission.acquire(8), reserved=8)
+    assert Waiting(admission, 8).admitted(1.0)  # 8 rows in flight < 10
+    third = Waiting(admission, 8)
+    assert not third.admitted(0.2)  # 16 rows: the third batch waits...
+    first.open("s", [[1], [2]], 4, list(range(8)), SamplingParams())
+    first.extend("s", until=4, keep=[0, 1, 2, 3, 4, 5])  # ...at 14 rows, then 13 (one row finished)
+    assert not third.admitted(0.2)
+    first.extend("s", until=8, keep=[0, 1])  # pruned to 2, one finished: 1 + 8 = 9 rows < 10
+    assert third.admitted(1.0)
+    first.close("s")
+    assert admission._rows == [16]  # the second and third batches' reservations
+
+
+def test_batches_in_flight_still_caps_a_generator_and_release_returns_the_rows():
+    admission = _Admission(generators=2, batches=1, rows=100)
+    counted = [_CountedRows(Rows(), admission, admission.acquire(4), reserved=4) for _ in range(2)]
+    assert sorted(c._index for c in counted) == [0, 1]  # the least loaded generator first
+    waiting = Waiting(admission, 4)
+    assert not waiting.admitted(0.2)  # one batch each: full
+    counted[0].release()
+    admission.release(counted[0]._index)
+    assert waiting.admitted(1.0) and waiting.got == [counted[0]._index]
+    assert admission._rows[counted[0]._index] == 4  # the released batch's rows left with it
+
+
+def prompts(engine, n=6):
+    return [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in enumerate(GOOD_PROMPTS[:n])]
+
+
+def test_merged_decoding_under_the_coordinator_gives_the_same_candidates(engine, scorer):
+    params = SpeculativeRejectionParams(decision_token=[3, 6], rejection_rate=0.5)
+    sampling = SamplingParams(max_new_tokens=12)
+
+    def run(generator, **kwargs):
+        coordinator = Coordinator("sbon", params, sampling, 4, 0, [generator], [Serialized(scorer)], **kwargs)
+        return {r.prompt.prompt_id: [(c.token_ids, c.text, c.score, c.stopped_early) for c in r.candidates]
+                for r in coordinator.run(prompts(engine))}
+
+    expected = run(Serialized(engine), prompts_per_batch=2, batches_in_flight=1)
+    merged = HFEngine(engine.model, engine.tokenizer, merged=True)
+    got = run(merged, prompts_per_batch=1, batches_in_flight=6, rows_in_flight=10)
+    # Candidates are identical; the reward model scores other batches, so scores agree to rounding.
+    assert {k: [c[:2] + c[3:] for c in v] for k, v in got.items()} == {k: [c[:2] + c[3:] for c in v]
+                                                                        for k, v in expected.items()}
+    for prompt_id, candidates in got.items():
+        assert [c[2] for c in candidates] == pytest.approx([c[2] for c in expected[prompt_id]], abs=1e-5)
+    assert any(c[3] for v in got.values() for c in v)  # precondition: some candidates were stopped early
+    assert merged.sessions == {} and merged._merged is None
