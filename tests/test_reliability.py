@@ -110,7 +110,10 @@ def test_sigkill_of_the_driver_leaves_no_half_written_shard_and_the_rerun_resume
     out = tmp_path / "out"
     slow = {"actor": "reward", "method": "extend", "action": "delay", "seconds": 0.4, "times": None}
     proc = subprocess.Popen([sys.executable, "-m", "jobs.build_dataset",
-                             *args(tiny_models, prompts, out, "--set", "runtime.local=true", faults=[slow])],
+                             # one batch at a time, so shards commit one by one (with 16 batches in
+                             # flight all three can commit within one poll)
+                             *args(tiny_models, prompts, out, "--set", "runtime.local=true",
+                                   "--set", "runtime.batches_in_flight=1", faults=[slow])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
