@@ -23,6 +23,9 @@ from pipeline.observability import TIMED_CALLS, CallLedger
 
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
            "AWS_DEFAULT_REGION", "AWS_REGION")
+# vLLM settings that hold on every node alike (not VLLM_HOST_IP, core lists and such): the KV cache
+# size in GiB of each engine on vLLM's CPU backend, instead of a fraction of the node's memory.
+VLLM_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
 # storage_options keys (s3fs) and the AWS variables that carry the same setting to a worker.
 STORAGE_ENV = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN",
                "endpoint_url": "AWS_ENDPOINT_URL"}
@@ -119,9 +122,9 @@ def _draft_model(config: Config) -> str | None:
 
 
 def ray_runtime_env(storage_options: dict | None = None) -> dict:
-    """Environment the Ray workers need for s3://: the AWS_* variables of the driver, plus the
-    endpoint and credentials of ``data.storage_options`` (which win)."""
-    env = {k: os.environ[k] for k in AWS_ENV if k in os.environ}
+    """Environment the Ray workers need: for s3://, the AWS_* variables of the driver, plus the
+    endpoint and credentials of ``data.storage_options`` (which win); the driver's VLLM_ENV."""
+    env = {k: os.environ[k] for k in AWS_ENV + VLLM_ENV if k in os.environ}
     for key, var in STORAGE_ENV.items():
         if (storage_options or {}).get(key):
             env[var] = str(storage_options[key])
@@ -184,7 +187,15 @@ def _start_local(plan: _ActorPlan, rt: RuntimeConfig) -> Workers:
     rewards = [plan.reward_cls(*plan.reward_args) for _ in range(rt.reward_actors)]
     merged = plan.generator_kwargs["merged_decoding"]
     return Workers([TimedHandle(g if merged else Serialized(g)) for g in gens],
-                   [TimedHandle(Serialized(r)) for r in rewards])
+                   [TimedHandle(Serialized(r)) for r in rewards],
+                   shutdown=functools.partial(_shutdown_local, gens))
+
+
+def _shutdown_local(generators: list) -> None:
+    """Free the in-process generators' engines: a vLLM engine's processes and KV cache would
+    otherwise stay until the driver exits."""
+    for generator in generators:
+        generator.shutdown()
 
 
 def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
@@ -193,9 +204,8 @@ def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
     import ray
 
     rt = config.runtime
-    runtime_env = ray_runtime_env(config.data.storage_options)
-    _attach_ray(runtime_env)
-    place = _RayPlacement(runtime_env, _reserve_placement_group(rt, plan.draft_actor_args is not None))
+    _attach_ray()
+    place = _RayPlacement(ray_runtime_env(config.data.storage_options), _reserve_placement_group(rt, plan.draft_actor_args is not None))
     drafts: dict[int, Any] = {}  # generator index -> its current DraftActor (placement "actor")
     gens = [RemoteProxy(spawn=_generator_spawner(plan, rt, place, i, drafts), name=f"generator {i}",
                         timeout_s=rt.call_timeout_s) for i in range(rt.generator_actors)]
@@ -209,8 +219,13 @@ def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
                    functools.partial(_shutdown_ray, proxies, drafts, place.group))
 
 
-def _attach_ray(runtime_env: dict) -> None:
-    """Join the cluster RAY_ADDRESS names, or start a local one, unless Ray is already up."""
+def _attach_ray() -> None:
+    """Join the cluster RAY_ADDRESS names, or start a local one, unless Ray is already up.
+
+    The workers' environment (ray_runtime_env) goes with each actor, not here: under ``ray job
+    submit --runtime-env-json`` the job's runtime_env already holds the variables the driver sees,
+    and ray.init refuses a second copy of any of them ("Failed to merge the Job's runtime env ...
+    because of a conflict"). An actor's own env_vars are merged with the job's, key by key."""
     import ray
 
     if ray.is_initialized():
@@ -218,7 +233,7 @@ def _attach_ray(runtime_env: dict) -> None:
     # With no cluster to attach to, the local one we start listens on loopback only.
     # address="local": never attach to whatever cluster a stale address file points at.
     local = {} if os.environ.get("RAY_ADDRESS") else {"address": "local", "_node_ip_address": "127.0.0.1"}
-    ray.init(runtime_env=runtime_env or None, **local)
+    ray.init(**local)
 
 
 def _reserve_placement_group(rt: RuntimeConfig, draft_actors: bool):
@@ -293,9 +308,13 @@ def _spawn_with_draft(i: int, spawn_generator: Callable[..., Any], spawn_draft: 
 
 
 def _shutdown_ray(proxies: list[RemoteProxy], drafts: dict[int, Any], group) -> None:
-    """Kill every actor (the draft actors current at shutdown among them) and free the placement group."""
+    """Kill every actor (the draft actors current at shutdown among them) and free the placement group.
+    The proxies are retired first: a build that ends on an error still has batches in flight, and the
+    actors' deaths must end them, not start replacements (actors.remote.WorkersShutDown)."""
     import ray
 
+    for proxy in proxies:
+        proxy.retire()
     for handle in [p.handle for p in proxies] + list(drafts.values()):
         ray.kill(handle)
     if group is not None:

@@ -29,14 +29,15 @@ class GeneratorActor:
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
         (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``: "hf"
-        (HFEngine) or "vllm" (VLLMEngine, for the methods whose registry record lists it);
+        (HFEngine) or "vllm" (VLLMEngine, for the methods whose registry record lists it; on CPU its
+        model worker runs ``num_threads`` threads);
         ``merged_decoding``: concurrent calls share the HF engine's step loop (runtime.merged_decoding;
         the vLLM engine batches on its own and ignores it)."""
         torch.set_num_threads(max(1, num_threads))
         if backend == "vllm":
             from pipeline.engines.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine.from_pretrained(model, dtype=dtype)
+            self.engine = VLLMEngine.from_pretrained(model, dtype=dtype, num_threads=max(1, num_threads))
         else:
             self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype, merged=merged_decoding)
         if draft_actor is not None:
@@ -73,3 +74,9 @@ class GeneratorActor:
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "time": self.timeline.stats()}
+
+    def shutdown(self) -> None:
+        """Free the engine's processes and memory (the vLLM engine's; the HF engine has none). For
+        in-process workers: a Ray actor's end takes them with it."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()

