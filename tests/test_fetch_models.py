@@ -258,6 +258,48 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
     assert {p: p.stat().st_mtime_ns for p in models.rglob("*") if p.is_file()} == written
 
 
+def test_a_committed_head_stands_in_for_training_only_when_it_fits(tiny_gguf, tmp_path, capsys, monkeypatch):
+    """--save-head writes the trained head; with it as --head, a fresh output assembles the same
+    reward model (same rewards) without sampling or training; a head from another GGUF or other
+    settings does not fit: --committed-head-only is then one line and exit code 2."""
+    from pipeline.engines.rewards import RewardScorer
+
+    download = tmp_path / "download"
+    download.mkdir()
+    with zipfile.ZipFile(download / fetch_models.WHEEL, "w") as wheel:
+        wheel.write(tiny_gguf, fetch_models.GGUF)
+    head = tmp_path / "head.json"
+    args = _args(tmp_path, download)
+    assert fetch_models.main(args + ["--head", str(tmp_path / "none.json"), "--save-head", str(head)]) == 0
+    trained = tmp_path / "models" / "reward"
+    saved = json.loads(head.read_text())
+    assert saved["gguf_sha256"] == fetch_models.sha256_file(download / fetch_models.GGUF)
+    assert saved["report"]["training_pairs"] == json.loads((trained / "report.json").read_text())["training_pairs"]
+
+    def refuse(*a, **k):
+        raise AssertionError("sampled or trained instead of using the committed head")
+
+    monkeypatch.setattr("pipeline.engines.hf.HFEngine.from_pretrained", refuse)
+    fresh = _args(tmp_path, download)
+    fresh[fresh.index("--output") + 1] = str(tmp_path / "fast")
+    assert fetch_models.main(fresh + ["--head", str(head), "--committed-head-only"]) == 0
+    report = json.loads((tmp_path / "fast" / "reward" / "report.json").read_text())
+    assert report["reward_source"] == "committed head" and "the committed head" in capsys.readouterr().out
+    texts = ["A kind and clear answer.", "no no no no no", "Thanks for the lamp, it is bright."]
+    want = RewardScorer.from_pretrained(str(trained)).score(["Review the lamp."] * 3, texts)
+    got = RewardScorer.from_pretrained(str(tmp_path / "fast" / "reward")).score(["Review the lamp."] * 3, texts)
+    assert got == pytest.approx(want, abs=1e-4) and len(set(got)) == 3
+
+    # Other settings (or another GGUF): the head does not fit.
+    assert fetch_models.main(fresh + ["--head", str(head), "--committed-head-only", "--seed", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: the committed reward head does not fit (settings differ from the head's: seed)")
+    saved["gguf_sha256"] = "0" * 64
+    head.write_text(json.dumps(saved))
+    assert fetch_models.main(fresh + ["--head", str(head), "--committed-head-only"]) == 2
+    assert "the head was trained on 0000000000000000" in capsys.readouterr().err
+
+
 def test_no_network_is_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch):
     empty = tmp_path / "no-wheels"
     empty.mkdir()

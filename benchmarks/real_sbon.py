@@ -1,0 +1,271 @@
+"""Speculative rejection vs Best-of-N on the real models, end to end through the build job.
+
+    python -m benchmarks.real_sbon [--config configs/real.yaml] [--device cpu|cuda] [--prompts 64]
+        [--generator DIR] [--reward DIR] [--num-samples N] [--max-new-tokens T] [--decision-token TAU]
+        [--rejection-rate ALPHA] [--seed 0] [--repeats 1] [--set KEY=VALUE ...]
+        [--output out/bench/real-sbon] [--no-judge] [--json FILE]
+
+    # issue 13 item 5, on a GPU:
+    python -m benchmarks.real_sbon --device cuda --prompts 64 --json out/bench/real-sbon-cuda.json
+
+Runs ``jobs.build_dataset.main`` twice, Best-of-N then speculative rejection (sbon), on
+configs/real.yaml (SmolLM2-135M-Instruct generating, its reward model scoring; ``make real-models``
+or ``python -m jobs.fetch_models``): same prompts (the first ``--prompts`` of the config's
+data.prompts), same seed, same settings (the config's N = 32, 256 tokens, tau 96, alpha 0.85 unless
+a flag says otherwise, plus every ``--set``). On a CUDA device with no ``--set
+runtime.{generator,reward}.num_gpus=...`` both actors get num_gpus 0.5, so Ray hands them the GPU.
+From each run's ``_report.json`` and pair Parquet it prints:
+
+- run seconds of each build (first batch dispatched to last shard committed; startup left out),
+  the run-time speedup (Best-of-N / sbon), generated tokens and the token rate (sbon / Best-of-N),
+  and the efficiency (speedup x token rate), as benchmarks.efficiency does;
+- the normalized score (Eq. 5 of the paper, pipeline.decoding.sbon_analysis.normalized_score),
+  averaged over the prompts both builds paired: 100 * (1 - (max_k s(Z_k) - s(sbon chosen)) /
+  (max_k s(Z_k) - min_k s(Z_k))). The pair Parquet carries Best-of-N's max and min directly: its
+  chosen_score is the best finite reward of its N completed candidates and, with data.rejected =
+  complete (the default), its rejected_score the lowest one (pipeline.data.pairs.select_pair; the
+  only candidates it skips are ones whose text equals the chosen text, whose reward then equals
+  the max). Every candidate's sampler is seeded from (seed, prompt, sample index)
+  (pipeline.decoding.sampling.row_seed), so sbon samples the same candidates as Best-of-N and the
+  score is at most 100, up to floating-point noise of batched forward passes; the checks below
+  say how far that held (prompts where sbon's chosen reward exceeds Best-of-N's, and prompts
+  where both chose the same sample index but got different text);
+- the mean reward-model score of each build's chosen response, and the share of prompts where
+  sbon chose the same sample as Best-of-N;
+- the independent judge's verdict (pipeline.judge.RubricJudge on the frozen generator, the rubric
+  the reward model was trained to imitate): sbon's chosen vs Best-of-N's chosen on each prompt,
+  win rate = (wins + ties / 2) / prompts (identical texts are ties).
+
+Target (issue 13 item 5): >= 2.5x run-time speedup at normalized score >= 98.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.efficiency import COMPARED, efficiency
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/real.yaml")
+    parser.add_argument("--device", default="cpu", help="models.device of both builds and the judge's device")
+    parser.add_argument("--generator", help="models.generator (default: the config's)")
+    parser.add_argument("--reward", help="models.reward (default: the config's)")
+    parser.add_argument("--prompts", type=int, default=64, help="how many of the config's data.prompts (first ones)")
+    parser.add_argument("--num-samples", type=int, help="N (default: the config's)")
+    parser.add_argument("--max-new-tokens", type=int, help="default: the config's")
+    parser.add_argument("--decision-token", type=int, help="sbon's tau (default: the config's)")
+    parser.add_argument("--rejection-rate", type=float, help="sbon's alpha (default: the config's)")
+    parser.add_argument("--seed", type=int, help="default: the config's")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per strategy; the fastest is kept")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to both builds, e.g. --set runtime.rows_in_flight=256")
+    parser.add_argument("--output", default="out/bench/real-sbon", help="the builds' outputs: OUTPUT/STRATEGY")
+    parser.add_argument("--no-judge", action="store_true", help="skip the judge's win rate")
+    parser.add_argument("--judge-batch-size", type=int, default=16)
+    parser.add_argument("--json", help="write the figures here as JSON")
+    return parser.parse_args(argv)
+
+
+def settings(args: argparse.Namespace) -> tuple[list[str], dict]:
+    """The --set overrides both builds share, and the effective settings (from the loaded config)."""
+    from pipeline.config import load_config
+
+    shared = [f"models.device={args.device}"]
+    for flag, key in (("generator", "models.generator"), ("reward", "models.reward"),
+                      ("num_samples", "sampling.num_samples"), ("max_new_tokens", "sampling.max_new_tokens"),
+                      ("seed", "seed")):
+        if getattr(args, flag) is not None:
+            shared.append(f"{key}={getattr(args, flag)}")
+    if args.device.startswith("cuda"):
+        for role in ("generator", "reward"):
+            if not any(o.startswith(f"runtime.{role}.num_gpus=") for o in args.overrides):
+                shared.append(f"runtime.{role}.num_gpus=0.5")
+    shared += args.overrides
+    sbon = load_config(args.config, shared + sbon_overrides(args), strategy="sbon")
+    params = sbon.strategy.params
+    return shared, {"config": args.config, "device": args.device, "generator": sbon.models.generator,
+                    "reward": sbon.models.reward, "prompts_file": sbon.data.prompts,
+                    "num_samples": sbon.sampling.num_samples, "max_new_tokens": sbon.sampling.max_new_tokens,
+                    "decision_token": params.decision_token, "rejection_rate": params.rejection_rate,
+                    "seed": sbon.seed, "overrides": shared}
+
+
+def sbon_overrides(args: argparse.Namespace) -> list[str]:
+    out = []
+    if args.decision_token is not None:
+        out.append(f"strategy.decision_token={args.decision_token}")
+    if args.rejection_rate is not None:
+        out.append(f"strategy.rejection_rate={args.rejection_rate}")
+    return out
+
+
+def build(strategy: str, args: argparse.Namespace, shared: list[str], prompts: Path) -> dict:
+    """One build through the build job; its run report."""
+    from jobs.build_dataset import main as build_dataset
+
+    output = Path(args.output) / strategy
+    argv = ["--config", args.config, "--strategy", strategy, "--prompts", str(prompts), "--output", str(output),
+            "--overwrite", "--no-progress"]
+    for override in shared + (sbon_overrides(args) if strategy == "sbon" else []):
+        argv += ["--set", override]
+    print(f"== {strategy}", flush=True)
+    start = time.perf_counter()
+    rc = build_dataset(argv)
+    if rc != 0:
+        raise SystemExit(f"error: the {strategy} build failed (exit code {rc})")
+    report = json.loads((output / "_report.json").read_text())
+    print(f"   {strategy}: run {report['run_seconds']:.2f}s, startup {report['startup_seconds']:.1f}s, "
+          f"{report['generated_tokens']} tokens (wall {time.perf_counter() - start:.1f}s)", flush=True)
+    return report
+
+
+def read_pairs(output: Path) -> dict[str, dict]:
+    """prompt_id -> pair row of one build (the committed part files)."""
+    import pyarrow.parquet as pq
+
+    rows = {}
+    for part in sorted(output.glob("part-*.parquet")):
+        for row in pq.read_table(part).to_pylist():
+            rows[row["prompt_id"]] = row
+    return rows
+
+
+def quality(bon: dict[str, dict], sbon: dict[str, dict]) -> tuple[dict, list[str]]:
+    """Normalized score and the consistency checks over the prompts both builds paired."""
+    from pipeline.decoding.sbon_analysis import normalized_score
+
+    common = [p for p in bon if p in sbon]
+    scores, above, same_sample, same_sample_other_text = [], 0, 0, 0
+    for p in common:
+        b, s = bon[p], sbon[p]
+        value = normalized_score([b["chosen_score"], b["rejected_score"]], s["chosen_score"])
+        if math.isfinite(value):
+            scores.append(value)
+        above += s["chosen_score"] > b["chosen_score"] + 1e-4 * max(1.0, abs(b["chosen_score"]))
+        if s["chosen_sample"] == b["chosen_sample"]:
+            same_sample += 1
+            same_sample_other_text += s["chosen"] != b["chosen"]
+    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    return {"paired_prompts": {"best_of_n": len(bon), "sbon": len(sbon), "both": len(common)},
+            "normalized_score": round(mean(scores), 3), "normalized_score_prompts": len(scores),
+            "normalized_score_min": round(min(scores), 3) if scores else math.nan,
+            "prompts_at_100": sum(v >= 100 - 1e-9 for v in scores),
+            "mean_chosen_reward": {"best_of_n": round(mean([bon[p]["chosen_score"] for p in common]), 4),
+                                   "sbon": round(mean([sbon[p]["chosen_score"] for p in common]), 4)},
+            "same_chosen_sample": same_sample, "same_sample_different_text": same_sample_other_text,
+            "sbon_chosen_reward_above_bon": above}, common
+
+
+def judge(bon: dict[str, dict], sbon: dict[str, dict], common: list[str], generator: str, device: str,
+          max_new_tokens: int, batch_size: int) -> dict:
+    """RubricJudge's verdict, sbon's chosen vs Best-of-N's chosen on each prompt."""
+    import torch
+
+    from pipeline.judge import RubricJudge
+
+    start = time.perf_counter()
+    # As jobs.fetch_models builds it: the judge reads whole responses (its cut stays above the cap).
+    rubric = RubricJudge.from_pretrained(generator, device=device, batch_size=batch_size,
+                                         max_response_tokens=2 * max_new_tokens)
+    prompts = [bon[p]["raw_prompt"] for p in common]
+    bon_scores = rubric.score(prompts, [bon[p]["chosen"] for p in common])
+    sbon_scores = rubric.score(prompts, [sbon[p]["chosen"] for p in common])
+    wins = losses = ties = 0
+    for p, b, s in zip(common, bon_scores, sbon_scores):
+        if bon[p]["chosen"] == sbon[p]["chosen"] or s == b:
+            ties += 1
+        elif s > b:
+            wins += 1
+        else:
+            losses += 1
+    del rubric
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    n = max(1, len(common))
+    return {"prompts": len(common), "sbon_wins": wins, "sbon_losses": losses, "ties": ties,
+            "win_rate": round((wins + ties / 2) / n, 4),
+            "win_rate_without_ties": round(wins / (wins + losses), 4) if wins + losses else math.nan,
+            "mean_judge_score": {"best_of_n": round(sum(bon_scores) / n, 4), "sbon": round(sum(sbon_scores) / n, 4)},
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shared, used = settings(args)
+    for key in ("generator", "reward"):
+        if not Path(used[key]).is_dir():
+            print(f"error: {used[key]}: no model directory (make real-models, or --{key} DIR)", file=sys.stderr)
+            return 2
+    lines = [ln for ln in Path(used["prompts_file"]).read_text().splitlines() if ln.strip()][:args.prompts]
+    from pipeline.observability import format_actor_time
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text("\n".join(lines) + "\n")
+        runs: dict[str, list[dict]] = {s: [] for s in COMPARED}
+        for repeat in range(args.repeats):  # alternate the order: drift on a shared machine hits both
+            for strategy in COMPARED if repeat % 2 == 0 else COMPARED[::-1]:
+                runs[strategy].append(build(strategy, args, shared, prompts))
+    best = {s: min(runs[s], key=lambda r: r["run_seconds"]) for s in COMPARED}
+    ratios = efficiency(best["best_of_n"], best["sbon"])
+    pairs = {s: read_pairs(Path(args.output) / s) for s in COMPARED}  # the last run of each (same seed: same pairs)
+    scores, common = quality(pairs["best_of_n"], pairs["sbon"])
+    verdict = None if args.no_judge else judge(pairs["best_of_n"], pairs["sbon"], common, used["generator"],
+                                               args.device, used["max_new_tokens"], args.judge_batch_size)
+
+    print(f"\n{len(lines)} prompts of {used['prompts_file']}, N={used['num_samples']}, T={used['max_new_tokens']}, "
+          f"tau={used['decision_token']}, alpha={used['rejection_rate']}, seed {used['seed']}, device {args.device}"
+          f" (fastest of {args.repeats}); --set {' '.join(shared)}")
+    for strategy in COMPARED:
+        report = best[strategy]
+        print(f"{strategy:<10} run {report['run_seconds']:.2f}s (startup {report['startup_seconds']:.1f}s), "
+              f"{report['generated_tokens']} tokens, {len(pairs[strategy])} pairs")
+        for role, times in (report.get("actor_time") or {}).items():
+            print(f"  {role + ' time':<15}{format_actor_time(times)}")
+    print(f"speedup (Best-of-N run_seconds / sbon run_seconds)  {ratios['speedup']:.3f}  (target >= 2.5)")
+    print(f"token rate (sbon tokens / Best-of-N tokens)          {ratios['token_rate']:.3f}")
+    print(f"efficiency (speedup x token rate)                    {ratios['efficiency']:.3f}")
+    print(f"normalized score (Eq. 5, mean over {scores['normalized_score_prompts']} prompts)     "
+          f"{scores['normalized_score']:.2f}  (target >= 98; min {scores['normalized_score_min']:.2f}, "
+          f"{scores['prompts_at_100']} prompts at 100)")
+    print(f"mean chosen reward: Best-of-N {scores['mean_chosen_reward']['best_of_n']:.4f}, "
+          f"sbon {scores['mean_chosen_reward']['sbon']:.4f}; same chosen sample on "
+          f"{scores['same_chosen_sample']}/{scores['paired_prompts']['both']} prompts")
+    print(f"checks: sbon chosen reward above Best-of-N's on {scores['sbon_chosen_reward_above_bon']} prompts, "
+          f"same sample with different text on {scores['same_sample_different_text']} (both 0 when sbon sampled "
+          f"Best-of-N's candidates)")
+    if verdict:
+        print(f"judge (RubricJudge) sbon vs Best-of-N chosen: {verdict['sbon_wins']} wins, {verdict['sbon_losses']} "
+              f"losses, {verdict['ties']} ties -> win rate {verdict['win_rate']:.3f} (ties as half; "
+              f"{verdict['win_rate_without_ties']} without ties); mean judge score Best-of-N "
+              f"{verdict['mean_judge_score']['best_of_n']:.4f}, sbon {verdict['mean_judge_score']['sbon']:.4f}")
+
+    if args.json:
+        result = {"settings": used, "prompts": len(lines), "repeats": args.repeats, **ratios, **scores,
+                  "judge": verdict, "runs": best, "all_runs": runs, **environment(args.device)}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
