@@ -303,11 +303,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"driver CPU {result['driver_cpu_seconds_per_1000_prompts']:.2f} s per 1,000 prompts "
                   f"({result['driver_cpu_share']:.0%} of a core), lost {result['lost']}, "
                   f"duplicated {result['duplicated']}, run {result['run_seconds']:.1f}s", flush=True)
+    write_results(args, results)
+    return 0
+
+
+def write_results(args: argparse.Namespace, results: list[dict]) -> None:
+    """``{"settings": the arguments, "results": results}`` to ``args.json``, when given."""
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
         print(f"wrote {args.json}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except ShardFailed as exc:  # a shard out of retries: loud, named, and resumable
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except InputError as exc:  # the input, read again shard by shard, changed or became unreadable
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         workers.shutdown()
     print(format_summary(manifest))

@@ -1,12 +1,16 @@
 """The build: prompts in, chosen/rejected Parquet shards, _rejects/ and _manifest.json out.
 
 Input rows are cut into shards of ``data.shard_size`` consecutive rows; shard k owns rows
-[k * shard_size, (k + 1) * shard_size) and commits as part-k. Prompts of all pending shards run
-through the coordinator together, and a shard commits (pipeline.data.writer: data, then marker)
-as soon as its last prompt is done. Committed shards are skipped on a rerun; an output built with
-another config is refused (OutputConflict) unless overwritten. At the end every marker is checked
-against its files, the manifest is recomputed from all of them (so it describes what is on disk
-whether the run resumed or not), the run report is written, and _SUCCESS last.
+[k * shard_size, (k + 1) * shard_size) and commits as part-k. The driver never holds the whole
+input: planning reads it once, shard by shard (every row validated, every shard fingerprinted,
+every prompt's first row recorded on disk for duplicate detection, rows counted), so every input
+error surfaces before a cluster starts; the run reads it again, shard by shard, skips committed
+shards, and hands the prompts of whole pending shards to the coordinator a window at a time
+(``WINDOW_ROUNDS``), formatting them as it goes. A shard commits (pipeline.data.writer: data,
+then marker) as soon as its last prompt is done, and its rejects commit with it. An output built
+with another config is refused (OutputConflict) unless overwritten. At the end every marker is
+checked against its files, the manifest is recomputed from all of them (so it describes what is
+on disk whether the run resumed or not), the run report is written, and _SUCCESS last.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 from transformers import AutoConfig
 
 from pipeline.config import Config, ConfigError
 from pipeline.coordinator import BatchFailed, Coordinator
 from pipeline.data.pairs import select_pair
-from pipeline.data.prompts import PromptFormatter, Reject, read_raw_rows, validate
+from pipeline.data.prompts import FirstRows, InputError, PromptFormatter, PromptSource, Reject, validate
 from pipeline.data.writer import OutputStore, fingerprint
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import load_tokenizer
@@ -42,6 +47,8 @@ class _Shard:
     """sha256 of the shard's input rows (pipeline.data.writer.fingerprint)."""
     expected: int = 0
     """Prompts of this shard sent to the coordinator."""
+    too_long: int = 0
+    """Valid prompts that formatting rejected (longer than data.max_prompt_tokens)."""
     pairs: list[dict] = field(default_factory=list)
     rejects: list[dict] = field(default_factory=list)
     quarantine: list[dict] = field(default_factory=list)
@@ -72,35 +79,46 @@ def sampling_params(config: Config) -> SamplingParams:
     return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
+WINDOW_ROUNDS = 64
+"""The coordinator is handed the prompts of whole pending shards a window at a time: at least this
+many times the prompts its generators hold in flight (generator actors x batches_in_flight x
+prompts_per_batch). The driver holds one window, and the next one, read and formatted while the
+window's last batches finish; never the whole input. Coordinator.run takes a list of prompts, so the
+generators drain at the end of each window: one in-flight batch's lifetime, about 1/64 of a window
+at this size (a window of 64 x in-flight prompts takes about 64 batch lifetimes)."""
+
+
 @dataclass
 class BuildPlan:
-    """Everything decided before any model runs: input read and validated, prompts formatted,
-    shards assigned. Building it surfaces every input error before a cluster starts."""
+    """Everything decided before any model runs: input read once and validated, shards fingerprinted
+    and counted, committed shards found. Building it surfaces every input error before a cluster
+    starts; it holds no input rows (the run reads the input again, shard by shard)."""
 
     config: Config
     store: OutputStore
     prompts_in: int
     num_shards: int
-    pending: dict[int, _Shard]
-    prompts: list
-    origin: dict
-    """prompt_id -> (shard, source_row, truncated)."""
+    pending: list[int]
+    """The shards to build, in order (the others are committed)."""
+    rows_to_run: int
+    """Valid, distinct prompts of the pending shards (those formatting rejects, too long, included)."""
+    source: PromptSource
+    fingerprints: list[str]
+    """Shard k's input fingerprint (pipeline.data.writer.fingerprint), for every shard."""
+    first_rows: FirstRows
+    """Every prompt's first input row, for duplicate detection (on disk; closed by run_build)."""
+    formatter: PromptFormatter
     started: float
     """When planning began (time.perf_counter): the start of the run's wall time and startup."""
     config_hash: str = ""
 
 
 def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
-    """Read and validate the input, check the output (OutputConflict when it holds another build,
-    unless ``overwrite``), and assign the prompts of every uncommitted shard."""
+    """Read and validate the input shard by shard, check the output (OutputConflict when it holds
+    another build, unless ``overwrite``), and find the shards still to build."""
     start = time.perf_counter()
     data = config.data
-    values = read_raw_rows(data.prompts, data.prompt_column, data.storage_options)
-    rows, input_rejects = validate(values, data.prompt_column)
-    num_shards = max(1, math.ceil(len(values) / data.shard_size))
-    fingerprints = [fingerprint(values[k * data.shard_size:(k + 1) * data.shard_size]) for k in range(num_shards)]
     build_hash = config_hash(config)
-
     try:
         tokenizer = load_tokenizer(config.models.generator)
         model_config = AutoConfig.from_pretrained(config.models.generator)
@@ -116,27 +134,64 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
     max_prompt = data.max_prompt_tokens or context - config.sampling.max_new_tokens
     formatter = PromptFormatter(tokenizer, max_prompt, data.overlength, config.sampling.chat_template)
 
-    store = OutputStore(data.output, data.storage_options)
-    committed = set() if overwrite else store.committed({k: (fp, build_hash) for k, fp in enumerate(fingerprints)})
-    store.prepare(overwrite=overwrite)
-    pending = {k: _Shard(k, fingerprints[k]) for k in range(num_shards) if k not in committed}
+    source = PromptSource(data.prompts, data.prompt_column, data.storage_options)
+    first_rows = FirstRows()
+    try:
+        fingerprints, valid, prompts_in = [], [], 0
+        for k, values in source.shards(data.shard_size):
+            fingerprints.append(fingerprint(values))
+            rows, _ = validate(values, data.prompt_column, prompts_in, first_rows)
+            valid.append(len(rows))
+            prompts_in += len(values)
+        num_shards = len(fingerprints)
+        store = OutputStore(data.output, data.storage_options)
+        committed = set() if overwrite else store.committed({k: (fp, build_hash) for k, fp in enumerate(fingerprints)})
+        store.prepare(overwrite=overwrite)
+    except BaseException:
+        first_rows.close()
+        raise
+    pending = [k for k in range(num_shards) if k not in committed]
+    return BuildPlan(config, store, prompts_in, num_shards, pending, sum(valid[k] for k in pending), source,
+                     fingerprints, first_rows, formatter, start, build_hash)
 
-    for r in input_rejects:
-        if r.source_row // data.shard_size in pending:
-            pending[r.source_row // data.shard_size].rejects.append(_reject_row(r, "input"))
-    prompts, origin = [], {}
-    for row in rows:
-        shard = pending.get(row.source_row // data.shard_size)
-        if shard is None:
+
+def _pending_shards(plan: BuildPlan) -> Iterator[tuple[_Shard, list[tuple]]]:
+    """Each pending shard in order, read, validated and formatted when asked for: (the shard, with
+    its input rejects; its prompts as (PromptInput, source row, truncated))."""
+    data = plan.config.data
+    pending = set(plan.pending)
+    for k, values in plan.source.shards(data.shard_size):
+        if k not in pending:
             continue
-        prompt, reject, truncated = formatter.prepare(row)
-        if reject is not None:
-            shard.rejects.append(_reject_row(reject, "input"))
-            continue
-        prompts.append(prompt)
-        origin[prompt.prompt_id] = (shard, row.source_row, truncated)
-        shard.expected += 1
-    return BuildPlan(config, store, len(values), num_shards, pending, prompts, origin, start, build_hash)
+        if fingerprint(values) != plan.fingerprints[k]:
+            raise InputError(f"{data.prompts}: changed while the build ran (the rows of shard {k} are not those "
+                             "planned); committed shards are kept, a rerun resumes")
+        shard = _Shard(k, plan.fingerprints[k])
+        rows, rejects = validate(values, data.prompt_column, k * data.shard_size, plan.first_rows)
+        shard.rejects = [_reject_row(r, "input") for r in rejects]
+        prompts = []
+        for row in rows:
+            prompt, reject, truncated = plan.formatter.prepare(row)
+            if reject is not None:
+                shard.rejects.append(_reject_row(reject, "input"))
+                shard.too_long += 1
+            else:
+                prompts.append((prompt, row.source_row, truncated))
+        shard.expected = len(prompts)
+        yield shard, prompts
+
+
+def _windows(shards: Iterator[tuple[_Shard, list[tuple]]], size: int) -> Iterator[list[tuple[_Shard, list[tuple]]]]:
+    """Whole shards, grouped until their prompts number at least ``size``."""
+    window, prompts = [], 0
+    for shard, shard_prompts in shards:
+        window.append((shard, shard_prompts))
+        prompts += len(shard_prompts)
+        if prompts >= size:
+            yield window
+            window, prompts = [], 0
+    if window:
+        yield window
 
 
 def _record(shard: _Shard, result, source_row: int) -> None:
@@ -161,24 +216,35 @@ def _record(shard: _Shard, result, source_row: int) -> None:
 
 
 def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
-    """Generate, pair and commit every pending shard of the plan; verify every marker, write the
-    manifest, the run report and _SUCCESS; returns the manifest."""
+    """Generate, pair and commit every pending shard of the plan, reading the input again shard by
+    shard; verify every marker, write the manifest, the run report and _SUCCESS; returns the manifest."""
+    try:
+        return _run(plan, workers, progress)
+    finally:
+        plan.first_rows.close()
+
+
+def _run(plan: BuildPlan, workers, progress: bool) -> dict:
     from pipeline.observability import BuildMetrics, ProgressBars, pairs_per_hour, round_seconds
 
-    config, store, pending, origin = plan.config, plan.store, plan.pending, plan.origin
+    config, store, runtime = plan.config, plan.store, plan.config.runtime
     metrics = BuildMetrics(started=plan.started)
-    bars = ProgressBars(len(plan.prompts), config.strategy.name, enabled=progress)
+    bars = ProgressBars(plan.rows_to_run, config.strategy.name, enabled=progress)
+    origin: dict[str, tuple[_Shard, int, bool]] = {}
+    """prompt_id -> (shard, source_row, truncated), for the prompts of the windows being run."""
     # Startup (planning, cluster, actors, model loads) ends here: the workers are up, and the first
-    # batches go out as soon as the coordinator is asked for results.
+    # batches go out as soon as the first window is read and the coordinator is asked for results.
     run_started = last_commit = time.perf_counter()
+    quarantined = truncated_prompts = prompts_run = 0
 
     def commit(shard: _Shard) -> None:
-        nonlocal last_commit
+        nonlocal last_commit, quarantined
         shard.pairs.sort(key=lambda p: p["source_row"])
         shard.rejects.sort(key=lambda r: r["source_row"])
         shard.stats.update(pairs=len(shard.pairs), rejects=len(shard.rejects))
         store.commit_shard(shard.index, shard.pairs, shard.rejects, shard.fingerprint, plan.config_hash,
                            dict(shard.stats), shard.quarantine, config.data.output_format)
+        quarantined += len(shard.quarantine)
         metrics.shard_committed()
         last_commit = time.perf_counter()
 
@@ -190,37 +256,66 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
         shards = sorted({origin[pid][0].index for pid in failure.prompt_ids})
         sync_restarts()
         print(f"warning: {failure.cause}; actor replaced (or already), shard(s) {shards} batch resubmitted "
-              f"(attempt {failure.attempts + 1} of {config.runtime.max_attempts})", file=sys.stderr)
+              f"(attempt {failure.attempts + 1} of {runtime.max_attempts})", file=sys.stderr)
 
-    for shard in [s for s in pending.values() if s.expected == 0]:
-        commit(shard)
+    def start(window: list[tuple[_Shard, list[tuple]]]) -> list:
+        """The window's prompts, in input order; its shards with nothing to run commit now."""
+        nonlocal truncated_prompts
+        prompts = []
+        for shard, shard_prompts in window:
+            for prompt, source_row, truncated in shard_prompts:
+                origin[prompt.prompt_id] = (shard, source_row, truncated)
+                prompts.append(prompt)
+                truncated_prompts += truncated
+            if shard.too_long:  # planning counted them in the bars' total; formatting rejected them
+                for bar in (bars.prompts, bars.pairs):
+                    bar.total -= shard.too_long
+                    bar.refresh()
+            if shard.expected == 0:
+                commit(shard)
+        return prompts
+
     coordinator = Coordinator(config.strategy.name, config.strategy.params, sampling_params(config),
                               config.sampling.num_samples, config.seed, workers.generators, workers.scorers,
-                              config.runtime.prompts_per_batch, config.runtime.batches_in_flight,
-                              max_attempts=config.runtime.max_attempts, on_retry=on_retry,
-                              rows_in_flight=config.runtime.rows_in_flight)
+                              runtime.prompts_per_batch, runtime.batches_in_flight,
+                              max_attempts=runtime.max_attempts, on_retry=on_retry,
+                              rows_in_flight=runtime.rows_in_flight)
+    in_flight = len(workers.generators) * runtime.batches_in_flight * runtime.prompts_per_batch
+    windows = _windows(_pending_shards(plan), WINDOW_ROUNDS * in_flight)
     pairs_made = tokens = bon_tokens = 0
     try:
-        for result in coordinator.run(plan.prompts):
-            shard, source_row, truncated = origin[result.prompt.prompt_id]
-            _record(shard, result, source_row)
-            pair, reason = select_pair(result, config.strategy.name, config.data.min_margin,
-                                       config.data.output_format, config.data.rejected)
-            if pair is None:
-                shard.rejects.append(_reject_row(Reject(source_row, reason, result.prompt.raw_prompt[:1000],
-                                                        result.prompt.prompt_id), "pairing",
-                                                 result.generated_tokens, result.bon_equivalent_tokens))
-            else:
-                pair.update(prompt_truncated=truncated, source_row=source_row)
-                shard.pairs.append(pair)
-                pairs_made += 1
-            shard.done += 1
-            tokens += result.generated_tokens
-            bon_tokens += result.bon_equivalent_tokens
-            metrics.prompt_done(pair is not None, result.generated_tokens, result.bon_equivalent_tokens)
-            bars.update(pair is not None, result.bon_equivalent_tokens - result.generated_tokens)
-            if shard.done == shard.expected:
-                commit(shard)
+        window = next(windows, [])
+        while window:
+            prompts = start(window)
+            ahead = None  # the next window once read ([]: the input is done)
+            for done, result in enumerate(coordinator.run(prompts), start=1):
+                shard, source_row, truncated = origin.pop(result.prompt.prompt_id)
+                _record(shard, result, source_row)
+                pair, reason = select_pair(result, config.strategy.name, config.data.min_margin,
+                                           config.data.output_format, config.data.rejected)
+                if pair is None:
+                    shard.rejects.append(_reject_row(Reject(source_row, reason, result.prompt.raw_prompt[:1000],
+                                                            result.prompt.prompt_id), "pairing",
+                                                     result.generated_tokens, result.bon_equivalent_tokens))
+                else:
+                    pair.update(prompt_truncated=truncated, source_row=source_row)
+                    shard.pairs.append(pair)
+                    pairs_made += 1
+                shard.done += 1
+                tokens += result.generated_tokens
+                bon_tokens += result.bon_equivalent_tokens
+                metrics.prompt_done(pair is not None, result.generated_tokens, result.bon_equivalent_tokens)
+                bars.update(pair is not None, result.bon_equivalent_tokens - result.generated_tokens)
+                if shard.done == shard.expected:
+                    commit(shard)
+                if ahead is None and done >= len(prompts) - in_flight:
+                    # Every batch of the window is out: read the next window while they finish.
+                    ahead = next(windows, [])
+            prompts_run += len(prompts)
+            unfinished = [shard.index for shard, _ in window if shard.done != shard.expected]
+            if unfinished:
+                raise RuntimeError(f"shards {unfinished} did not receive all their prompts")
+            window = ahead if ahead is not None else next(windows, [])
     except BatchFailed as exc:
         shards = sorted({origin[pid][0].index for pid in exc.prompt_ids})
         raise ShardFailed(f"shard(s) {', '.join(f'part-{k:05d}' for k in shards)} failed after {exc.attempts} "
@@ -228,27 +323,24 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
     finally:
         bars.close()
     sync_restarts()
-    unfinished = [s.index for s in pending.values() if s.done != s.expected]
-    if unfinished:
-        raise RuntimeError(f"shards {unfinished} did not receive all their prompts")
 
-    markers = store.verify(plan.num_shards)  # _SUCCESS only after every marker is checked
-    manifest = summarize(store, markers, plan.num_shards, plan.prompts_in)
+    # _SUCCESS only after every marker is checked: summarize reads them all through verify.
+    manifest = summarize(store, store.verify(plan.num_shards), plan.num_shards, plan.prompts_in)
     wall = time.perf_counter() - plan.started
     run_stats = workers.stats()
     if "actor_time" in run_stats:
         run_stats["actor_time"] = round_seconds(run_stats["actor_time"])
+    written = set(plan.pending)
     manifest.update(wall_seconds=round(wall, 3), startup_seconds=round(run_started - plan.started, 3),
                     run_seconds=round(last_commit - run_started, 3), config=config.to_dict(),
-                    config_hash=plan.config_hash, shards_written=sorted(pending),
-                    shards_skipped=sorted(set(range(plan.num_shards)) - set(pending)),
-                    prompts_truncated=sum(1 for _, _, t in origin.values() if t), run_stats=run_stats,
-                    pairs_this_run=pairs_made)
+                    config_hash=plan.config_hash, shards_written=list(plan.pending),
+                    shards_skipped=[k for k in range(plan.num_shards) if k not in written],
+                    prompts_truncated=truncated_prompts, run_stats=run_stats, pairs_this_run=pairs_made)
     # The rate of this run only: resumed shards cost it nothing. One definition for every figure.
     metrics.set_rate(wall)
     manifest["pairs_per_minute"] = round(pairs_per_hour(pairs_made, wall) / 60, 2)
     report = {
-        "pairs": pairs_made, "prompts": len(plan.prompts), "wall_seconds": round(wall, 3),
+        "pairs": pairs_made, "prompts": prompts_run, "wall_seconds": round(wall, 3),
         # wall = startup (planning, cluster, actors, model loads: up to the first batch dispatched)
         # + run (to the last shard committed) + the final checks and the manifest.
         "startup_seconds": manifest["startup_seconds"], "run_seconds": manifest["run_seconds"],
@@ -259,8 +351,8 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
         "generated_tokens": tokens, "bon_equivalent_tokens": bon_tokens, "tokens_saved": bon_tokens - tokens,
         "tokens_per_pair": round(tokens / pairs_made, 2) if pairs_made else None,
         "actor_restarts": metrics.totals["actor_restarts"], "batch_retries": coordinator.retries,
-        "shards_written": len(pending), "shards_skipped": plan.num_shards - len(pending),
-        "quarantined_candidates": sum(len(s.quarantine) for s in pending.values()),
+        "shards_written": len(plan.pending), "shards_skipped": plan.num_shards - len(plan.pending),
+        "quarantined_candidates": quarantined,
         "metrics": dict(metrics.totals),
     }
     manifest["report"] = "_report.json"
@@ -270,14 +362,15 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
     return manifest
 
 
-def summarize(store: OutputStore, markers: dict[int, dict], num_shards: int, prompts_in: int) -> dict:
-    """Totals over every committed shard, from the checked commit markers and the reject files."""
+def summarize(store: OutputStore, markers: Iterable[tuple[int, dict]], num_shards: int, prompts_in: int) -> dict:
+    """Totals over every committed shard, from the checked commit markers ((shard, marker), as
+    OutputStore.verify yields them, one at a time) and the reject files."""
     pairs = rejected = generated = bon = quarantined = candidates = 0
     reward = Counter()
     low, high = math.inf, -math.inf
     reasons: Counter = Counter()
-    for k in range(num_shards):
-        marker, stats = markers[k], markers[k].get("stats", {})
+    for k, marker in markers:
+        stats = marker.get("stats", {})
         pairs += marker["rows"]
         rejected += marker["rejects"]["rows"]
         generated += stats.get("generated_tokens", 0)

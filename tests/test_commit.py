@@ -64,12 +64,27 @@ def test_verify_checks_every_marker_against_its_files(tmp_path):
     store = OutputStore(str(tmp_path))
     store.commit_shard(0, [PAIR], [], "fp0", "cfg")
     store.commit_shard(1, [], [REJECT], "fp1", "cfg")
-    assert sorted(store.verify(2)) == [0, 1]
+    assert [k for k, _ in store.verify(2)] == [0, 1]
+    assert [k for k, _ in store.verify(1)] == [0]  # markers past num_shards are not this build's
     with pytest.raises(RuntimeError, match="shard 2: no commit marker"):
-        store.verify(3)
+        list(store.verify(3))
     (tmp_path / "_rejects" / part_name(1)).write_bytes(b"PAR1")
     with pytest.raises(RuntimeError, match=r"shard 1: _rejects/part-00001.parquet does not match"):
-        store.verify(2)
+        list(store.verify(2))
+
+
+def test_markers_are_read_and_verified_a_chunk_at_a_time_in_shard_order(tmp_path, monkeypatch):
+    store = OutputStore(str(tmp_path))
+    for k in (0, 1, 2, 3, 5):
+        store.commit_shard(k, [PAIR], [], f"fp{k}", "cfg")
+    monkeypatch.setattr(OutputStore, "MARKERS_PER_READ", 2)
+    fetched = []
+    cat = store.fs.cat
+    monkeypatch.setattr(store.fs, "cat", lambda paths: (fetched.append(len(paths)), cat(paths))[1])
+    assert [k for k, _ in store.iter_markers()] == [0, 1, 2, 3, 5] and fetched == [2, 2, 1]
+    with pytest.raises(RuntimeError, match="shard 4: no commit marker"):
+        list(store.verify(6))
+    assert [k for k, _ in store.verify(4)] == [0, 1, 2, 3]
 
 
 def test_fingerprint_is_order_and_type_sensitive():

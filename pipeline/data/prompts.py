@@ -11,14 +11,23 @@ A missing or unreadable file raises InputError (one line naming the file, and th
 JSONL); the job turns it into exit code 2. A row whose prompt is missing, neither a string nor a
 well-formed conversation, blank, or a duplicate of an earlier prompt is never skipped silently: it
 becomes a Reject with its reason and its input row number.
+
+Inputs of any size: ``PromptSource`` reads the prompt column a bounded piece at a time (a JSONL
+line, a Parquet record batch, an Arrow record batch of a saved dataset) and hands it out shard by
+shard; ``FirstRows`` remembers, on disk, the first row of every prompt id, so that duplicates are
+found across the whole input while the driver holds one shard.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import os
+import sqlite3
+import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -102,35 +111,89 @@ def _is_saved_dataset(uri: str, storage_options: dict) -> bool:
     return fs.isdir(path) and (fs.exists(join(path, "dataset_info.json")) or fs.exists(join(path, "state.json")))
 
 
+READ_BATCH_ROWS = 4096
+"""Rows per Parquet / Arrow record batch read: the most column values the reader holds beyond a shard."""
+
+
+class PromptSource:
+    """The prompt column of an input, in input order, read a bounded piece at a time.
+
+    Opening it checks what can be checked without reading the rows (the files exist, the saved
+    dataset loads and has the column); reading raises InputError naming the file (and the line of
+    a JSONL file) where the input turns out to be unreadable. It can be read more than once (the
+    build reads it to plan, and again to run), always from the same files.
+    """
+
+    def __init__(self, uri: str, column: str, storage_options: dict | None = None):
+        self.uri, self.column = uri, column
+        self.storage_options = storage_options or {}
+        self.fs, self.files, self._arrow_files, self._table = None, [], [], None
+        if _is_saved_dataset(uri, self.storage_options):
+            dataset = _load_saved_dataset(uri, column, self.storage_options)
+            # Its files are read as streams rather than through the dataset's memory map, whose pages
+            # would stay resident (and count against the driver) until the whole input was touched.
+            self._arrow_files = [f["filename"] for f in dataset.cache_files]
+            if not self._arrow_files:  # held in memory already (datasets' IN_MEMORY_MAX_SIZE)
+                self._table = dataset.data.table.select([column])
+            return
+        self.fs, self.files = _files(uri, self.storage_options, SUFFIXES)
+        for f in self.files:
+            if not f.endswith(SUFFIXES):
+                raise InputError(f"{f}: unsupported input format (expected .jsonl, .json or .parquet)")
+
+    def values(self) -> Iterator[Any]:
+        """The column's values in input order (None where a JSONL row lacks the key)."""
+        for path in self._arrow_files:
+            yield from _read_arrow_stream(path, self.column)
+        for batch in self._table.to_batches(READ_BATCH_ROWS) if self._table is not None else ():
+            yield from batch.column(0).to_pylist()
+        for f in self.files:
+            yield from (_read_jsonl(self.fs, f, self.column) if f.endswith((".jsonl", ".json"))
+                        else _read_parquet(self.fs, f, self.column))
+
+    def shards(self, shard_size: int) -> Iterator[tuple[int, list[Any]]]:
+        """(k, the values of rows [k * shard_size, (k + 1) * shard_size)) in order; an empty input is
+        one empty shard 0 (the build commits it like any other)."""
+        values = self.values()
+        for k in itertools.count():
+            chunk = list(itertools.islice(values, shard_size))
+            if chunk or k == 0:
+                yield k, chunk
+            if len(chunk) < shard_size:
+                return
+
+
 def read_raw_rows(uri: str, column: str, storage_options: dict | None = None) -> list[Any]:
-    """The prompt column's values in input order (None where a JSONL row lacks the key)."""
-    storage_options = storage_options or {}
-    if _is_saved_dataset(uri, storage_options):
-        import datasets
-
-        try:
-            ds = datasets.load_from_disk(uri, storage_options=storage_options or None)
-        except Exception as exc:  # noqa: BLE001 - any load failure is a user input error
-            raise InputError(f"{uri}: unreadable saved dataset ({type(exc).__name__}: {exc})") from None
-        if isinstance(ds, datasets.DatasetDict):
-            raise InputError(f"{uri}: holds splits {list(ds)}; point --prompts at one split's directory")
-        if column not in ds.column_names:
-            raise InputError(f"{uri}: no column {column!r} (columns: {', '.join(ds.column_names)})")
-        return list(ds[column])
-    fs, files = _files(uri, storage_options, SUFFIXES)
-    values = []
-    for f in files:
-        if f.endswith((".jsonl", ".json")):
-            values.extend(_read_jsonl(fs, f, column))
-        elif f.endswith(".parquet"):
-            values.extend(_read_parquet(fs, f, column))
-        else:
-            raise InputError(f"{f}: unsupported input format (expected .jsonl, .json or .parquet)")
-    return values
+    """The prompt column's values in input order (None where a JSONL row lacks the key), all at
+    once: for inputs that fit in memory (evaluation prompts); the build reads a PromptSource."""
+    return list(PromptSource(uri, column, storage_options).values())
 
 
-def _read_jsonl(fs, path: str, column: str) -> list[Any]:
-    values = []
+def _load_saved_dataset(uri: str, column: str, storage_options: dict):
+    """A ``save_to_disk`` dataset (datasets copies a remote one to a local temporary directory)."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(uri, storage_options=storage_options or None)
+    except Exception as exc:  # noqa: BLE001 - any load failure is a user input error
+        raise InputError(f"{uri}: unreadable saved dataset ({type(exc).__name__}: {exc})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        raise InputError(f"{uri}: holds splits {list(ds)}; point --prompts at one split's directory")
+    if column not in ds.column_names:
+        raise InputError(f"{uri}: no column {column!r} (columns: {', '.join(ds.column_names)})")
+    return ds
+
+
+def _read_arrow_stream(path: str, column: str) -> Iterator[Any]:
+    try:
+        with pa.OSFile(path) as f:
+            for batch in pa.ipc.open_stream(f):
+                yield from batch.column(column).to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(f"{path}: unreadable saved dataset file ({exc})") from None
+
+
+def _read_jsonl(fs, path: str, column: str) -> Iterator[Any]:
     try:
         with fs.open(path, "rb") as f:
             for number, line in enumerate(f, start=1):
@@ -140,23 +203,26 @@ def _read_jsonl(fs, path: str, column: str) -> list[Any]:
                     record = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     raise InputError(f"{path}:{number}: malformed JSON line ({exc})") from None
-                values.append(record.get(column) if isinstance(record, dict) else _NOT_AN_OBJECT)
+                yield record.get(column) if isinstance(record, dict) else _NOT_AN_OBJECT
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
-    return values
 
 
-def _read_parquet(fs, path: str, column: str) -> list[Any]:
+def _read_parquet(fs, path: str, column: str) -> Iterator[Any]:
+    """One record batch of the prompt column at a time (a row group's column chunk is the unit
+    Parquet reads: the file's writer sets the peak)."""
     try:
         with fs.open(path, "rb") as f:
-            table = pq.read_table(f)
+            parquet = pq.ParquetFile(f)
+            names = parquet.schema_arrow.names
+            if column not in names:
+                raise InputError(f"{path}: no column {column!r} (columns: {', '.join(names)})")
+            for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS, columns=[column]):
+                yield from batch.column(0).to_pylist()
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except (pa.ArrowException, OSError) as exc:
         raise InputError(f"{path}: unreadable Parquet file ({exc})") from None
-    if column not in table.column_names:
-        raise InputError(f"{path}: no column {column!r} (columns: {', '.join(table.column_names)})")
-    return table.column(column).to_pylist()
 
 
 class _NotAnObject:
@@ -167,30 +233,107 @@ class _NotAnObject:
 _NOT_AN_OBJECT = _NotAnObject()
 
 
-def validate(values: list[Any], column: str) -> tuple[list[PromptRow], list[Reject]]:
+def _problem(value: Any, column: str) -> str | None:
+    """Why a raw value is not a usable prompt (None when it is), duplicates aside."""
+    if value is _NOT_AN_OBJECT:
+        return "row is not a JSON object"
+    if value is None:
+        return f"missing prompt (no {column!r} value)"
+    if isinstance(value, list) and conversation_problem(value):
+        return f"malformed conversation ({conversation_problem(value)})"
+    if not isinstance(value, (str, list)):
+        return f"prompt is not a string or a conversation ({type(value).__name__})"
+    if isinstance(value, str) and not value.strip():
+        return "blank prompt"
+    return None
+
+
+class _FirstRowsInMemory:
+    """FirstRows' contract over a dict: for inputs that fit in memory."""
+
+    def __init__(self):
+        self._first: dict[str, int] = {}
+
+    def claim(self, entries: list[tuple[str, int]]) -> list[int]:
+        return [self._first.setdefault(pid, row) for pid, row in entries]
+
+
+class FirstRows:
+    """prompt_id -> the first input row holding that prompt, for an input of any size, on disk.
+
+    ``claim`` records each (prompt_id, row) whose id has no earlier row and returns, for every
+    entry, the first row of its id: the entry's own row when it is the first, else the row it
+    duplicates. Claims must come in input order; claiming a row again (the build reads its input
+    twice: to plan, then to run) returns the same answer, since the first row is already there.
+
+    Why SQLite in a temporary directory: duplicates must be found across the whole input, and the
+    answer must be exact (a reject names the row it repeats, the same row an in-memory dict would
+    name, on a first run and on a resume). A dict of every id grows with the row count (about
+    100 bytes a row in CPython); a Bloom filter is bounded but has false positives; an external sort
+    costs another pass and loses the input order. An SQLite table keyed by the id (its 16 hex digits
+    as a signed 64-bit integer, the table's rowid) is exact, is in the standard library, answers a
+    shard's ids in one indexed query, and its page cache is bounded (SQLite's default, about 2 MiB)
+    however large the table grows (about 25 bytes a row on disk, in the system's temporary
+    directory; removed by ``close``).
+    """
+
+    QUERY_IDS = 500
+    """Ids per SELECT (SQLite limits the parameters of one statement)."""
+
+    def __init__(self):
+        self._dir = tempfile.TemporaryDirectory(prefix="bon-first-rows-")
+        # One thread at a time uses it (the driver's main loop), not always the one that made it.
+        self._db = sqlite3.connect(os.path.join(self._dir.name, "first_rows.sqlite"), isolation_level=None,
+                                   check_same_thread=False)
+        # Scratch data, rebuilt by every run: no journal, no fsync.
+        self._db.execute("PRAGMA journal_mode=OFF")
+        self._db.execute("PRAGMA synchronous=OFF")
+        self._db.execute("CREATE TABLE first_row (id INTEGER PRIMARY KEY, row INTEGER NOT NULL)")
+
+    @staticmethod
+    def _key(pid: str) -> int:
+        return int(pid, 16) - (1 << 63)
+
+    def claim(self, entries: list[tuple[str, int]]) -> list[int]:
+        keys = [self._key(pid) for pid, _ in entries]
+        self._db.execute("BEGIN")
+        self._db.executemany("INSERT OR IGNORE INTO first_row VALUES (?, ?)",
+                             zip(keys, (row for _, row in entries)))
+        self._db.execute("COMMIT")
+        first: dict[int, int] = {}
+        for i in range(0, len(keys), self.QUERY_IDS):
+            part = keys[i:i + self.QUERY_IDS]
+            first.update(self._db.execute(
+                f"SELECT id, row FROM first_row WHERE id IN ({','.join('?' * len(part))})", part))
+        return [first[k] for k in keys]
+
+    def close(self) -> None:
+        self._db.close()
+        self._dir.cleanup()
+
+
+def validate(values: list[Any], column: str, start: int = 0,
+             first_rows: FirstRows | None = None) -> tuple[list[PromptRow], list[Reject]]:
     """Split raw values into usable prompt rows and rejects (missing, neither a string nor a
-    conversation, malformed conversation, blank, duplicate)."""
-    rows, rejects, seen = [], [], {}
-    for i, value in enumerate(values):
-        if value is _NOT_AN_OBJECT:
-            rejects.append(Reject(i, "row is not a JSON object", repr(value)))
-        elif value is None:
-            rejects.append(Reject(i, f"missing prompt (no {column!r} value)", "None"))
-        elif isinstance(value, list) and conversation_problem(value):
-            rejects.append(Reject(i, f"malformed conversation ({conversation_problem(value)})", repr(value)[:1000]))
-        elif not isinstance(value, (str, list)):
-            rejects.append(Reject(i, f"prompt is not a string or a conversation ({type(value).__name__})",
-                                  repr(value)[:1000]))
-        elif isinstance(value, str) and not value.strip():
-            rejects.append(Reject(i, "blank prompt", repr(value)[:1000]))
+    conversation, malformed conversation, blank, duplicate). ``values`` are rows ``start``, ``start``
+    + 1, ...; ``first_rows`` remembers the prompts of earlier calls (default: these values alone)."""
+    rows, rejects, candidates = [], [], []
+    for i, value in enumerate(values, start=start):
+        problem = _problem(value, column)
+        if problem is None:
+            candidates.append((i, value, prompt_id(value)))
+        elif value is _NOT_AN_OBJECT or value is None:
+            rejects.append(Reject(i, problem, repr(value)))
         else:
-            pid = prompt_id(value)
+            rejects.append(Reject(i, problem, repr(value)[:1000]))
+    first_rows = first_rows or _FirstRowsInMemory()
+    for (i, value, pid), first in zip(candidates, first_rows.claim([(pid, i) for i, _, pid in candidates])):
+        if first == i:
+            rows.append(PromptRow(i, value))
+        else:
             shown = value if isinstance(value, str) else conversation_text(value)
-            if pid in seen:
-                rejects.append(Reject(i, f"duplicate prompt (same as row {seen[pid]})", shown[:1000], pid))
-            else:
-                seen[pid] = i
-                rows.append(PromptRow(i, value))
+            rejects.append(Reject(i, f"duplicate prompt (same as row {first})", shown[:1000], pid))
+    rejects.sort(key=lambda r: r.source_row)
     return rows, rejects
 
 

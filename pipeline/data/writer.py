@@ -21,10 +21,12 @@ Ray may run a batch twice (retries are at-least-once); the marker makes the outp
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
 import uuid
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -122,14 +124,26 @@ class OutputStore:
         if hasattr(self.fs, "invalidate_cache"):
             self.fs.invalidate_cache()
 
-    def markers(self) -> dict[int, dict]:
-        """Every readable commit marker, by shard."""
+    MARKERS_PER_READ = 1024
+    """Commit markers fetched at once (one concurrent fetch on S3): the most the driver holds."""
+
+    def iter_markers(self) -> Iterator[tuple[int, dict]]:
+        """Every readable commit marker as (shard, marker), in shard order, read MARKERS_PER_READ at
+        a time: an output of any number of shards is checked in bounded memory."""
         self._refresh()
-        paths = [p for p in self._ls(join(self.root, "_markers"))
-                 if p.endswith(".json") and not p.rsplit("/", 1)[1].startswith(TMP_PREFIX)]
-        contents = self.fs.cat(paths) if paths else {}  # one concurrent fetch on S3
-        markers = [json.loads(contents[p]) for p in paths]
-        return {int(m["shard"]): m for m in markers}
+        paths = sorted((p for p in self._ls(join(self.root, "_markers"))
+                        if p.endswith(".json") and not p.rsplit("/", 1)[1].startswith(TMP_PREFIX)),
+                       key=lambda p: (len(p), p))  # part-00009 < part-00010 < part-100000
+        for i in range(0, len(paths), self.MARKERS_PER_READ):
+            chunk = paths[i:i + self.MARKERS_PER_READ]
+            contents = self.fs.cat(chunk)
+            for path in chunk:
+                marker = json.loads(contents[path])
+                yield int(marker["shard"]), marker
+
+    def markers(self) -> dict[int, dict]:
+        """Every readable commit marker, by shard (all in memory: for tests and small outputs)."""
+        return dict(self.iter_markers())
 
     def committed(self, expected: dict[int, tuple[str, str]]) -> set[int]:
         """Shards already committed. ``expected`` maps shard -> (input fingerprint, config hash) of
@@ -137,7 +151,7 @@ class OutputStore:
         whose part file is missing or has another size is not committed (the shard is redone)."""
         sizes = self._sizes()
         done = set()
-        for shard, marker in self.markers().items():
+        for shard, marker in self.iter_markers():
             if shard not in expected:
                 raise OutputConflict(f"{self.uri}: holds shard {shard}, but this input has {len(expected)} shards "
                                      "(a different input or data.shard_size)")
@@ -218,14 +232,19 @@ class OutputStore:
         self._write_bytes(join(self.root, "_markers", marker_name(shard)), json.dumps(marker, sort_keys=True).encode())
         return marker
 
-    def verify(self, num_shards: int) -> dict[int, dict]:
-        """Check every shard's marker against its files (sha256 and row count); returns the markers.
-        Raises RuntimeError naming the first shard that fails."""
-        markers = self.markers()
-        for shard in range(num_shards):
-            marker = markers.get(shard)
-            if marker is None:
-                raise RuntimeError(f"shard {shard}: no commit marker ({join(self.uri, '_markers', marker_name(shard))})")
+    def verify(self, num_shards: int) -> Iterator[tuple[int, dict]]:
+        """Check the marker of every shard 0 .. num_shards - 1 against its files (sha256 and row
+        count), in shard order, yielding (shard, marker) as each passes; markers are read a chunk at
+        a time (iter_markers). Raises RuntimeError naming the first shard that fails: consume it all
+        before declaring the output complete."""
+        expected = 0
+        for shard, marker in itertools.chain(self.iter_markers(), [(num_shards, None)]):
+            if shard >= num_shards and expected == num_shards:
+                return
+            if shard != expected:
+                missing = min(expected, num_shards)
+                raise RuntimeError(f"shard {missing}: no commit marker ({join(self.uri, '_markers', marker_name(missing))})")
+            expected += 1
             files = [(part_name(shard), marker)] + [(f"{d}/{part_name(shard)}", marker[d.strip("_")]) for d in SIDE_DIRS]
             for rel, record in files:
                 with self.fs.open(join(self.root, rel), "rb") as f:
@@ -235,7 +254,7 @@ class OutputStore:
                 rows = pq.ParquetFile(pa.BufferReader(payload)).metadata.num_rows
                 if rows != record["rows"]:
                     raise RuntimeError(f"shard {shard}: {rel} has {rows} rows, its marker says {record['rows']}")
-        return markers
+            yield shard, marker
 
     def write_json(self, name: str, content: dict) -> None:
         self._write_bytes(join(self.root, name), json.dumps(content, indent=2, sort_keys=True).encode())
