@@ -10,7 +10,7 @@ TINY_MODELS := .cache/tiny-models
 BENCH_MODELS := .cache/bench-models
 REAL_MODELS := .cache/real-models
 
-.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon real-models real-models-retrain clean
+.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon bench-real real-models real-models-retrain clean
 
 install: $(STAMP)
 
@@ -114,6 +114,13 @@ real-models: install
 
 real-models-retrain: install
 	$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --retrain
+
+# Speculative rejection vs Best-of-N on the real models through the build job (configs/real.yaml;
+# PROMPTS of its prompts, DEVICE cpu or cuda). Slow on CPU: not part of make test.
+PROMPTS ?= 16
+DEVICE ?= cpu
+bench-real: real-models
+	$(PY) -m benchmarks.real_sbon --device $(DEVICE) --prompts $(PROMPTS) --json out/bench/real-sbon.json
 
 clean:
 	rm -rf out .cache

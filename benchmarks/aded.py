@@ -108,7 +108,9 @@ def curve(steps: list[tuple[int, int]], bin_tokens: int) -> list[tuple[int, floa
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="target model directory (default: the tiny generator, fine-tuned)")
-    parser.add_argument("--corpus", help="text file, one document per line (default: the tiny-model corpus)")
+    parser.add_argument("--corpus", help="text file, one document per line, or JSONL with a \"text\" field (the real "
+                        "generator's samples: .cache/real-models/reward-data/samples-train.jsonl); default: the "
+                        "tiny-model corpus")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--train-steps", type=int, default=300, help="fine-tune steps for the tiny default model")
@@ -127,7 +129,10 @@ def main(argv=None) -> int:
         tmp = tempfile.mkdtemp(prefix="aded-bench-")
         engine = HFEngine.from_pretrained(str(make_tiny_models(tmp, seed=0)["generator"]), device=args.device)
     tok = engine.tokenizer
-    if args.corpus:
+    if args.corpus and args.corpus.endswith(".jsonl"):  # e.g. the generator's own samples
+        with open(args.corpus) as f:
+            lines = [text.strip() for text in (json.loads(line).get("text") or "" for line in f) if text.strip()]
+    elif args.corpus:
         with open(args.corpus) as f:
             lines = [line.strip() for line in f if line.strip()]
     else:
