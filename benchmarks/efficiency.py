@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 COMPARED = ("best_of_n", "sbon")
 
@@ -52,8 +53,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build(strategy: str, args: argparse.Namespace, prompts: Path) -> dict:
     """One build through the build job; its run report."""
-    from jobs.build_dataset import main as build_dataset
-
     models, output = Path(args.models), Path(args.output) / strategy
     argv = ["--config", "configs/demo.yaml", "--strategy", strategy, "--prompts", str(prompts),
             "--output", str(output), "--num-samples", str(args.num_samples),
@@ -64,6 +63,13 @@ def build(strategy: str, args: argparse.Namespace, prompts: Path) -> dict:
                  "--set", f"strategy.rejection_rate={args.rejection_rate}"]
     for override in args.overrides:
         argv += ["--set", override]
+    return run_job(strategy, argv, output)
+
+
+def run_job(strategy: str, argv: list[str], output: Path) -> dict:
+    """``jobs.build_dataset`` with ``argv`` (its output ``output``); the build's run report."""
+    from jobs.build_dataset import main as build_dataset
+
     print(f"== {strategy}", flush=True)
     rc = build_dataset(argv)
     if rc != 0:
@@ -79,6 +85,36 @@ def efficiency(bon: dict, sbon: dict) -> dict:
             "efficiency": round(speedup * token_rate, 3)}
 
 
+def compare(lines: list[str], repeats: int, build_one: Callable[[str, Path], dict]) -> tuple[dict, dict, dict]:
+    """Both builds on ``lines`` (JSONL prompt rows), ``repeats`` times in alternating order (drift
+    on a shared machine hits both): (every run's report by strategy, the fastest of each, their ratios)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text("\n".join(lines) + "\n")
+        runs: dict[str, list[dict]] = {s: [] for s in COMPARED}
+        for repeat in range(repeats):
+            for strategy in COMPARED if repeat % 2 == 0 else COMPARED[::-1]:
+                runs[strategy].append(build_one(strategy, prompts))
+    best = {s: min(runs[s], key=lambda r: r["run_seconds"]) for s in COMPARED}
+    return runs, best, efficiency(best["best_of_n"], best["sbon"])
+
+
+def print_runs(best: dict, ratios: dict, extra: dict[str, str] | None = None, speedup_target: str = "",
+               efficiency_target: str = "  (target >= 0.85)") -> None:
+    """Each strategy's fastest run (``extra[strategy]`` appended), its actors' time, and the ratios."""
+    from pipeline.observability import format_actor_time
+
+    for strategy in COMPARED:
+        report = best[strategy]
+        print(f"{strategy:<10} run {report['run_seconds']:.2f}s (startup {report['startup_seconds']:.1f}s), "
+              f"{report['generated_tokens']} tokens{(extra or {}).get(strategy, '')}")
+        for role, times in (report.get("actor_time") or {}).items():
+            print(f"  {role + ' time':<15}{format_actor_time(times)}")
+    print(f"speedup (Best-of-N run_seconds / sbon run_seconds)  {ratios['speedup']:.3f}{speedup_target}")
+    print(f"token rate (sbon tokens / Best-of-N tokens)          {ratios['token_rate']:.3f}")
+    print(f"efficiency (speedup x token rate)                    {ratios['efficiency']:.3f}{efficiency_target}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     models = Path(args.models)
@@ -86,30 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {models}: no bench models (python -m jobs.bench_models --output {models})", file=sys.stderr)
         return 2
     lines = [line for line in (models / "prompts.jsonl").read_text().splitlines() if line.strip()][:args.prompts]
-    from pipeline.observability import format_actor_time
-
-    with tempfile.TemporaryDirectory() as tmp:
-        prompts = Path(tmp) / "prompts.jsonl"
-        prompts.write_text("\n".join(lines) + "\n")
-        runs: dict[str, list[dict]] = {s: [] for s in COMPARED}
-        for repeat in range(args.repeats):  # alternate the order: drift on a shared machine hits both
-            for strategy in COMPARED if repeat % 2 == 0 else COMPARED[::-1]:
-                runs[strategy].append(build(strategy, args, prompts))
-    best = {s: min(runs[s], key=lambda r: r["run_seconds"]) for s in COMPARED}
-    ratios = efficiency(best["best_of_n"], best["sbon"])
+    runs, best, ratios = compare(lines, args.repeats, lambda strategy, prompts: build(strategy, args, prompts))
 
     print(f"\n{len(lines)} prompts, N={args.num_samples}, T={args.max_new_tokens}, tau={args.decision_token}, "
           f"alpha={args.rejection_rate}, seed {args.seed}" + (f", --set {' '.join(args.overrides)}" if args.overrides
                                                                else "") + f" (fastest of {args.repeats})")
-    for strategy in COMPARED:
-        report = best[strategy]
-        print(f"{strategy:<10} run {report['run_seconds']:.2f}s (startup {report['startup_seconds']:.1f}s), "
-              f"{report['generated_tokens']} tokens")
-        for role, times in (report.get("actor_time") or {}).items():
-            print(f"  {role + ' time':<15}{format_actor_time(times)}")
-    print(f"speedup (Best-of-N run_seconds / sbon run_seconds)  {ratios['speedup']:.3f}")
-    print(f"token rate (sbon tokens / Best-of-N tokens)          {ratios['token_rate']:.3f}")
-    print(f"efficiency (speedup x token rate)                    {ratios['efficiency']:.3f}  (target >= 0.85)")
+    print_runs(best, ratios)
 
     if args.json:
         result = {"settings": {k: v for k, v in vars(args).items() if k != "json"}, "prompts": len(lines),

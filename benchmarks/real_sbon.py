@@ -46,11 +46,10 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.efficiency import COMPARED, efficiency
+from benchmarks.efficiency import COMPARED, compare, print_runs, run_job
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,19 +109,13 @@ def sbon_overrides(args: argparse.Namespace) -> list[str]:
 
 def build(strategy: str, args: argparse.Namespace, shared: list[str], prompts: Path) -> dict:
     """One build through the build job; its run report."""
-    from jobs.build_dataset import main as build_dataset
-
     output = Path(args.output) / strategy
     argv = ["--config", args.config, "--strategy", strategy, "--prompts", str(prompts), "--output", str(output),
             "--overwrite", "--no-progress"]
     for override in shared + (sbon_overrides(args) if strategy == "sbon" else []):
         argv += ["--set", override]
-    print(f"== {strategy}", flush=True)
     start = time.perf_counter()
-    rc = build_dataset(argv)
-    if rc != 0:
-        raise SystemExit(f"error: the {strategy} build failed (exit code {rc})")
-    report = json.loads((output / "_report.json").read_text())
+    report = run_job(strategy, argv, output)
     print(f"   {strategy}: run {report['run_seconds']:.2f}s, startup {report['startup_seconds']:.1f}s, "
           f"{report['generated_tokens']} tokens (wall {time.perf_counter() - start:.1f}s)", flush=True)
     return report
@@ -215,17 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {used[key]}: no model directory (make real-models, or --{key} DIR)", file=sys.stderr)
             return 2
     lines = [ln for ln in Path(used["prompts_file"]).read_text().splitlines() if ln.strip()][:args.prompts]
-    from pipeline.observability import format_actor_time
-
-    with tempfile.TemporaryDirectory() as tmp:
-        prompts = Path(tmp) / "prompts.jsonl"
-        prompts.write_text("\n".join(lines) + "\n")
-        runs: dict[str, list[dict]] = {s: [] for s in COMPARED}
-        for repeat in range(args.repeats):  # alternate the order: drift on a shared machine hits both
-            for strategy in COMPARED if repeat % 2 == 0 else COMPARED[::-1]:
-                runs[strategy].append(build(strategy, args, shared, prompts))
-    best = {s: min(runs[s], key=lambda r: r["run_seconds"]) for s in COMPARED}
-    ratios = efficiency(best["best_of_n"], best["sbon"])
+    runs, best, ratios = compare(lines, args.repeats, lambda strategy, prompts: build(strategy, args, shared, prompts))
     pairs = {s: read_pairs(Path(args.output) / s) for s in COMPARED}  # the last run of each (same seed: same pairs)
     scores, common = quality(pairs["best_of_n"], pairs["sbon"])
     verdict = None if args.no_judge else judge(pairs["best_of_n"], pairs["sbon"], common, used["generator"],
@@ -234,15 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(lines)} prompts of {used['prompts_file']}, N={used['num_samples']}, T={used['max_new_tokens']}, "
           f"tau={used['decision_token']}, alpha={used['rejection_rate']}, seed {used['seed']}, device {args.device}"
           f" (fastest of {args.repeats}); --set {' '.join(shared)}")
-    for strategy in COMPARED:
-        report = best[strategy]
-        print(f"{strategy:<10} run {report['run_seconds']:.2f}s (startup {report['startup_seconds']:.1f}s), "
-              f"{report['generated_tokens']} tokens, {len(pairs[strategy])} pairs")
-        for role, times in (report.get("actor_time") or {}).items():
-            print(f"  {role + ' time':<15}{format_actor_time(times)}")
-    print(f"speedup (Best-of-N run_seconds / sbon run_seconds)  {ratios['speedup']:.3f}  (target >= 2.5)")
-    print(f"token rate (sbon tokens / Best-of-N tokens)          {ratios['token_rate']:.3f}")
-    print(f"efficiency (speedup x token rate)                    {ratios['efficiency']:.3f}")
+    print_runs(best, ratios, {s: f", {len(pairs[s])} pairs" for s in COMPARED}, speedup_target="  (target >= 2.5)",
+               efficiency_target="")
     print(f"normalized score (Eq. 5, mean over {scores['normalized_score_prompts']} prompts)     "
           f"{scores['normalized_score']:.2f}  (target >= 98; min {scores['normalized_score_min']:.2f}, "
           f"{scores['prompts_at_100']} prompts at 100)")
