@@ -160,15 +160,10 @@ def _plan_actors(config: Config) -> _ActorPlan:
         generator_cls=with_faults(GeneratorActor, "generator", faults),
         generator_args=(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus))),
         generator_kwargs={"draft": None if draft_actors else draft, "backend": m.backend,
-                          "merged_decoding": merged_decoding(config)},
+                          "merged_decoding": rt.merged_decoding},
         reward_cls=with_faults(RewardActor, "reward", faults),
         reward_args=(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size),
         draft_actor_args=(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus))) if draft_actors else None)
-
-
-def merged_decoding(config: Config) -> bool:
-    """runtime.merged_decoding, for the engine that has it (HF)."""
-    return config.runtime.merged_decoding and config.models.backend == "hf"
 
 
 def start_workers(config: Config) -> Workers:

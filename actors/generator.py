@@ -7,8 +7,8 @@ factory's CallLedger; None from callers that send none) and runs inside the acto
 rewards (a session is open whose next call has not come), waiting for work (none is open).
 
 With ``merged_decoding`` the actor takes several calls at once (a threaded Ray actor, or the
-coordinator's threads in-process) and the engine merges their decoding steps; otherwise its calls
-run one at a time, however many reach it together."""
+coordinator's threads in-process) and the engine merges their decoding steps (HF) or decodes them
+in one continuous batch (vLLM); otherwise its calls run one at a time, however many reach it together."""
 
 from __future__ import annotations
 
@@ -31,13 +31,16 @@ class GeneratorActor:
         (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``: "hf"
         (HFEngine) or "vllm" (VLLMEngine, for the methods whose registry record lists it; on CPU its
         model worker runs ``num_threads`` threads);
-        ``merged_decoding``: concurrent calls share the HF engine's step loop (runtime.merged_decoding;
-        the vLLM engine batches on its own and ignores it)."""
+        ``merged_decoding`` (runtime.merged_decoding): concurrent calls share one step loop: the HF
+        engine's merged forward passes, or vLLM's continuous batching (ContinuousVLLMEngine: a request
+        per row, aborted when pruned); false: one call at a time (the vLLM engine in rounds of
+        ``LLM.generate``)."""
         torch.set_num_threads(max(1, num_threads))
         if backend == "vllm":
             from pipeline.engines.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine.from_pretrained(model, dtype=dtype, num_threads=max(1, num_threads))
+            self.engine = VLLMEngine.from_pretrained(model, dtype=dtype, num_threads=max(1, num_threads),
+                                                     continuous=merged_decoding)
         else:
             self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype, merged=merged_decoding)
         if draft_actor is not None:

@@ -157,8 +157,11 @@ class RuntimeConfig:
     merged_decoding: bool = True
     """The HF generator takes its batches' calls concurrently and decodes the rows of every batch
     being extended in one forward pass per step (pipeline/engines/hf.py); each batch still reaches
-    its decision tokens on its own schedule, and candidates are the same as without it. false:
-    one call at a time, each batch decoded alone."""
+    its decision tokens on its own schedule, and candidates are the same as without it. With
+    models.backend vllm: continuous batching (pipeline/engines/vllm_engine.py): a request per row
+    for its whole response, pruned rows aborted, every batch's rows in one vLLM engine; candidates
+    are then those of Best-of-N for the same seeds. false: one call at a time, each batch decoded
+    alone (vLLM: rounds of LLM.generate)."""
     reward_batch_size: int = 32
     """Sequences per reward-model forward pass."""
     local: bool = False

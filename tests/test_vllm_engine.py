@@ -3,6 +3,7 @@ the public job on real vLLM (marker ``vllm``: ``make test-vllm`` runs it on CPU;
 holds the engine-level tests on real vLLM)."""
 
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
 from pipeline.decoding.protocols import PromptInput
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
-from pipeline.engines.vllm_engine import VLLMEngine, segment_seed
+from pipeline.engines.vllm_engine import ContinuousVLLMEngine, VLLMEngine, segment_seed
 
 EOS = 0
 
@@ -38,6 +39,47 @@ class FakeLLM:
         return outputs
 
 
+class FakeLLMEngine:
+    """Stands in for vLLM's engine (``LLM.llm_engine``) under ContinuousVLLMEngine: each step adds one
+    token to each of the first ``max_running`` requests (the others wait, as in vLLM's scheduler),
+    drawn as FakeLLM draws them, so a request equals the FakeLLM request with the same seed."""
+
+    def __init__(self, max_running: int = 6, fail_after: int | None = None, step_seconds: float = 0.0):
+        self.running: dict[str, tuple[random.Random, object, list[int]]] = {}
+        self.max_running, self.fail_after, self.step_seconds = max_running, fail_after, step_seconds
+        self.added, self.aborted, self.steps, self.step_rows = [], [], 0, []
+        self.engine_core = SimpleNamespace(shutdown=lambda: None)
+
+    def add_request(self, request_id, prompt, params):
+        self.added.append((request_id, list(prompt["prompt_token_ids"]), params))
+        self.running[request_id] = (random.Random(params.seed), params, [])
+
+    def abort_request(self, request_ids):
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            self.running.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        self.steps += 1
+        time.sleep(self.step_seconds)  # a forward pass: the scorer decides while rows decode
+        if self.fail_after is not None and self.steps > self.fail_after:
+            raise RuntimeError("engine core died")
+        outputs = []
+        for request_id in list(self.running)[:self.max_running]:
+            rng, params, tokens = self.running[request_id]
+            tokens.append(EOS if rng.random() < 0.05 else rng.randint(1, 50))
+            finished = len(tokens) >= params.max_tokens or (tokens[-1] in params.stop_token_ids and not params.ignore_eos)
+            if finished:
+                del self.running[request_id]
+            outputs.append(SimpleNamespace(request_id=request_id, finished=finished,
+                                           outputs=[SimpleNamespace(token_ids=[tokens[-1]])]))
+        self.step_rows.append(len(outputs))
+        return outputs
+
+
 class FakeTokenizer:
     def batch_decode(self, seqs, skip_special_tokens=True):
         return [" ".join(map(str, s)) for s in seqs]
@@ -45,6 +87,11 @@ class FakeTokenizer:
 
 def fake_engine():
     return VLLMEngine(FakeLLM(), FakeTokenizer(), {EOS}, lambda **kw: SimpleNamespace(**kw))
+
+
+def continuous_engine(**fake):
+    llm = SimpleNamespace(llm_engine=FakeLLMEngine(**fake))
+    return ContinuousVLLMEngine(llm, FakeTokenizer(), {EOS}, lambda **kw: SimpleNamespace(**kw))
 
 
 def test_extend_sends_prefix_plus_tokens_and_stops_at_the_decision_token():
@@ -119,3 +166,110 @@ def test_a_build_with_the_vllm_backend_writes_pairs(tiny_models, tmp_path):
 def test_model_side_methods_are_refused_by_the_vllm_backend():
     with pytest.raises(ValueError, match="not the model-side method 'dsbd'"):
         fake_engine().search("dsbd", [[1, 2]], 2, [0, 1], None, None)
+
+
+def candidates(results):
+    return [[(c.token_ids, c.completed, c.stopped_early) for c in r.candidates] for r in results]
+
+
+def test_continuous_mode_sends_one_request_per_row_and_best_of_n_equals_the_rounds_engine():
+    prompts = [PromptInput(f"p{i}", "x", "x", [1, 2 + i]) for i in range(3)]
+    sampling = SamplingParams(max_new_tokens=16)
+    engine = continuous_engine()
+    try:
+        got = best_of_n(prompts, engine, _scorer(), BestOfNParams(), sampling, 4, seed=2)
+        added = engine._engine.added
+        assert len(added) == 12 and len({r for r, _, _ in added}) == 12  # one request per row, own id
+        assert all(p.max_tokens == 16 and p.n == 1 for _, _, p in added)
+        assert [prompt for _, prompt, _ in added] == [[1, 2]] * 4 + [[1, 3]] * 4 + [[1, 4]] * 4
+        assert max(engine._engine.step_rows) == 6  # requests past max_running waited for room
+        expected = best_of_n(prompts, fake_engine(), _scorer(), BestOfNParams(), sampling, 4, seed=2)
+        assert candidates(got) == candidates(expected)
+        assert sum(r.generated_tokens for r in got) == sum(r.generated_tokens for r in expected)
+        assert engine.sessions == {} and engine._requests == {}
+    finally:
+        engine.shutdown()
+
+
+def test_continuous_speculative_rejection_aborts_pruned_rows_and_keeps_best_of_ns_tokens():
+    prompts = [PromptInput(f"p{i}", "x", "x", [1, 2]) for i in range(2)]
+    sampling = SamplingParams(max_new_tokens=24)
+    params = SpeculativeRejectionParams([4, 8], 0.5, keep_lowest=False)
+    engine = continuous_engine(max_running=16, step_seconds=0.01)
+    try:
+        sbon = speculative_rejection(prompts, engine, _scorer(), params, sampling, 8, seed=1)
+        bon = best_of_n(prompts, fake_engine(), _scorer(), BestOfNParams(), sampling, 8, seed=1)
+        aborted = set(engine._engine.aborted)
+        for a, b in zip(sbon, bon):
+            stopped = [c for c in a.candidates if c.stopped_early]
+            assert stopped and all(len(c.token_ids) == c.stopped_at for c in stopped)
+            for c, full in zip(a.candidates, b.candidates):
+                # One request per row from position 0: a stopped row is a prefix of Best-of-N's, a kept
+                # one is Best-of-N's whole response.
+                assert c.token_ids == full.token_ids[:len(c.token_ids)]
+                if not c.stopped_early:
+                    assert c.token_ids == full.token_ids and c.completed
+            assert a.generated_tokens < b.generated_tokens
+        stopped = {f"{r}" for r in range(16) if sbon[r // 8].candidates[r % 8].stopped_early}
+        assert aborted and {request.split(":")[1] for request in aborted} <= stopped  # kept rows run on
+        assert engine._requests == {} and not engine._engine.running
+    finally:
+        engine.shutdown()
+
+
+def test_continuous_mode_alpha_zero_chooses_best_of_ns_candidate():
+    prompts = [PromptInput(f"p{i}", "x", "x", [3, i]) for i in range(2)]
+    sampling = SamplingParams(max_new_tokens=12)
+    engine = continuous_engine()
+    try:
+        sbon = speculative_rejection(prompts, engine, _scorer(), SpeculativeRejectionParams(4, 0.0), sampling, 6,
+                                     seed=9)
+        bon = best_of_n(prompts, fake_engine(), _scorer(), BestOfNParams(), sampling, 6, seed=9)
+        assert candidates(sbon) == candidates(bon)
+        best = [max(r.candidates, key=lambda c: c.score).token_ids for r in sbon]
+        assert best == [max(r.candidates, key=lambda c: c.score).token_ids for r in bon]
+        assert engine._engine.aborted == []
+    finally:
+        engine.shutdown()
+
+
+def test_continuous_mode_serves_batches_from_many_threads_like_one_at_a_time():
+    from pipeline.coordinator import Coordinator, Serialized
+
+    prompts = [PromptInput(f"p{i}", "x", "x", [1, 5 + i]) for i in range(6)]
+    sampling = SamplingParams(max_new_tokens=20)
+    params = SpeculativeRejectionParams([3, 6], 0.5, streaming_rewards=False)  # FakeScorer has no sessions
+
+    def run(generator, **kwargs):
+        coordinator = Coordinator("sbon", params, sampling, 4, 0, [generator], [Serialized(_scorer())], **kwargs)
+        return {r.prompt.prompt_id: candidates([r]) for r in coordinator.run(prompts)}
+
+    alone = continuous_engine()
+    shared = continuous_engine()
+    try:
+        expected = run(Serialized(alone), prompts_per_batch=1, batches_in_flight=1)
+        got = run(shared, prompts_per_batch=1, batches_in_flight=6)
+        assert got == expected
+        assert shared.sessions == {} and shared._requests == {}
+        assert max(shared._engine.step_rows) > max(alone._engine.step_rows)  # batches shared steps
+    finally:
+        alone.shutdown()
+        shared.shutdown()
+
+
+def test_a_failed_vllm_engine_fails_every_waiting_call_and_the_next_ones():
+    engine = continuous_engine(fail_after=3)
+    try:
+        engine.open("s", [[1, 2]], 2, [0, 1], SamplingParams(max_new_tokens=10))
+        with pytest.raises(RuntimeError, match="the vLLM engine failed: .*engine core died"):
+            engine.extend("s", until=10)
+        with pytest.raises(RuntimeError, match="engine core died"):
+            engine.open("t", [[1, 2]], 2, [0, 1], SamplingParams(max_new_tokens=10))
+    finally:
+        engine.shutdown()
+
+
+def _scorer():
+    from tests.test_decoding import FakeScorer
+
+    return FakeScorer()

@@ -1,6 +1,9 @@
 """The vLLM backend on a real vLLM engine (``make test-vllm``: vLLM's CPU backend in .venv-vllm;
 on a GPU node, the [vllm] extra). One engine serves the module: starting one takes 30-90 s on CPU.
 
+The rounds engine (VLLMEngine: LLM.generate per call) and the continuous one (ContinuousVLLMEngine:
+a request per row on the engine's step loop) share that engine, one test at a time.
+
 The generator is jobs.make_tiny_models.make_vllm_model (head size 64: vLLM's CPU attention does not
 take the tiny generator's 16); the reward model is the tiny one, on the HF RewardScorer.
 """
@@ -31,6 +34,20 @@ def vllm_engine(tmp_path_factory):
                                         max_num_batched_tokens=512)
     yield engine
     del engine
+
+
+@pytest.fixture(scope="module")
+def continuous(vllm_engine):
+    """The continuous engine over the same vLLM engine (its step thread idles between tests)."""
+    import functools
+
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from pipeline.engines.vllm_engine import ContinuousVLLMEngine
+
+    return ContinuousVLLMEngine(vllm_engine.llm, vllm_engine.tokenizer, vllm_engine.eos_ids,
+                                functools.partial(VLLMSamplingParams, output_kind=RequestOutputKind.DELTA))
 
 
 def prompts(engine, count: int) -> list[PromptInput]:
@@ -112,3 +129,45 @@ def test_a_row_ends_at_its_first_eos(vllm_engine, scorer):
                 assert c1.token_ids == c0.token_ids
             assert stop not in c1.token_ids
     assert hits >= 3
+
+
+def test_continuous_best_of_n_equals_the_rounds_engine_at_160_rows(vllm_engine, continuous, scorer):
+    batch = prompts(vllm_engine, 20)
+    rounds = best_of_n(batch, vllm_engine, scorer, BestOfNParams(), SAMPLING, N, seed=3)
+    before = continuous.generated_tokens
+    got = best_of_n(batch, continuous, scorer, BestOfNParams(), SAMPLING, N, seed=3)
+    assert tokens(got) == tokens(rounds)  # one request per row, the seed of its position 0
+    lengths = [len(c.token_ids) for r in got for c in r.candidates]
+    assert continuous.generated_tokens - before == sum(lengths) + sum(n < 24 for n in lengths)
+    assert continuous.sessions == {} and continuous._requests == {}
+
+
+def test_continuous_speculative_rejection_from_many_threads_aborts_pruned_rows(vllm_engine, continuous, scorer):
+    """Four batches in flight at once on the one engine, each pruning on its own schedule: every
+    candidate is Best-of-N's row (whole when kept, its first tau tokens when stopped)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.coordinator import Serialized
+
+    batch = prompts(vllm_engine, 8)
+    long = SamplingParams(max_new_tokens=64, temperature=1.0)
+    bon = best_of_n(batch, vllm_engine, scorer, BestOfNParams(), long, N, seed=8)
+    params = SpeculativeRejectionParams([8, 16], 0.5)
+    before = continuous.generated_tokens
+    shared = Serialized(scorer)  # one reward call at a time, as a reward actor serves them
+    with ThreadPoolExecutor(4) as pool:  # row seeds follow the prompt ids: the same as best_of_n's
+        parts = list(pool.map(lambda i: speculative_rejection(batch[i:i + 2], continuous, shared, params, long, N,
+                                                              seed=8), range(0, 8, 2)))
+    sbon = [r for part in parts for r in part]
+    stopped = 0
+    for a, b in zip(sbon, bon):
+        assert sorted(c.sample for c in a.candidates) == list(range(N))
+        for c, full in zip(a.candidates, b.candidates):
+            if c.stopped_early:
+                stopped += 1
+                assert c.token_ids == full.token_ids[:c.stopped_at] and len(c.token_ids) == c.stopped_at
+            else:
+                assert c.token_ids == full.token_ids and c.completed
+    assert stopped >= 8
+    assert continuous.generated_tokens - before < sum(r.generated_tokens for r in bon)
+    assert continuous.sessions == {} and continuous._requests == {}

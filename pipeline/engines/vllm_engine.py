@@ -9,10 +9,21 @@ caching (``enable_prefix_caching=True``) finds the KV blocks of that prefix from
 call, so continuing a kept row re-reads almost nothing, and a dropped row is simply never sent
 again (its blocks are evicted when memory is needed).
 
+Continuous mode (``ContinuousVLLMEngine``, ``runtime.merged_decoding``: the default): every row is
+one n=1 request for its whole response, submitted at ``open`` and decoded by one background thread
+that steps vLLM's engine for every session at once. ``extend(until)`` waits only for its own rows to
+reach ``until`` tokens (the rows go on decoding meanwhile, as the reward model scores them), and
+``extend(keep=...)`` aborts the rows left out, whose KV blocks go at once to the requests that are
+waiting (other prompts' candidates). So each batch (with ``prompts_per_batch: 1``, each prompt)
+reaches its decision tokens on its own schedule, nothing waits for a round across batches, and no
+row is ever prefilled twice. The rows a batch drops after they ran past ``until`` cost the tokens
+they made meanwhile; those count in ``generated_tokens``.
+
 Sampling: each request carries its own seed, derived from the row's seed and the number of
 tokens it already has, so a row's continuation is reproducible and rows are independent. The
 samples follow the model's distribution (temperature, top-k, top-p) but are not token-identical
-to the HF engine's, whose samplers differ.
+to the HF engine's, whose samplers differ. In continuous mode a row is one request with the seed
+of its position 0, so its tokens are those Best-of-N draws for it whatever the decision tokens are.
 
     engine = VLLMEngine.from_pretrained("meta-llama/Meta-Llama-3-8B-Instruct", dtype="bfloat16")
     results = speculative_rejection(prompts, engine, scorer, params, sampling, num_samples, seed)
@@ -23,8 +34,10 @@ Model-side methods (``search``) need per-token model access and are not served b
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -122,11 +135,14 @@ class VLLMEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str = "bfloat16", num_threads: int | None = None,
-                        **llm_kwargs) -> VLLMEngine:
+                        continuous: bool = False, **llm_kwargs) -> VLLMEngine:
         """``num_threads``: CPU threads for the model on vLLM's CPU backend (``cpu_defaults``); None:
-        every core. ``llm_kwargs`` go to ``vllm.LLM`` over the defaults."""
+        every core. ``continuous``: a ContinuousVLLMEngine (one request per row, aborted when
+        pruned) instead of rounds of ``LLM.generate``. ``llm_kwargs`` go to ``vllm.LLM`` over the
+        defaults."""
         from vllm import LLM
         from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         from transformers import GenerationConfig
 
@@ -141,6 +157,9 @@ class VLLMEngine:
             extra = None
         if extra is not None:
             eos.update(extra if isinstance(extra, (list, tuple)) else [extra])
+        if continuous:  # each step reports only the tokens it added
+            return ContinuousVLLMEngine(llm, tokenizer, eos, functools.partial(
+                VLLMSamplingParams, output_kind=RequestOutputKind.DELTA))
         return cls(llm, tokenizer, eos, VLLMSamplingParams)
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
@@ -173,10 +192,7 @@ class VLLMEngine:
         for r in todo:
             row = state.rows[r]
             requests.append({"prompt_token_ids": row.prompt + row.tokens})
-            params.append(self.make_sampling(
-                n=1, max_tokens=until - len(row.tokens), temperature=s.temperature, top_p=s.top_p,
-                top_k=s.top_k if s.top_k > 0 else -1, seed=segment_seed(row.seed, len(row.tokens)),
-                stop_token_ids=sorted(self.eos_ids), ignore_eos=s.ignore_eos, detokenize=False))
+            params.append(self._request_params(s, row, until))
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         if len(outputs) != len(todo):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(todo)} requests")
@@ -193,6 +209,13 @@ class VLLMEngine:
             row.finished = hit_eos or completion.finish_reason == "stop" or len(row.tokens) >= s.max_new_tokens
         state.requests += len(todo)
         self.requests += len(todo)
+
+    def _request_params(self, s: SamplingParams, row: _Row, until: int) -> Any:
+        """One n=1 request continuing ``row`` from its tokens so far up to ``until`` tokens."""
+        return self.make_sampling(
+            n=1, max_tokens=until - len(row.tokens), temperature=s.temperature, top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1, seed=segment_seed(row.seed, len(row.tokens)),
+            stop_token_ids=sorted(self.eos_ids), ignore_eos=s.ignore_eos, detokenize=False)
 
     def close(self, session: str) -> dict:
         state = self.sessions.pop(session, None)
@@ -221,3 +244,155 @@ class VLLMEngine:
             return self.sessions[session]
         except KeyError:
             raise ValueError(f"unknown session {session}") from None
+
+
+class ContinuousVLLMEngine(VLLMEngine):
+    """The Generator protocol over one vLLM engine that never stops between calls: every row is one
+    request for its whole response (``max_tokens`` = max_new_tokens), a background thread steps the
+    engine while any request runs, and callers on other threads (a threaded GeneratorActor, the
+    coordinator's batches in flight) wait only for their own rows. See the module docstring.
+
+    ``llm.llm_engine`` needs vLLM's engine interface (``add_request``, ``step``, ``abort_request``,
+    ``has_unfinished_requests``) with ``make_sampling`` giving DELTA outputs (each step reports the
+    tokens it added); tests pass a stand-in."""
+
+    merged = True
+    """Calls from several threads run at once (actors.generator.GeneratorActor reads this)."""
+
+    def __init__(self, llm: Any, tokenizer, eos_ids: set[int], make_sampling: Callable[..., Any]):
+        super().__init__(llm, tokenizer, eos_ids, make_sampling)
+        self._engine = llm.llm_engine
+        self._cond = threading.Condition()  # guards the sessions and their rows
+        self._engine_lock = threading.Lock()  # one engine call at a time; taken after _cond, never before
+        self._requests: dict[str, tuple[_Session, _Row]] = {}  # request id -> its session and row
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+             sampling: SamplingParams) -> None:
+        with self._cond:
+            self._check_running()
+            super().open(session, prompts, num_samples, seeds, sampling)
+            state = self.sessions[session]
+            with self._engine_lock:
+                for r, row in state.rows.items():
+                    request = f"{session}:{r}"
+                    self._engine.add_request(request, {"prompt_token_ids": row.prompt},
+                                             self._request_params(sampling, row, sampling.max_new_tokens))
+                    self._requests[request] = (state, row)
+            state.requests += len(state.rows)
+            self.requests += len(state.rows)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._step_loop, name="vllm-steps", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
+        """The rows' first ``until`` tokens, once every live row has that many or has ended (a row
+        that ended later is reported unfinished here, and finished by the call that reaches its end:
+        what a decoder that stopped at ``until`` would report, however far the row has run).
+        ``keep``: the rows that go on; the others' requests are aborted now."""
+        with self._cond:
+            state = self._session(session)
+            if keep is not None:
+                unknown = set(keep) - set(state.rows)
+                if unknown:
+                    raise ValueError(f"session {session}: unknown rows {sorted(unknown)[:5]}")
+                self._abort(session, state, state.live - set(keep))
+                state.live &= set(keep)
+                reported = sorted(set(keep))
+            else:
+                reported = sorted(r for r, row in state.rows.items() if row.finished or r in state.live)
+            until = min(until, state.sampling.max_new_tokens)
+            self._cond.wait_for(lambda: self._error is not None or all(
+                state.rows[r].finished or len(state.rows[r].tokens) >= until for r in state.live))
+            self._check_running()
+            views = [(r, state.rows[r].tokens[:until], self._ended_by(state, state.rows[r], until)) for r in reported]
+        texts = self.tokenizer.batch_decode([tokens for _, tokens, _ in views], skip_special_tokens=True)
+        return [RowState(row=r, token_ids=tokens, text=text, finished=finished)
+                for (r, tokens, finished), text in zip(views, texts)]
+
+    def close(self, session: str) -> dict:
+        with self._cond:
+            state = self.sessions.get(session)
+            if state is not None:
+                self._abort(session, state, set(state.rows))
+            return super().close(session)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        super().shutdown()
+
+    @staticmethod
+    def _ended_by(state: _Session, row: _Row, until: int) -> bool:
+        """Whether a decoder stopped at ``until`` tokens has seen ``row`` end: its EOS was among
+        the first ``until`` tokens, or it reached the length cap."""
+        return row.finished and (len(row.tokens) < until or until >= state.sampling.max_new_tokens)
+
+    def _abort(self, session: str, state: _Session, rows: set[int]) -> None:
+        """Abort the requests of ``rows`` that still run (caller holds the lock)."""
+        running = [f"{session}:{r}" for r in sorted(rows) if not state.rows[r].finished]
+        running = [request for request in running if self._requests.pop(request, None) is not None]
+        if running:
+            with self._engine_lock:
+                self._engine.abort_request(running)
+
+    def _check_running(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the vLLM engine failed: {self._error!r}") from self._error
+        if self._stopping:
+            raise RuntimeError("the vLLM engine was shut down")
+
+    def _step_loop(self) -> None:
+        """Step the engine while any request runs; hand each step's new tokens to their rows. The
+        step runs outside ``_cond``, so callers add and abort requests between steps."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or bool(self._requests))
+                if self._stopping:
+                    return
+            try:
+                with self._engine_lock:  # all running requests may have been aborted meanwhile
+                    outputs = self._engine.step() if self._engine.has_unfinished_requests() else None
+            except BaseException as exc:  # noqa: BLE001 - every waiting caller gets it
+                return self._fail(exc)
+            with self._cond:
+                if outputs is None:
+                    with self._engine_lock:
+                        if self._requests and not self._engine.has_unfinished_requests():
+                            lost = sorted(self._requests)[:3]
+                            return self._fail(RuntimeError(f"vLLM dropped requests {lost} without ending them"))
+                    continue
+                for output in outputs:
+                    self._take(output)
+                self._cond.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The step loop ends: every caller waiting now or later raises ``exc``."""
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+
+    def _take(self, output: Any) -> None:
+        """One request's step output: its new tokens (the EOS that ends it is counted, not kept)."""
+        entry = self._requests.get(output.request_id)
+        if entry is None:  # aborted, or closed with its session
+            return
+        state, row = entry
+        completion = output.outputs[0]
+        new = list(completion.token_ids)
+        cost = len(new)
+        ended = output.finished
+        if new and new[-1] in self.eos_ids and not state.sampling.ignore_eos:
+            new, ended = new[:-1], True
+        row.tokens.extend(new)
+        state.generated_tokens += cost
+        self.generated_tokens += cost
+        if ended or len(row.tokens) >= state.sampling.max_new_tokens:
+            row.finished = True
+            del self._requests[output.request_id]
