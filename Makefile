@@ -10,7 +10,7 @@ TINY_MODELS := .cache/tiny-models
 BENCH_MODELS := .cache/bench-models
 REAL_MODELS := .cache/real-models
 
-.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon bench-real real-models real-models-retrain clean
+.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon bench-real bench-vllm real-models real-models-retrain clean
 
 install: $(STAMP)
 
@@ -121,6 +121,12 @@ PROMPTS ?= 16
 DEVICE ?= cpu
 bench-real: real-models
 	$(PY) -m benchmarks.real_sbon --device $(DEVICE) --prompts $(PROMPTS) --json out/bench/real-sbon.json
+
+# Speculative rejection on vLLM (rounds, continuous batching) vs Best-of-N on vLLM and on the HF engine,
+# plus raw decoding throughput of both engines (benchmarks/vllm_sbon.py). Slow on CPU: not part of make test.
+VLLM_PROMPTS ?= 8
+bench-vllm: install-vllm real-models
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_sbon --prompts $(VLLM_PROMPTS) --throughput --json out/bench/vllm-sbon.json
 
 clean:
 	rm -rf out .cache

@@ -1,0 +1,214 @@
+"""Speculative rejection on vLLM (rounds and continuous batching) against Best-of-N on vLLM and on
+our HF engine, end to end through the build job on the real models (issue 14 item 5).
+
+    .venv-vllm/bin/python -m benchmarks.vllm_sbon [--config configs/real.yaml] [--prompts 8]
+        [--runs bon_vllm,sbon_rounds,sbon_continuous,bon_hf] [--set KEY=VALUE ...] [--no-judge]
+        [--throughput] [--output out/bench/vllm-sbon] [--json FILE]
+
+    make bench-vllm    # the same, in .venv-vllm (make install-vllm, make real-models)
+
+Each run is one ``jobs.build_dataset`` build of configs/real.yaml (SmolLM2-135M-Instruct, its
+reward model, N 32, 256 tokens, tau 96, alpha 0.85) on the first ``--prompts`` prompts, same seed,
+Ray actors as the config places them; only these differ:
+
+- ``bon_vllm``: Best-of-N, models.backend vllm, continuous batching (runtime.merged_decoding: every
+  row of every batch in flight in one vLLM engine: what LLM.generate over all prompts does);
+- ``sbon_rounds``: speculative rejection on vLLM, runtime.merged_decoding false: each batch
+  (``--rounds-batch`` prompts, default all of them) decodes every row to tau with one
+  LLM.generate, scores, and continues the survivors with another (their prefix re-read through
+  vLLM's prefix cache): synchronous rounds with a barrier;
+- ``sbon_continuous``: speculative rejection on vLLM with continuous batching
+  (pipeline.engines.vllm_engine.ContinuousVLLMEngine), one prompt per batch, 16 batches in flight:
+  every candidate is its own request, each prompt prunes at its own tau, pruned requests are
+  aborted and the next prompts' requests take their place;
+- ``bon_hf``: Best-of-N on our HF engine (merged decoding), the pipeline's default backend.
+
+Printed per run: run seconds (first batch to last commit; engine start left out), generated tokens,
+tokens/s; the run-time ratios against ``bon_vllm``; the normalized score (Eq. 5 of the speculative
+rejection paper, over Best-of-N on vLLM's max and min reward per prompt: both sbon runs sample
+their first tau tokens from the same seeds, and the continuous one samples exactly Best-of-N's
+candidates) and, unless ``--no-judge``, the independent judge's win rate of each sbon run's chosen
+response against Best-of-N on vLLM's (benchmarks.real_sbon.judge).
+
+``--throughput`` also times raw decoding at 128 rows x 128 tokens (EOS ignored, one process, both
+cores): vLLM's LLM.generate and our HFEngine (benchmarks.hf_throughput), tokens/s and their ratio
+(issue 14 item 6).
+
+Targets (issue 14): sbon on vLLM >= 2.5x faster than Best-of-N on vLLM at normalized score >= 98;
+continuous >= 1.2x over rounds; HFEngine >= 0.9x vLLM's tokens/s at 128 x 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.efficiency import run_job
+from benchmarks.real_sbon import environment, judge, quality, read_pairs
+
+RUNS = {
+    "bon_vllm": ("best_of_n", ["models.backend=vllm", "runtime.merged_decoding=true"]),
+    "sbon_rounds": ("sbon", ["models.backend=vllm", "runtime.merged_decoding=false", "runtime.batches_in_flight=1"]),
+    "sbon_continuous": ("sbon", ["models.backend=vllm", "runtime.merged_decoding=true", "runtime.prompts_per_batch=1",
+                                 "runtime.batches_in_flight=16"]),
+    "bon_hf": ("best_of_n", ["models.backend=hf", "runtime.merged_decoding=true"]),
+}
+BASELINE = "bon_vllm"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/real.yaml")
+    parser.add_argument("--prompts", type=int, default=8, help="how many of the config's data.prompts (first ones)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    parser.add_argument("--rounds-batch", type=int, help="sbon_rounds' prompts per batch (default: all of them)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to every build, e.g. --set sampling.num_samples=16")
+    parser.add_argument("--output", default="out/bench/vllm-sbon", help="the builds' outputs: OUTPUT/RUN")
+    parser.add_argument("--no-judge", action="store_true", help="skip the judge's win rates")
+    parser.add_argument("--judge-batch-size", type=int, default=16)
+    parser.add_argument("--throughput", action="store_true", help="also time raw decoding at 128 rows x 128 tokens")
+    parser.add_argument("--json", help="write the figures here as JSON")
+    args = parser.parse_args(argv)
+    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = [r for r in args.runs if r not in RUNS]
+    if unknown:
+        parser.error(f"--runs: unknown {unknown}; known: {', '.join(RUNS)}")
+    return args
+
+
+def build(name: str, args: argparse.Namespace, prompts: Path, count: int) -> dict:
+    """One run through the build job; its run report."""
+    strategy, overrides = RUNS[name]
+    if name == "sbon_rounds":
+        overrides = overrides + [f"runtime.prompts_per_batch={args.rounds_batch or count}"]
+    output = Path(args.output) / name
+    argv = ["--config", args.config, "--strategy", strategy, "--prompts", str(prompts), "--output", str(output),
+            "--overwrite", "--no-progress"]
+    for override in overrides + args.overrides:
+        argv += ["--set", override]
+    start = time.perf_counter()
+    report = run_job(name, argv, output)
+    report["tokens_per_second"] = round(report["generated_tokens"] / report["run_seconds"], 1)
+    report["overrides"] = overrides + args.overrides
+    print(f"   {name}: run {report['run_seconds']:.2f}s, startup {report['startup_seconds']:.1f}s, "
+          f"{report['generated_tokens']} tokens, {report['tokens_per_second']} tok/s "
+          f"(wall {time.perf_counter() - start:.1f}s)", flush=True)
+    return report
+
+
+def vllm_tokens_per_second(model: str, rows: int, tokens: int, repeats: int) -> dict:
+    """LLM.generate over ``rows`` rows of benchmarks.hf_throughput's chat prompts (the same rows
+    HFEngine decodes there), ``tokens`` new tokens each (EOS ignored), on every core
+    (pipeline.engines.vllm_engine.cpu_defaults); tokens/s per repeat after a warm-up call, and
+    their median."""
+    import statistics
+
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    from benchmarks.hf_throughput import chat_prompts
+    from pipeline.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.from_pretrained(model, dtype="float32", max_model_len=1024)
+    try:
+        prompts = chat_prompts(engine.tokenizer, rows)
+        requests = [{"prompt_token_ids": prompts[i // (rows // len(prompts))]} for i in range(rows)]
+        params = [VLLMSamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True, seed=i, detokenize=False)
+                  for i in range(rows)]
+        engine.llm.generate(requests[:8], sampling_params=params[:8], use_tqdm=False)  # warm-up
+        rates = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs = engine.llm.generate(requests, sampling_params=params, use_tqdm=False)
+            made = sum(len(o.outputs[0].token_ids) for o in outputs)
+            rates.append(round(made / (time.perf_counter() - start), 1))
+    finally:
+        engine.shutdown()
+    return {"tokens_per_s": rates, "median_tokens_per_s": round(statistics.median(rates), 1)}
+
+
+def throughput(model: str) -> dict:
+    from benchmarks.hf_throughput import hf_tokens_per_second
+
+    vllm = vllm_tokens_per_second(model, 128, 128, 3)
+    hf = hf_tokens_per_second(model, 128, 128, 3)
+    ratio = round(hf["median_tokens_per_s"] / vllm["median_tokens_per_s"], 3)
+    print(f"\nraw decoding, 128 rows x 128 tokens (median of 3): vLLM {vllm['median_tokens_per_s']} tok/s "
+          f"{vllm['tokens_per_s']}, HFEngine {hf['median_tokens_per_s']} tok/s {hf['tokens_per_s']}: "
+          f"HF / vLLM = {ratio} (target >= 0.9)")
+    return {"vllm": vllm, "hf": hf, "hf_over_vllm": ratio}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.config import load_config
+
+    args = parse_args(argv)
+    config = load_config(args.config, args.overrides, strategy="sbon")
+    for path in (config.models.generator, config.models.reward):
+        if not Path(path).is_dir():
+            print(f"error: {path}: no model directory (make real-models)", file=sys.stderr)
+            return 2
+    lines = [ln for ln in Path(config.data.prompts).read_text().splitlines() if ln.strip()][:args.prompts]
+    reports = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text("\n".join(lines) + "\n")
+        for name in args.runs:
+            reports[name] = build(name, args, prompts, len(lines))
+
+    params = config.strategy.params
+    print(f"\n{len(lines)} prompts of {config.data.prompts}, N={config.sampling.num_samples}, "
+          f"T={config.sampling.max_new_tokens}, tau={params.decision_token}, alpha={params.rejection_rate}, "
+          f"seed {config.seed}; --set {' '.join(args.overrides) or '(none)'}")
+    for name, report in reports.items():
+        print(f"{name:<16} run {report['run_seconds']:8.2f}s  {report['generated_tokens']:8d} tokens  "
+              f"{report['tokens_per_second']:7.1f} tok/s  (startup {report['startup_seconds']:.1f}s)")
+    result = {"prompts": len(lines), "config": args.config, "overrides": args.overrides, "runs": reports, "ratios": {}}
+    if BASELINE in reports:
+        base = reports[BASELINE]
+        for name, report in reports.items():
+            if name != BASELINE:
+                result["ratios"][f"{name}_speedup_over_{BASELINE}"] = round(base["run_seconds"] / report["run_seconds"], 3)
+                result["ratios"][f"{name}_token_rate"] = round(report["generated_tokens"] / base["generated_tokens"], 3)
+    if {"sbon_rounds", "sbon_continuous"} <= set(reports):
+        result["ratios"]["continuous_over_rounds"] = round(
+            reports["sbon_rounds"]["run_seconds"] / reports["sbon_continuous"]["run_seconds"], 3)
+    for key, value in result["ratios"].items():
+        target = {"sbon_continuous_speedup_over_bon_vllm": "  (target >= 2.5)",
+                  "sbon_rounds_speedup_over_bon_vllm": "  (target >= 2.5)",
+                  "continuous_over_rounds": "  (target >= 1.2)"}.get(key, "")
+        print(f"{key:<42} {value:.3f}{target}")
+
+    if BASELINE in reports:
+        bon = read_pairs(Path(args.output) / BASELINE)
+        for name in ("sbon_rounds", "sbon_continuous"):
+            if name not in reports:
+                continue
+            sbon = read_pairs(Path(args.output) / name)
+            scores, common = quality(bon, sbon)
+            result[f"{name}_quality"] = scores
+            print(f"{name}: normalized score {scores['normalized_score']:.2f} over {scores['normalized_score_prompts']} "
+                  f"prompts (target >= 98; min {scores['normalized_score_min']:.2f}); same chosen sample as Best-of-N "
+                  f"on {scores['same_chosen_sample']}/{scores['paired_prompts']['both']}")
+            if not args.no_judge:
+                verdict = judge(bon, sbon, common, config.models.generator, config.models.device,
+                                config.sampling.max_new_tokens, args.judge_batch_size)
+                result[f"{name}_judge"] = verdict
+                print(f"   judge vs Best-of-N on vLLM: {verdict['sbon_wins']} wins, {verdict['sbon_losses']} losses, "
+                      f"{verdict['ties']} ties -> win rate {verdict['win_rate']:.3f}")
+    if args.throughput:
+        result["throughput"] = throughput(config.models.generator)
+    if args.json:
+        result.update(environment(config.models.device))
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
