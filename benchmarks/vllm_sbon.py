@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--rounds-batch", type=int, help="sbon_rounds' prompts per batch (default: all of them)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed to every build, e.g. --set sampling.num_samples=16")
+                        help="passed to every build (strategy.* ones to the sbon builds only), "
+                             "e.g. --set sampling.num_samples=16 --set strategy.decision_token=64")
     parser.add_argument("--output", default="out/bench/vllm-sbon", help="the builds' outputs: OUTPUT/RUN")
     parser.add_argument("--no-judge", action="store_true", help="skip the judge's win rates")
     parser.add_argument("--judge-batch-size", type=int, default=16)
@@ -89,12 +90,13 @@ def build(name: str, args: argparse.Namespace, prompts: Path, count: int) -> dic
     output = Path(args.output) / name
     argv = ["--config", args.config, "--strategy", strategy, "--prompts", str(prompts), "--output", str(output),
             "--overwrite", "--no-progress"]
-    for override in overrides + args.overrides:
+    overrides = overrides + [o for o in args.overrides if strategy == "sbon" or not o.startswith("strategy.")]
+    for override in overrides:
         argv += ["--set", override]
     start = time.perf_counter()
     report = run_job(name, argv, output)
     report["tokens_per_second"] = round(report["generated_tokens"] / report["run_seconds"], 1)
-    report["overrides"] = overrides + args.overrides
+    report["overrides"] = overrides
     print(f"   {name}: run {report['run_seconds']:.2f}s, startup {report['startup_seconds']:.1f}s, "
           f"{report['generated_tokens']} tokens, {report['tokens_per_second']} tok/s "
           f"(wall {time.perf_counter() - start:.1f}s)", flush=True)
