@@ -25,7 +25,8 @@ from pipeline.observability import ActorTimeline, CallTiming
 
 class GeneratorActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
-                 draft: str | None = None, draft_actor=None, backend: str = "hf", merged_decoding: bool = False):
+                 draft: str | None = None, draft_actor=None, backend: str = "hf", merged_decoding: bool = False,
+                 speculative=None):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
         (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``: "hf"
@@ -34,15 +35,17 @@ class GeneratorActor:
         ``merged_decoding`` (runtime.merged_decoding): concurrent calls share one step loop: the HF
         engine's merged forward passes, or vLLM's continuous batching (ContinuousVLLMEngine: a request
         per row, aborted when pruned); false: one call at a time (the vLLM engine in rounds of
-        ``LLM.generate``)."""
+        ``LLM.generate``). ``speculative`` (models.speculative, a
+        pipeline.decoding.speculative.SpeculativeDecoding): speculative decoding inside either engine."""
         torch.set_num_threads(max(1, num_threads))
         if backend == "vllm":
             from pipeline.engines.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine.from_pretrained(model, dtype=dtype, num_threads=max(1, num_threads),
-                                                     continuous=merged_decoding)
+                                                     continuous=merged_decoding, speculative=speculative)
         else:
-            self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype, merged=merged_decoding)
+            self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype, merged=merged_decoding,
+                                                   speculative=speculative)
         if draft_actor is not None:
             from actors.remote import RemoteProxy
 

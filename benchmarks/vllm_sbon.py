@@ -21,7 +21,14 @@ Ray actors as the config places them; only these differ:
   (pipeline.engines.vllm_engine.ContinuousVLLMEngine), one prompt per batch, 16 batches in flight:
   every candidate is its own request, each prompt prunes at its own tau, pruned requests are
   aborted and the next prompts' requests take their place;
-- ``bon_hf``: Best-of-N on our HF engine (merged decoding), the pipeline's default backend.
+- ``bon_hf``: Best-of-N on our HF engine (merged decoding), the pipeline's default backend;
+- ``sbon_continuous_spec``: ``sbon_continuous`` with vLLM's ngram speculative decoding
+  (models.speculative: k = ``--spec-tokens`` draft tokens while at most ``--spec-rows`` requests
+  decode, pipeline.decoding.speculative.SpeculativeDecoding): the survivors finish speculatively
+  once the batch has thinned (issue 14 item 7);
+- ``sbon_hf`` / ``sbon_hf_spec``: speculative rejection on the HF engine (merged decoding), without
+  and with the same speculative decoding of each batch's finish (prompt lookup verified with
+  ADED's exact acceptance: the same candidates as ``sbon_hf``, up to float rounding).
 
 Printed per run: run seconds (first batch to last commit; engine start left out), generated tokens,
 tokens/s; the run-time ratios against ``bon_vllm``; the normalized score (Eq. 5 of the speculative
@@ -56,7 +63,12 @@ RUNS = {
     "sbon_continuous": ("sbon", ["models.backend=vllm", "runtime.merged_decoding=true", "runtime.prompts_per_batch=1",
                                  "runtime.batches_in_flight=16"]),
     "bon_hf": ("best_of_n", ["models.backend=hf", "runtime.merged_decoding=true"]),
+    "sbon_continuous_spec": ("sbon", ["models.backend=vllm", "runtime.merged_decoding=true", "runtime.prompts_per_batch=1",
+                                      "runtime.batches_in_flight=16", "SPEC"]),
+    "sbon_hf": ("sbon", ["models.backend=hf", "runtime.merged_decoding=true"]),
+    "sbon_hf_spec": ("sbon", ["models.backend=hf", "runtime.merged_decoding=true", "SPEC"]),
 }
+DEFAULT_RUNS = ["bon_vllm", "sbon_rounds", "sbon_continuous", "bon_hf"]
 BASELINE = "bon_vllm"
 
 
@@ -64,7 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/real.yaml")
     parser.add_argument("--prompts", type=int, default=8, help="how many of the config's data.prompts (first ones)")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    parser.add_argument("--spec-tokens", type=int, default=4, help="the *_spec runs' draft tokens per step")
+    parser.add_argument("--spec-rows", type=int, default=16, help="the *_spec runs' most live rows that speculate")
     parser.add_argument("--rounds-batch", type=int, help="sbon_rounds' prompts per batch (default: all of them)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to every build (strategy.* ones to the sbon builds only), "
@@ -87,6 +101,9 @@ def build(name: str, args: argparse.Namespace, prompts: Path, count: int) -> dic
     strategy, overrides = RUNS[name]
     if name == "sbon_rounds":
         overrides = overrides + [f"runtime.prompts_per_batch={args.rounds_batch or count}"]
+    if "SPEC" in overrides:
+        overrides = [o for o in overrides if o != "SPEC"] + [
+            f"models.speculative.num_speculative_tokens={args.spec_tokens}", f"models.speculative.max_rows={args.spec_rows}"]
     output = Path(args.output) / name
     argv = ["--config", args.config, "--strategy", strategy, "--prompts", str(prompts), "--output", str(output),
             "--overwrite", "--no-progress"]
@@ -179,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     if {"sbon_rounds", "sbon_continuous"} <= set(reports):
         result["ratios"]["continuous_over_rounds"] = round(
             reports["sbon_rounds"]["run_seconds"] / reports["sbon_continuous"]["run_seconds"], 3)
+    for plain in ("sbon_continuous", "sbon_hf"):  # what speculative decoding of the finish adds
+        if {plain, f"{plain}_spec"} <= set(reports):
+            result["ratios"][f"{plain}_spec_over_{plain}"] = round(
+                reports[plain]["run_seconds"] / reports[f"{plain}_spec"]["run_seconds"], 3)
     for key, value in result["ratios"].items():
         target = {"sbon_continuous_speedup_over_bon_vllm": "  (target >= 2.5)",
                   "sbon_rounds_speedup_over_bon_vllm": "  (target >= 2.5)",
@@ -187,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if BASELINE in reports:
         bon = read_pairs(Path(args.output) / BASELINE)
-        for name in ("sbon_rounds", "sbon_continuous"):
+        for name in [r for r in reports if r.startswith("sbon")]:
             if name not in reports:
                 continue
             sbon = read_pairs(Path(args.output) / name)

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.decoding.speculative import SpeculativeDecoding
 from pipeline.errors import ConfigError
 from pipeline.methods import METHODS, method
 
@@ -35,7 +36,10 @@ class ModelsConfig:
     """Torch device inside each actor: cpu, cuda, cuda:0, ..."""
     backend: str = "hf"
     """Generator backend: hf (every strategy) or vllm (the strategies whose record lists it: best_of_n
-    and sbon; `pip install .[vllm]`, GPU)."""
+    and sbon; `make install-vllm` on CPU, `pip install .[vllm]` on GPU)."""
+    speculative: SpeculativeDecoding = field(default_factory=SpeculativeDecoding)
+    """Speculative decoding of the rows that go on decoding (best_of_n, sbon): num_speculative_tokens
+    > 0 turns it on (pipeline.decoding.speculative.SpeculativeDecoding). Output distribution unchanged."""
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):

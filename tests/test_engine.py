@@ -153,3 +153,70 @@ def test_merged_decoding_refuses_a_call_from_inside_its_own_model_work(tiny_mode
     with pytest.raises(RuntimeError, match="would wait for itself"):
         engine.search("nested", [prompt], 2, [1, 2], SAMPLE, BestOfNParams())
     assert len(engine.generate([prompt], 2, [1, 2], SAMPLE)) == 2  # the engine still serves
+
+
+def _speculative(k=4, max_rows=16):
+    from pipeline.decoding.speculative import SpeculativeDecoding
+
+    return SpeculativeDecoding(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3, max_rows=max_rows)
+
+
+REPETITIVE = ["the lamp is good the lamp is good the lamp is good the lamp",
+              "one two three one two three one two three one two"]
+
+
+def test_speculative_decoding_makes_the_same_rows_in_fewer_forward_passes(tiny_models):
+    """Prompt-lookup drafts verified with ADED's sampling acceptance: every row equals plain
+    decoding's (greedy and sampled, EOS included), and accepted drafts save forward passes."""
+    base = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    prompts = [ids(base, t) for t in REPETITIVE]
+    for sampling in (SamplingParams(max_new_tokens=24, temperature=0), SamplingParams(max_new_tokens=24, temperature=0.7)):
+        plain = HFEngine(base.model, base.tokenizer)
+        fast = HFEngine(base.model, base.tokenizer, speculative=_speculative())
+        expected = plain.generate(prompts, 3, list(range(6)), sampling)
+        got = fast.generate(prompts, 3, list(range(6)), sampling)
+        assert [(r.row, r.token_ids, r.finished) for r in got] == [(r.row, r.token_ids, r.finished) for r in expected]
+        assert fast.generated_tokens == plain.generated_tokens
+        assert fast.forward_passes <= plain.forward_passes
+    # A batch advances with its slowest row: greedy rows of the prompt the tiny model answers in a
+    # loop accept their drafts, and save passes.
+    greedy = SamplingParams(max_new_tokens=24, temperature=0)
+    plain = HFEngine(base.model, base.tokenizer)
+    fast = HFEngine(base.model, base.tokenizer, speculative=_speculative())
+    assert [r.token_ids for r in fast.generate(prompts[1:], 3, [0, 1, 2], greedy)] == \
+        [r.token_ids for r in plain.generate(prompts[1:], 3, [0, 1, 2], greedy)]
+    assert fast.forward_passes < plain.forward_passes
+    # More live rows than max_rows: plain steps, the same passes as without it.
+    wide = HFEngine(base.model, base.tokenizer, speculative=_speculative(max_rows=2))
+    wide.generate(prompts[1:], 3, [0, 1, 2], greedy)
+    assert wide.forward_passes == plain.forward_passes
+
+
+def test_speculative_decoding_finishes_only_the_rows_after_the_last_decision_token(tiny_models):
+    """sbon's pattern (a decision token, prune, finish to the cap): the extend to the decision token
+    decodes plainly, the finish speculates; rows, EOS and counters equal plain decoding's, unmerged
+    and merged (sessions on threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    sampling = SamplingParams(max_new_tokens=20, temperature=0.7)
+    sampled = base.generate([ids(base, REPETITIVE[0])], 8, list(range(8)), sampling)
+    eos = max({t for r in sampled for t in r.token_ids[2:]}, key=lambda t: sum(r.token_ids.count(t) for r in sampled))
+    base.model.generation_config.eos_token_id = eos  # some rows end early
+    jobs = [(f"s{i}", [ids(base, REPETITIVE[i % 2])], 6, [100 * i + k for k in range(6)]) for i in range(4)]
+    plain = HFEngine(base.model, base.tokenizer)
+    expected = [_sbon_like(plain, name, p, w, seeds, sampling) for name, p, w, seeds in jobs]
+    fast = HFEngine(base.model, base.tokenizer, speculative=_speculative())
+    steps = []
+    speculative_step = fast._speculative_step
+    fast._speculative_step = lambda state: steps.append(len(state.tokens[state.rows[0]])) or speculative_step(state)
+    got = [_sbon_like(fast, name, p, w, seeds, sampling) for name, p, w, seeds in jobs]
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    assert [g[1]["generated_tokens"] for g in got] == [e[1]["generated_tokens"] for e in expected]
+    assert steps and min(steps) >= 3  # only the finishes (after the decision token at 3) speculated
+    assert any(finished and len(tokens) < 20 for rows, _ in expected for _, tokens, _, finished in rows)  # EOS
+    merged = HFEngine(base.model, base.tokenizer, merged=True, speculative=_speculative())
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        threaded = list(pool.map(lambda job: _sbon_like(merged, *job, sampling), jobs))
+    assert [g[0] for g in threaded] == [e[0] for e in expected]
+    assert merged.sessions == {} and merged._members == [] and merged._driving is None

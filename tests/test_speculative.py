@@ -140,3 +140,34 @@ def test_the_decoding_test_catches_bugs_under_warping(bug, monkeypatch):
     else:
         drafter = UnwarpedQDrafter(DRAFT_12)
     assert speculative_pvalue("paper", drafter) < 1e-6
+
+
+def test_prompt_lookup_takes_the_longest_suffix_match_at_its_earliest_place():
+    from pipeline.decoding.speculative import prompt_lookup
+
+    context = [1, 2, 3, 9, 5, 2, 3, 7, 8, 1, 2, 3]
+    # [1, 2, 3] occurs at 0 (3-gram, longest): what followed it there
+    assert prompt_lookup(context, 2, 1, 3) == [9, 5]
+    # capped at 2-grams: [2, 3] first occurs at 1
+    assert prompt_lookup(context, 3, 1, 2) == [9, 5, 2]
+    assert prompt_lookup(context, 9, 1, 3) == [9, 5, 2, 3, 7, 8, 1, 2, 3]  # up to the end of the context
+    assert prompt_lookup([4, 5, 6, 7], 3, 1, 3) == []  # no earlier occurrence
+    assert prompt_lookup([5, 6, 5], 3, 2, 3) == []  # only a 1-gram matches, below min_n
+    assert prompt_lookup([5, 6, 5], 3, 1, 3) == [6, 5]
+    assert prompt_lookup(context, 0, 1, 3) == []
+
+
+def test_speculative_config_checks_its_keys_and_gives_vllm_its_schedule():
+    from pipeline.config import config_from_dict
+    from pipeline.decoding.speculative import SpeculativeDecoding
+    from pipeline.errors import ConfigError
+
+    assert not config_from_dict({}).models.speculative.enabled
+    spec = config_from_dict({"models": {"speculative": {"num_speculative_tokens": 3, "max_rows": 8}}}).models.speculative
+    assert spec.vllm_config(256) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                     "prompt_lookup_max": 4,
+                                     "num_speculative_tokens_per_batch_size": [(1, 8, 3), (9, 256, 0)]}
+    for bad, where in [({"num_speculative_tokens": -1}, "num_speculative_tokens"), ({"method": "eagle"}, "method"),
+                       ({"prompt_lookup_min": 5}, "prompt_lookup_min"), ({"max_rows": 0}, "max_rows")]:
+        with pytest.raises(ConfigError, match=f"models.speculative.{where}"):
+            SpeculativeDecoding(**bad)

@@ -7,14 +7,88 @@ sample from the residual norm(max(0, p_i - q_i)); when all gamma are accepted a 
 drawn from p_{gamma+1}. Every emitted token is then distributed exactly as under the target.
 
 The functions are pure over tensors; the uniforms come from the caller's seeded generators.
+
+``SpeculativeDecoding`` (``models.speculative``) is the engines' speculative decoding of the rows a
+build keeps decoding (the candidates that survive speculative rejection's last decision token, or
+Best-of-N's rows): vLLM's ``ngram`` method on the vLLM backend, and on the HF engine the same
+proposer (``prompt_lookup``) with ADED's exact sampling acceptance (pipeline.decoding.aded.accept).
+Both keep each row's output distribution that of plain sampling, so rejection decisions and the
+Best-of-N choice mean what they meant without it; only the cost changes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from pipeline.errors import ConfigError
 
 from pipeline.decoding.sampling import beam_distribution, cut_response, inverse_cdf, residual_distribution
 from pipeline.decoding.tree import TokenTree
+
+
+@dataclass
+class SpeculativeDecoding:
+    """``models.speculative``: speculative decoding inside the generator engine (both backends)."""
+
+    num_speculative_tokens: int = 0
+    """k: draft tokens proposed per row and step; 0 turns speculative decoding off."""
+    method: str = "ngram"
+    """The proposer: ngram (prompt lookup, vLLM's ``ngram`` method; no draft model needed)."""
+    prompt_lookup_min: int = 2
+    """Shortest suffix n-gram of a row's context that may match earlier in it."""
+    prompt_lookup_max: int = 4
+    """Longest suffix n-gram tried (the longest match wins)."""
+    max_rows: int = 16
+    """Speculate only while the decoding batch has at most this many live rows: verifying k + 1
+    tokens per row pays where a step's cost is reading the weights (few rows), not where it is
+    compute (many rows, as before speculative rejection's first decision token). vLLM: its
+    ``num_speculative_tokens_per_batch_size`` schedule; HF engine: the rows of the session being
+    finished (an extend to the length cap)."""
+
+    def __post_init__(self):
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_rows"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "num_speculative_tokens" else 1):
+                raise ConfigError(f"models.speculative.{key}: expected a {'non-negative' if key == 'num_speculative_tokens' else 'positive'} int, got {value!r}")
+        if self.method != "ngram":
+            raise ConfigError(f"models.speculative.method: expected ngram, got {self.method!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"models.speculative.prompt_lookup_min: {self.prompt_lookup_min} is more than "
+                              f"prompt_lookup_max {self.prompt_lookup_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+    def vllm_config(self, max_num_seqs: int = 1024) -> dict:
+        """vLLM's ``speculative_config``: its ngram proposer, k tokens while at most ``max_rows``
+        requests decode, none above (``max_num_seqs``: the engine's most requests in a step)."""
+        schedule = [(1, self.max_rows, self.num_speculative_tokens)]
+        if self.max_rows < max_num_seqs:
+            schedule.append((self.max_rows + 1, max_num_seqs, 0))
+        return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max,
+                "num_speculative_tokens_per_batch_size": schedule}
+
+
+def prompt_lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt-lookup drafting (vLLM's ``ngram`` proposer, v1/spec_decode/ngram_proposer.py): the
+    longest suffix of ``context`` of min_n..max_n tokens that also occurs earlier in it (its
+    earliest occurrence, as vLLM takes), and up to ``k`` tokens that followed that occurrence;
+    no match (or k <= 0): none."""
+    if k <= 0 or len(context) <= min_n:
+        return []
+    last = context[-1]
+    ends = [j for j in range(len(context) - 1) if context[j] == last]  # earlier places the suffix may end
+    for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
+        suffix = context[-n:]
+        for end in ends:
+            start = end - n + 1
+            if start >= 0 and context[start:end + 1] == suffix:
+                return context[end + 1:end + 1 + k]
+    return []
 
 
 def speculative_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,

@@ -24,6 +24,19 @@ session that stops to be scored leaves the loop (``RowBatch.split``) while the o
 session that opens meanwhile is prefilled between two steps and joins at its first ``extend``. The
 batch is re-cut only when its membership changes (a session joins or leaves, rows finish). Rows
 sample from their own generators, so every candidate is the one the unmerged engine makes.
+
+Speculative decoding (``speculative``, models.speculative, off by default): an extend to the length
+cap (Best-of-N's rows, the candidates that survive speculative rejection's last decision token)
+whose session has at most ``max_rows`` live rows decodes by drafting and verifying: each row
+proposes up to k tokens by prompt lookup over its own prompt and response (vLLM's ngram method,
+pipeline.decoding.speculative.prompt_lookup), one forward pass verifies every row's chain
+(``RowBatch.verify``), and ADED's sampling acceptance (pipeline.decoding.aded.accept) keeps the
+draft tokens the row's own sampler draws, one uniform per token in order, as plain decoding would:
+the rows are the ones plain decoding makes (up to float rounding of the verification pass), in
+fewer forward passes when drafts are accepted. The rejected drafts' cache columns stay, hidden by
+the attention mask (``RowBatch.commit_prefixes``). Rows then advance unevenly, which is why only
+extends to the cap speculate (an extend to a decision token needs every row at exactly tau). With
+merged decoding such an extend runs its steps between the shared loop's, on its own rows.
 """
 
 from __future__ import annotations
@@ -36,8 +49,11 @@ from typing import Any, Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from pipeline.decoding.aded import accept
 from pipeline.decoding.protocols import RowState, check_open
 from pipeline.decoding.sampling import SamplingParams, sample_next
+from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
+from pipeline.decoding.tree import TokenTree
 from pipeline.engines.rows import RowBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,6 +94,8 @@ class _Session:
     in_loop: bool = False  # merged decoding: the rows are in the step loop (set and cleared under its lock)
     positions: list[int] = field(default_factory=list)  # merged decoding: the live rows' positions there
     error: BaseException | None = None  # merged decoding: why the step loop dropped this session
+    prompts: list[list[int]] = field(default_factory=list)  # the prompts' token ids (speculative decoding drafts from them)
+    num_samples: int = 1  # rows per prompt: row r answers prompts[r // num_samples]
 
     @property
     def cache(self) -> DynamicCache:
@@ -103,9 +121,12 @@ class _Job:
 class HFEngine:
     """Generator implementation over an HF causal LM (see pipeline.decoding.protocols.Generator)."""
 
-    def __init__(self, model, tokenizer, device: str | torch.device = "cpu", merged: bool = False):
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu", merged: bool = False,
+                 speculative: SpeculativeDecoding | None = None):
         """``merged``: concurrent calls share one step loop (merged decoding, see the module
-        docstring); False: calls must come one at a time (a caller serializes them)."""
+        docstring); False: calls must come one at a time (a caller serializes them).
+        ``speculative``: speculative decoding of extends to the cap (module docstring); None or
+        k = 0: off."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -120,6 +141,7 @@ class HFEngine:
         proxy, set by the GeneratorActor; None: they draft with ADED."""
         self._search_host = None
         self.merged = merged
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
         # Merged decoding's state; the condition's lock guards it.
         self._cond = threading.Condition()
         self._driving: int | None = None  # the thread that runs the model now (the loop's driver)
@@ -131,7 +153,7 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
-                        merged: bool = False) -> HFEngine:
+                        merged: bool = False, speculative: SpeculativeDecoding | None = None) -> HFEngine:
         """Any HF causal LM; a Reward Transformer directory (pipeline.engines.reward_transformer)
         loads with its reward channel, which model-side methods such as SLA read."""
         from pipeline.engines.reward_transformer import RewardTransformer, has_reward_channel
@@ -141,7 +163,7 @@ class HFEngine:
             model = RewardTransformer.from_pretrained(name_or_path, dtype=DTYPES[dtype], device=device)
         else:
             model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
-        return cls(model, tokenizer, device, merged=merged)
+        return cls(model, tokenizer, device, merged=merged, speculative=speculative)
 
     @property
     def max_context(self) -> int:
@@ -222,7 +244,8 @@ class HFEngine:
                                       logits_to_keep=1)  # once per prompt
         batch.fan_out(num_samples)
         state = _Session(sampling=sampling, batch=batch, rows=list(range(len(seeds))), generators=generators,
-                         tokens={r: [] for r in range(len(seeds))}, forward_passes=1)
+                         tokens={r: [] for r in range(len(seeds))}, forward_passes=1, prompts=prompts,
+                         num_samples=num_samples)
         self._append(state, out.logits[:, -1, :].repeat_interleave(num_samples, 0))  # [R, V]
         return state
 
@@ -233,6 +256,9 @@ class HFEngine:
             reported = self._prune(state, session, keep)
             state.until = min(until, state.sampling.max_new_tokens)
             while not state.extended():
+                if self._speculates(state):
+                    self._speculative_step(state)
+                    continue
                 out = state.batch.feed(state.last_token[:, None], logits_to_keep=1)
                 state.forward_passes += 1
                 self._append(state, out.logits[:, -1, :])  # [B, V]
@@ -244,16 +270,72 @@ class HFEngine:
                 raise ValueError(f"session {session}: extend while another extend of it is under way")
             reported = self._prune(state, session, keep)
             state.until = min(until, state.sampling.max_new_tokens)
+            speculate = self._speculates(state)
+            if not speculate:
+                try:
+                    if not state.extended():
+                        state.in_loop = True
+                        self._joining.append(state)
+                        self._serve(lambda: not state.in_loop)
+                        if state.error is not None:
+                            raise state.error
+                finally:
+                    state.until, state.error = None, None
+        if speculate:  # its own steps, each between two of the shared loop's
             try:
-                if not state.extended():
-                    state.in_loop = True
-                    self._joining.append(state)
-                    self._serve(lambda: not state.in_loop)
-                    if state.error is not None:
-                        raise state.error
+                while not state.extended():
+                    self._between_steps(lambda: self._speculative_step(state))
             finally:
-                state.until, state.error = None, None
+                with self._cond:
+                    state.until = None
         return self._report(state, reported)
+
+    def _speculates(self, state: _Session) -> bool:
+        """This extend decodes speculatively: it runs to the cap, with at most max_rows live rows."""
+        return (self.speculative is not None and state.until == state.sampling.max_new_tokens
+                and 0 < len(state.rows) <= self.speculative.max_rows)
+
+    @torch.inference_mode()
+    def _speculative_step(self, state: _Session) -> None:
+        """One draft-and-verify step of the session's live rows (see the module docstring): each
+        row gains its accepted draft tokens and one token its sampler drew; rows that hit EOS or
+        the cap finish and leave the batch."""
+        spec, sampling = self.speculative, state.sampling
+        cap = sampling.max_new_tokens
+        pending = state.last_token.tolist()  # sampled, not yet cached: each chain's root
+        trees = []
+        for i, row in enumerate(state.rows):
+            tokens = state.tokens[row]
+            room = min(spec.num_speculative_tokens, cap - len(tokens) - 1)  # the step's last token is a sample
+            draft = prompt_lookup(state.prompts[row // state.num_samples] + tokens, room,
+                                  spec.prompt_lookup_min, spec.prompt_lookup_max)
+            trees.append(TokenTree.chain([pending[i]] + draft))
+        logits = state.batch.verify(trees)  # [B, N, V]
+        state.forward_passes += 1
+        eos = set() if sampling.ignore_eos else self.eos_ids
+        kept, last, done = [], [], []
+        for i, (row, tree) in enumerate(zip(state.rows, trees)):
+            path, token = accept(tree, logits[i], sampling, state.generators[i])
+            accepted = [tree.tokens[j] for j in path[1:]]
+            ended = next((j for j, t in enumerate(accepted) if t in eos), None)
+            if ended is not None:  # an accepted draft token is EOS: the response ends there
+                accepted, token = accepted[:ended], accepted[ended]
+            tokens = state.tokens[row]
+            tokens.extend(accepted)
+            if token not in eos:
+                tokens.append(token)
+            state.generated_tokens += len(accepted) + 1
+            self.generated_tokens += len(accepted) + 1
+            if token in eos or len(tokens) >= cap:
+                done.append(i)
+            kept.append(len(accepted) + 1)  # the root (the old pending token) and the accepted drafts
+            last.append(token)
+        state.batch.commit_prefixes(kept)
+        state.last_token = torch.tensor(last, dtype=state.last_token.dtype, device=state.last_token.device)
+        if done:
+            state.finished.update(state.rows[i] for i in done)
+            retired = set(done)
+            self._select(state, [i for i in range(len(state.rows)) if i not in retired])
 
     def _prune(self, state: _Session, session: str, keep: list[int] | None) -> list[int]:
         """Keep only rows ``keep`` (all when None); the rows the extend reports: those kept, or the

@@ -18,8 +18,9 @@ always holds: every attended column is one real token.
 
 Extra model kwargs (``logits_to_keep=1``, ``with_rewards=True``) pass through to the model; the
 model's output comes back as it is, so each user reads the logits, rewards or hidden states it
-needs. Tensors are replaced, never written in place, so a ``snapshot`` stays valid while the batch
-moves on.
+needs. Tensors are replaced, never written where a tensor handed out can see (the KV cache grows
+in place, but only into spare columns past its current length: ``_GrowingLayer``), so a
+``snapshot`` stays valid while the batch moves on.
 
 Every forward pass is timed into the ``ForwardClock`` active in the calling context (an actor
 activates its own for the length of each call, ``forward_clock``), whichever batch ran it: the
@@ -36,6 +37,7 @@ from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from pipeline.decoding.tree import TokenTree
 from pipeline.engines.tree import TreeVerification, commit_paths, verify_tree
@@ -97,10 +99,64 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer that appends in place: its keys and values are views [B, H, L, D] of buffers
+    with spare columns, and ``update`` writes the new columns into them, where DynamicLayer's
+    ``torch.cat`` copies the whole layer at every decoding step. When the room runs out, or
+    ``keys``/``values`` were replaced from outside (``select``, ``fan_out``, ``commit``, a crop), the
+    next update copies them into new buffers with room for a quarter more columns (at least 64).
+
+    Only columns past every view handed out are written, so tensors taken earlier (a RowSnapshot)
+    keep their values. It writes in place only in inference mode, where the buffers are made (an
+    in-place write would break autograd's saved tensors); elsewhere it concatenates, as DynamicLayer."""
+
+    _room: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(keys buffer, values buffer, the keys view, the values view) of the last in-place update."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
+        if not torch.is_inference_mode_enabled():
+            self._room = None
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        room = self._room
+        if room is None or room[2] is not self.keys or room[3] is not self.values or length + new > room[0].shape[-2]:
+            keys, values = self._grow(key_states, value_states, length, length + new)
+        else:
+            keys, values = room[0], room[1]
+        keys[:, :, length:length + new].copy_(key_states)
+        values[:, :, length:length + new].copy_(value_states)
+        self.keys, self.values = keys[:, :, :length + new], values[:, :, :length + new]
+        self._room = (keys, values, self.keys, self.values)
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, length: int,
+              needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New buffers for ``needed`` columns and room to spare, holding the ``length`` cached ones."""
+        columns = needed + max(64, needed // 4)
+
+        def buffer(cached: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+            batch, heads, _, dim = states.shape
+            grown = torch.empty((batch, heads, columns, dim), dtype=states.dtype, device=states.device)
+            if length:
+                grown[:, :, :length].copy_(cached)
+            return grown
+
+        return buffer(self.keys, key_states), buffer(self.values, value_states)
+
+
+def _new_cache(model) -> DynamicCache:
+    """An empty cache for ``model`` whose full-attention layers append in place (_GrowingLayer)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 def _cache_of(model, layers: list[KV]) -> DynamicCache:
     """A cache holding ``layers`` (per layer (keys, values) [B, H, L, D]) as they are: filling it
     through ``update`` would copy every tensor once more."""
-    cache = DynamicCache(config=model.config)
+    cache = _new_cache(model)
     for layer, (keys, values) in zip(cache.layers, layers):
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
@@ -110,8 +166,8 @@ def _cache_of(model, layers: list[KV]) -> DynamicCache:
 @dataclass
 class RowSnapshot:
     """A RowBatch's rows at one moment; ``RowBatch.gather`` restarts rows from it later (the draft
-    model resumes from the beams of its last call). It holds references: RowBatch never writes a
-    tensor in place, so later steps do not change it."""
+    model resumes from the beams of its last call). It holds references: RowBatch never writes
+    where they can see, so later steps do not change it."""
 
     layers: list[KV]  # per layer (keys, values), each [B, H, L, D]
     attention_mask: torch.Tensor  # [B, L]
@@ -144,7 +200,7 @@ class RowBatch:
     def empty(cls, model, rows: int, device, counted_by: tuple = ()) -> RowBatch:
         """``rows`` rows with nothing cached yet."""
         mask = torch.zeros((rows, 0), dtype=torch.long, device=device)  # [B, 0]
-        return cls(model, DynamicCache(config=model.config), mask, torch.zeros(rows, dtype=torch.long, device=device),
+        return cls(model, _new_cache(model), mask, torch.zeros(rows, dtype=torch.long, device=device),
                    counted_by)
 
     @classmethod
@@ -170,7 +226,7 @@ class RowBatch:
                 keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
                 values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
             cache_data.append((torch.stack(keys), torch.stack(values)))  # [B, H, width, D]
-        cache = DynamicCache(ddp_cache_data=cache_data, config=model.config)
+        cache = _cache_of(model, cache_data)
         mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)  # [B, width]
         for i, length in enumerate(lengths):
             mask[i, width - length:] = 1
@@ -184,11 +240,10 @@ class RowBatch:
         def rows(tensors) -> torch.Tensor:  # one tensor per pick -> its picked row of each, stacked
             return torch.cat([t[r:r + 1] for t, r in zip(tensors, index)])
 
-        cache = DynamicCache(config=model.config)
-        for i in range(len(snapshots[0].layers)):
-            cache.update(rows(s.layers[i][0] for s in snapshots), rows(s.layers[i][1] for s in snapshots), i)
-        return cls(model, cache, rows(s.attention_mask for s in snapshots), rows(s.next_position for s in snapshots),
-                   counted_by)
+        layers = [(rows(s.layers[i][0] for s in snapshots), rows(s.layers[i][1] for s in snapshots))
+                  for i in range(len(snapshots[0].layers))]
+        return cls(model, _cache_of(model, layers), rows(s.attention_mask for s in snapshots),
+                   rows(s.next_position for s in snapshots), counted_by)
 
     @classmethod
     def concat(cls, batches: list[RowBatch], counted_by: tuple = ()) -> RowBatch:
@@ -327,4 +382,23 @@ class RowBatch:
             self.attention_mask, self.next_position = commit_paths(self.cache, self.verification, sources)
         else:
             self.select([])
+        self.verification = None
+
+    def commit_prefixes(self, lengths: list[int]) -> None:
+        """After a ``verify`` of chains (each tree one path from its root), row i keeps the first
+        ``lengths[i]`` nodes of its chain. The other nodes' columns stay in the cache, hidden by the
+        attention mask (as ``truncate`` hides columns): no key or value is copied, where ``commit``
+        would gather the whole cache. Rows and their order stay as they were."""
+        verification = self.verification
+        if verification is None:
+            raise ValueError("commit_prefixes needs a verify first")
+        for tree, length in zip(verification.trees, lengths):
+            if not 0 <= length <= len(tree.tokens) or any(p != i - 1 for i, p in enumerate(tree.parents)):
+                raise ValueError(f"commit_prefixes: {length} nodes of a tree that is not a chain of at least that many")
+        device = self.attention_mask.device
+        nodes = self.cache.get_seq_length() - verification.past_length
+        kept = torch.tensor(lengths, dtype=self.next_position.dtype, device=device)  # [B]
+        tail = (torch.arange(nodes, device=device)[None] < kept[:, None]).to(verification.attention_mask.dtype)
+        self.attention_mask = torch.cat([verification.attention_mask, tail], dim=1)  # [B, L + N]
+        self.next_position = verification.next_position.to(device) + kept
         self.verification = None

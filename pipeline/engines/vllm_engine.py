@@ -135,11 +135,13 @@ class VLLMEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str = "bfloat16", num_threads: int | None = None,
-                        continuous: bool = False, **llm_kwargs) -> VLLMEngine:
+                        continuous: bool = False, speculative=None, **llm_kwargs) -> VLLMEngine:
         """``num_threads``: CPU threads for the model on vLLM's CPU backend (``cpu_defaults``); None:
         every core. ``continuous``: a ContinuousVLLMEngine (one request per row, aborted when
-        pruned) instead of rounds of ``LLM.generate``. ``llm_kwargs`` go to ``vllm.LLM`` over the
-        defaults."""
+        pruned) instead of rounds of ``LLM.generate``. ``speculative`` (a
+        pipeline.decoding.speculative.SpeculativeDecoding, models.speculative): vLLM's own ngram
+        speculative decoding while at most ``max_rows`` requests decode (its
+        ``speculative_config``). ``llm_kwargs`` go to ``vllm.LLM`` over the defaults."""
         from vllm import LLM
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -147,6 +149,8 @@ class VLLMEngine:
         from transformers import GenerationConfig
 
         llm_kwargs, env = cpu_defaults(llm_kwargs, num_threads)
+        if speculative is not None and speculative.enabled and "speculative_config" not in llm_kwargs:
+            llm_kwargs["speculative_config"] = speculative.vllm_config(llm_kwargs.get("max_num_seqs", 1 << 16))
         with _environment(env):  # vLLM's engine and worker processes start inside LLM()
             llm = LLM(model=name_or_path, dtype=dtype, enable_prefix_caching=True, **llm_kwargs)
         tokenizer = llm.get_tokenizer()
