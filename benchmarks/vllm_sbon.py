@@ -37,8 +37,10 @@ their first tau tokens from the same seeds, and the continuous one samples exact
 candidates) and, unless ``--no-judge``, the independent judge's win rate of each sbon run's chosen
 response against Best-of-N on vLLM's (benchmarks.real_sbon.judge).
 
-``--throughput`` also times raw decoding at 128 rows x 128 tokens (EOS ignored, one process, both
-cores): vLLM's LLM.generate and our HFEngine (benchmarks.hf_throughput), tokens/s and their ratio
+``--throughput`` also times raw decoding at 128 rows x 128 tokens (EOS ignored, both cores): vLLM's
+LLM.generate in this process, then our HFEngine (benchmarks.hf_throughput) in a process of its own
+on ``--hf-python`` (default .venv/bin/python: the HF engine as users run it; in .venv-vllm, whose
+transformers is pinned below 5.20, the same engine measured 2.3x slower), tokens/s and their ratio
 (issue 14 item 6).
 
 Targets (issue 14): sbon on vLLM >= 2.5x faster than Best-of-N on vLLM at normalized score >= 98;
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,6 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-judge", action="store_true", help="skip the judge's win rates")
     parser.add_argument("--judge-batch-size", type=int, default=16)
     parser.add_argument("--throughput", action="store_true", help="also time raw decoding at 128 rows x 128 tokens")
+    parser.add_argument("--hf-python", default=".venv/bin/python" if Path(".venv/bin/python").exists() else sys.executable,
+                        help="--throughput's Python for the HF engine (default: the product's .venv)")
     parser.add_argument("--json", help="write the figures here as JSON")
     args = parser.parse_args(argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
@@ -150,14 +155,26 @@ def vllm_tokens_per_second(model: str, rows: int, tokens: int, repeats: int) -> 
     return {"tokens_per_s": rates, "median_tokens_per_s": round(statistics.median(rates), 1)}
 
 
-def throughput(model: str) -> dict:
-    from benchmarks.hf_throughput import hf_tokens_per_second
+def hf_in_its_venv(python: str, model: str, rows: int, tokens: int, repeats: int) -> dict:
+    """benchmarks.hf_throughput in its own process, on ``python`` (the product's venv: the HF engine
+    runs there, with the transformers our package resolves to; .venv-vllm pins an older one)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "hf.json"
+        subprocess.run([python, "-m", "benchmarks.hf_throughput", "--model", model, "--rows", str(rows),
+                        "--tokens", str(tokens), "--repeats", str(repeats), "--json", str(out)], check=True)
+        result = json.loads(out.read_text())
+    version = subprocess.run([python, "-c", "import transformers; print(transformers.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    return {**result, "python": python, "transformers": version}
 
+
+def throughput(model: str, hf_python: str) -> dict:
     vllm = vllm_tokens_per_second(model, 128, 128, 3)
-    hf = hf_tokens_per_second(model, 128, 128, 3)
+    hf = hf_in_its_venv(hf_python, model, 128, 128, 3)
     ratio = round(hf["median_tokens_per_s"] / vllm["median_tokens_per_s"], 3)
     print(f"\nraw decoding, 128 rows x 128 tokens (median of 3): vLLM {vllm['median_tokens_per_s']} tok/s "
-          f"{vllm['tokens_per_s']}, HFEngine {hf['median_tokens_per_s']} tok/s {hf['tokens_per_s']}: "
+          f"{vllm['tokens_per_s']}, HFEngine {hf['median_tokens_per_s']} tok/s {hf['tokens_per_s']} "
+          f"({hf['python']}, transformers {hf['transformers']}): "
           f"HF / vLLM = {ratio} (target >= 0.9)")
     return {"vllm": vllm, "hf": hf, "hf_over_vllm": ratio}
 
@@ -224,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   judge vs Best-of-N on vLLM: {verdict['sbon_wins']} wins, {verdict['sbon_losses']} losses, "
                       f"{verdict['ties']} ties -> win rate {verdict['win_rate']:.3f}")
     if args.throughput:
-        result["throughput"] = throughput(config.models.generator)
+        result["throughput"] = throughput(config.models.generator, args.hf_python)
     if args.json:
         result.update(environment(config.models.device))
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

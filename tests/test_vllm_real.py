@@ -24,13 +24,18 @@ SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0)
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(tmp_path_factory):
+def vllm_model(tmp_path_factory) -> str:
     pytest.importorskip("vllm", reason="vllm is not installed (make install-vllm, or pip install .[vllm] on a GPU)")
     from jobs.make_tiny_models import make_vllm_model
+
+    return str(make_vllm_model(tmp_path_factory.mktemp("vllm-model")))
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(vllm_model):
     from pipeline.engines.vllm_engine import VLLMEngine
 
-    model = make_vllm_model(tmp_path_factory.mktemp("vllm-model"))
-    engine = VLLMEngine.from_pretrained(str(model), dtype="float32", gpu_memory_utilization=0.12, max_model_len=256,
+    engine = VLLMEngine.from_pretrained(vllm_model, dtype="float32", gpu_memory_utilization=0.12, max_model_len=256,
                                         max_num_batched_tokens=512)
     yield engine
     del engine
@@ -171,3 +176,46 @@ def test_continuous_speculative_rejection_from_many_threads_aborts_pruned_rows(v
     assert stopped >= 8
     assert continuous.generated_tokens - before < sum(r.generated_tokens for r in bon)
     assert continuous.sessions == {} and continuous._requests == {}
+
+
+@pytest.fixture(scope="module")
+def speculative_engine(vllm_model):
+    """A second engine on the same model, with vLLM's ngram speculative decoding (models.speculative)
+    while at most 8 requests decode, and its statistics on (to count the drafted tokens)."""
+    from pipeline.decoding.speculative import SpeculativeDecoding
+    from pipeline.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.from_pretrained(vllm_model, dtype="float32", gpu_memory_utilization=0.12, max_model_len=256,
+                                        max_num_batched_tokens=512, disable_log_stats=False,
+                                        speculative=SpeculativeDecoding(4, prompt_lookup_min=1, max_rows=8))
+    yield engine
+    engine.shutdown()
+
+
+def _drafted(engine) -> int:
+    return sum(int(getattr(m, "value", 0)) for m in engine.llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
+
+
+def test_speculative_decoding_on_vllm_keeps_greedy_rows_and_speculates_only_small_batches(vllm_engine,
+                                                                                      speculative_engine, scorer):
+    """vLLM's ngram speculative decoding (models.speculative): greedy rows equal the plain engine's
+    (its rejection sampling keeps the target's distribution; greedy makes that a token check), it
+    drafts while at most max_rows requests decode and not above, and speculative rejection on it
+    accounts for every row."""
+    greedy = SamplingParams(max_new_tokens=48, temperature=0)
+    batch = prompts(vllm_engine, 2)
+    plain = best_of_n(batch, vllm_engine, scorer, BestOfNParams(), greedy, 2, seed=1)
+    before = _drafted(speculative_engine)
+    fast = best_of_n(batch, speculative_engine, scorer, BestOfNParams(), greedy, 2, seed=1)  # 4 requests
+    assert tokens(fast) == tokens(plain)
+    assert _drafted(speculative_engine) > before  # it speculated
+    before = _drafted(speculative_engine)
+    steady = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)  # all 32 rows to the cap together
+    wide = best_of_n(prompts(vllm_engine, 4), speculative_engine, scorer, BestOfNParams(), steady, 8, seed=1)
+    assert _drafted(speculative_engine) == before  # 32 requests a step: above max_rows, no drafts
+    assert all(len(r.candidates) == 8 for r in wide)
+    sbon = speculative_rejection(prompts(vllm_engine, 2), speculative_engine, scorer,
+                                 SpeculativeRejectionParams(8, 0.75), SAMPLING, N, seed=2)
+    for r in sbon:
+        assert sorted(c.sample for c in r.candidates) == list(range(N))
+        assert all(c.completed or (c.stopped_early and len(c.token_ids) == 8) for c in r.candidates)

@@ -36,7 +36,9 @@ the rows are the ones plain decoding makes (up to float rounding of the verifica
 fewer forward passes when drafts are accepted. The rejected drafts' cache columns stay, hidden by
 the attention mask (``RowBatch.commit_prefixes``). Rows then advance unevenly, which is why only
 extends to the cap speculate (an extend to a decision token needs every row at exactly tau). With
-merged decoding such an extend runs its steps between the shared loop's, on its own rows.
+merged decoding such an extend (at most ``max_rows`` live rows when it starts) runs its steps
+between the shared loop's, on its own rows; unmerged, a session switches to speculative steps as
+soon as its rows thin out to ``max_rows``.
 """
 
 from __future__ import annotations
