@@ -2,7 +2,7 @@
 
     python -m benchmarks.real_sbon [--config configs/real.yaml] [--device cpu|cuda] [--prompts 64]
         [--generator DIR] [--reward DIR] [--num-samples N] [--max-new-tokens T] [--decision-token TAU]
-        [--rejection-rate ALPHA] [--seed 0] [--repeats 1] [--set KEY=VALUE ...]
+        [--rejection-rate ALPHA] [--seed 0] [--repeats 1] [--set KEY=VALUE ...] [--sbon-set KEY=VALUE ...]
         [--output out/bench/real-sbon] [--no-judge] [--json FILE]
 
     # issue 13 item 5, on a GPU:
@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs per strategy; the fastest is kept")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to both builds, e.g. --set runtime.rows_in_flight=256")
+    parser.add_argument("--sbon-set", dest="sbon_sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to the sbon build only, e.g. the memory-budget mode: --sbon-set "
+                             "strategy.initial_candidates=64 --sbon-set strategy.max_live_candidates=16")
     parser.add_argument("--output", default="out/bench/real-sbon", help="the builds' outputs: OUTPUT/STRATEGY")
     parser.add_argument("--no-judge", action="store_true", help="skip the judge's win rate")
     parser.add_argument("--judge-batch-size", type=int, default=16)
@@ -104,7 +107,7 @@ def sbon_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"strategy.decision_token={args.decision_token}")
     if args.rejection_rate is not None:
         out.append(f"strategy.rejection_rate={args.rejection_rate}")
-    return out
+    return out + args.sbon_sets
 
 
 def build(strategy: str, args: argparse.Namespace, shared: list[str], prompts: Path) -> dict:
