@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+import transformers
 
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
@@ -69,7 +70,7 @@ def hf_tokens_per_second(model_dir: str, rows: int = 128, tokens: int = 128, rep
         start = time.perf_counter()
         generated = run_session(engine, prompts, rows, tokens)
         rates.append(generated / (time.perf_counter() - start))
-    return {"model": model_dir, "rows": rows, "tokens": tokens, "threads": threads,
+    return {"model": model_dir, "transformers": transformers.__version__, "rows": rows, "tokens": tokens, "threads": threads,
             "tokens_per_s": [round(r, 1) for r in rates], "median_tokens_per_s": round(statistics.median(rates), 1)}
 
 

@@ -328,6 +328,19 @@ def accept(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams, gene
         node = child
 
 
+def accept_tokens(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
+                  eos: set[int]) -> tuple[list[int], list[int], int]:
+    """``accept``, then the response ends at the first EOS: returns (the accepted path, the accepted
+    draft tokens before any EOS among them, the token drawn after them, which is that EOS if one
+    was accepted)."""
+    path, token = accept(tree, logits, sampling, generator)
+    new = [tree.tokens[i] for i in path[1:]]
+    ended = next((i for i, t in enumerate(new) if t in eos), None)
+    if ended is not None:  # an accepted draft token is EOS: the response ends at the first one
+        new, token = new[:ended], new[ended]
+    return path, new, token
+
+
 @dataclass
 class DecodeStats:
     forward_passes: int = 0
@@ -382,11 +395,7 @@ def aded_decode(target: TreeVerifier, drafter: TreeDrafter, prompts: list[list[i
         stats.forward_passes += 1
         sources, next_live = [], []
         for b, (r, tree) in enumerate(zip(live, trees)):
-            path, token = accept(tree, logits[b], sampling, generators[r])
-            new = [tree.tokens[i] for i in path[1:]]
-            ended = next((i for i, t in enumerate(new) if t in eos), None)
-            if ended is not None:  # an accepted draft token is EOS: the response ends at the first one
-                new, token = new[:ended], new[ended]
+            path, new, token = accept_tokens(tree, logits[b], sampling, generators[r], eos)
             done = token in eos
             emitted = new + ([] if done else [token])
             out[r].extend(emitted)

@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from pipeline.decoding.aded import accept
+from pipeline.decoding.aded import accept_tokens
 from pipeline.decoding.protocols import RowState, check_open
 from pipeline.decoding.sampling import SamplingParams, sample_next
 from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
@@ -317,11 +317,7 @@ class HFEngine:
         eos = set() if sampling.ignore_eos else self.eos_ids
         kept, last, done = [], [], []
         for i, (row, tree) in enumerate(zip(state.rows, trees)):
-            path, token = accept(tree, logits[i], sampling, state.generators[i])
-            accepted = [tree.tokens[j] for j in path[1:]]
-            ended = next((j for j, t in enumerate(accepted) if t in eos), None)
-            if ended is not None:  # an accepted draft token is EOS: the response ends there
-                accepted, token = accepted[:ended], accepted[ended]
+            _, accepted, token = accept_tokens(tree, logits[i], sampling, state.generators[i], eos)
             tokens = state.tokens[row]
             tokens.extend(accepted)
             if token not in eos:
