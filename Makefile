@@ -10,7 +10,7 @@ TINY_MODELS := .cache/tiny-models
 BENCH_MODELS := .cache/bench-models
 REAL_MODELS := .cache/real-models
 
-.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon bench-real bench-vllm real-models real-models-retrain clean
+.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon bench-real bench-vllm real-models real-models-retrain real-draft bench-dsbd-real clean
 
 install: $(STAMP)
 
@@ -114,6 +114,16 @@ real-models: install
 
 real-models-retrain: install
 	$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --retrain
+
+# REAL_MODELS/draft: the generator's first 4 layers, distilled (forward KL) on its own samples, for DSBD
+# (models.draft) and speculative decoding; about 10 minutes on 2 idle cores, cached.
+real-draft: real-models
+	$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --draft
+
+# DSBD, speculative decoding (distilled draft and ADED drafts) and beam sampling on the real models.
+bench-dsbd-real: real-draft
+	$(PY) -m benchmarks.dsbd --models $(REAL_MODELS) --prompt-file configs/prompts/real-eval.jsonl --aded --no-ray \
+		--json out/bench/dsbd-real.json --png out/bench/dsbd-real.png
 
 # Speculative rejection vs Best-of-N on the real models through the build job (configs/real.yaml;
 # PROMPTS of its prompts, DEVICE cpu or cuda). Slow on CPU: not part of make test.

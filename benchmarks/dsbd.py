@@ -2,7 +2,7 @@
 
     python -m benchmarks.dsbd [--models DIR] [--device cpu|cuda] [--prompts 4] [--samples 1]
         [--new-tokens 32] [--repeats 2] [--grid quick|paper|wide] [--random-large] [--no-ray]
-        [--json out/dsbd.json] [--png out/dsbd.png]
+        [--prompt-file FILE] [--aded] [--json out/dsbd.json] [--png out/dsbd.png]
 
 Every method decodes the same prompts with the same seeds to exactly --new-tokens tokens (EOS
 disabled), in-process (no Ray), with the target through the same tree-verification engine
@@ -22,10 +22,16 @@ DSBD in memory mode (gamma 2, t 0.5 and 0.9, each W_S). Then:
 - the memory-constrained comparison (paper Table 1): every method keeps ONE KV cache row:
   multinomial, speculative decoding, DSBD in memory mode (section 3.4);
 - draft placement: one DSBD setting with the draft in-process vs in a Ray DraftActor (a round
-  trip per iteration); --no-ray skips it.
+  trip per iteration); --no-ray skips it;
+- --aded: the same two methods with ADED's model-free drafts instead of the draft model
+  (pipeline.decoding.aded.ADEDLayerDrafter over an empty tri-gram matrix reset for every prompt, as
+  a dsbd build without models.draft runs): speculative decoding and DSBD (W_S 2 and 3, gamma 3,
+  t 0.9).
 
 Models: --models DIR holds DIR/generator and DIR/draft (e.g. `python -m jobs.bench_models
---output DIR`, prompts from DIR/prompts.jsonl when present, else configs/prompts/demo.jsonl);
+--output DIR`, or `python -m jobs.fetch_models --output DIR --draft` for SmolLM2-135M-Instruct and
+its distilled draft), prompts from --prompt-file, else DIR/prompts.jsonl when present, else
+configs/prompts/demo.jsonl, through the generator's chat template when it has one;
 without it the random tiny models are built in a temp dir. Random
 weights make perplexity nearly flat, so quality differences there mean little; speed ratios still
 hold. --random-large builds a random-init ~1B target and ~100M draft (bf16 on cuda) so decoding is
@@ -52,6 +58,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
 from pipeline.decoding.dsbd import DecodeStats, DSBDParams, beam_sampling, dsbd_decode
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import speculative_decode
@@ -102,10 +109,15 @@ def load_models(args):
     tok = load_tokenizer(f"{source}/generator")
     # Bench model directories may carry their own prompts (DIR/prompts.jsonl).
     prompt_file = Path(source) / "prompts.jsonl"
-    prompt_file = prompt_file if prompt_file.exists() else Path("configs/prompts/demo.jsonl")
+    prompt_file = Path(args.prompt_file) if args.prompt_file else (
+        prompt_file if prompt_file.exists() else Path("configs/prompts/demo.jsonl"))
     texts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()
              if line.strip() and (json.loads(line).get("prompt") or "").strip()]
-    prompts = [tok(t).input_ids for t in texts[:args.prompts]]
+    if getattr(tok, "chat_template", None):  # as a build formats them (PromptFormatter)
+        prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"] for t in texts[:args.prompts]]
+    else:
+        prompts = [tok(t).input_ids for t in texts[:args.prompts]]
     label = f"{source} ({'given' if args.models else 'random tiny models, built here'})"
     return target, draft, prompts, label
 
@@ -122,10 +134,17 @@ def perplexity(model, prompts: list[list[int]], outputs: list[list[int]], device
     return math.exp(nll / max(count, 1))
 
 
-def methods(args) -> dict[str, tuple]:
+def methods(args, vocab_size: int) -> dict[str, tuple]:
     """name -> (kind, settings)."""
     out = {"multinomial": ("beam", {"width": 1}),
            "speculative": ("spec", {"gamma": args.gamma_spec})}
+    if args.aded:
+        from pipeline.engines.trigram import load_trigram
+
+        aded = ADEDLayerDrafter(ADEDDrafter(load_trigram("", 12)), vocab_size)
+        out["speculative_aded"] = ("spec", {"gamma": args.gamma_spec, "aded": aded})
+        for ws in (2, 3):
+            out[f"dsbd_aded_ws{ws}_g3_t0.9"] = ("dsbd", {"W_S": ws, "gamma": 3, "t": 0.9, "memory": False, "aded": aded})
     for w in range(2, 5):
         out[f"beam_w{w}"] = ("beam", {"width": w})
     grid = GRIDS[args.grid]
@@ -138,7 +157,11 @@ def methods(args) -> dict[str, tuple]:
 
 def run(kind: str, cfg: dict, target, drafter, prompts, seeds, sampling, device) -> tuple[list, DecodeStats]:
     stats, outputs = DecodeStats(), []
+    if cfg.get("aded"):
+        drafter = cfg["aded"]
     for prompt in prompts:
+        if isinstance(drafter, ADEDLayerDrafter):
+            drafter.reset()  # every prompt starts from the same (empty) matrix, as in a dsbd build
         for seed in seeds:
             session = TreeSession(target, device)
             if kind == "beam":
@@ -233,6 +256,8 @@ def main(argv=None) -> int:
                         help="random-init ~40M target, ~0.3M draft: the target dominates the cost, even on a CPU")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-ray", action="store_true", help="skip the draft-placement measurement")
+    parser.add_argument("--prompt-file", default=None, help="prompts JSONL (default: DIR/prompts.jsonl or the demo's)")
+    parser.add_argument("--aded", action="store_true", help="also speculative decoding and DSBD with ADED drafts")
     parser.add_argument("--json", default="out/bench/dsbd.json")
     parser.add_argument("--png", default="out/bench/dsbd.png")
     args = parser.parse_args(argv)
@@ -241,7 +266,7 @@ def main(argv=None) -> int:
     drafter = HFDrafter(draft_model, args.device)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     seeds = list(range(args.samples))
-    todo = methods(args)
+    todo = methods(args, target.config.vocab_size)
     clock = time.perf_counter if args.device.startswith("cuda") else time.process_time
     warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
     for kind, cfg in [todo["multinomial"], todo["speculative"], todo["dsbd_ws2_g2_t0.9"]]:  # warm-up
@@ -258,7 +283,8 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
             best[name] = max(best[name], sum(map(len, outputs)) / (clock() - start))
             if rep == 0:  # seeded: every repeat decodes the same tokens
-                results[name] = {"kind": kind, **cfg, "perplexity": perplexity(target, [p for p in prompts for _ in seeds],
+                results[name] = {"kind": kind, **{k: v for k, v in cfg.items() if k != "aded"},
+                                 "drafter": "aded" if "aded" in cfg else "draft model", "perplexity": perplexity(target, [p for p in prompts for _ in seeds],
                                                                                outputs, args.device),
                                  "target_forwards_per_token": stats.target_forwards / max(stats.steps, 1),
                                  "avg_accepted_width": stats.beam_steps / max(stats.steps, 1)}

