@@ -531,3 +531,23 @@ def test_dsbd_aded_drafter_starts_from_strategy_trigram(engine, tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"no")
     with pytest.raises(ConfigError, match="strategy.trigram"):
         check(DSBDParams(trigram=str(tmp_path / "bad.npz")), None)
+
+
+def test_dsbd_benchmark_runs_the_aded_rows_on_prompt_file_prompts(tiny_models, tmp_path):
+    """benchmarks.dsbd --aded --prompt-file: speculative decoding and DSBD with ADED drafts next to
+    the draft model's, each row saying which drafter ran."""
+    import json
+
+    from benchmarks import dsbd as bench
+    from tests.conftest import write_jsonl
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Describe how the lamp works."}])
+    out = tmp_path / "dsbd.json"
+    assert bench.main(["--models", str(tiny_models["generator"].parent), "--prompt-file", str(prompts),
+                       "--prompts", "1", "--new-tokens", "5", "--repeats", "1", "--aded", "--no-ray",
+                       "--json", str(out), "--png", str(tmp_path / "dsbd.png")]) == 0
+    results = json.loads(out.read_text())["results"]
+    aded = {n: r for n, r in results.items() if r["drafter"] == "aded"}
+    assert set(aded) == {"speculative_aded", "dsbd_aded_ws2_g3_t0.9", "dsbd_aded_ws3_g3_t0.9"}
+    assert results["speculative"]["drafter"] == "draft model"
+    assert all(r["tokens_per_s"] > 0 and r["perplexity"] > 1 for r in results.values())
