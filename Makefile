@@ -116,7 +116,7 @@ real-models-retrain: install
 	$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --retrain
 
 # REAL_MODELS/draft: the generator's first 4 layers, distilled (forward KL) on its own samples, for DSBD
-# (models.draft) and speculative decoding; about 10 minutes on 2 idle cores, cached.
+# (models.draft) and speculative decoding; about 13 minutes on 2 idle cores, cached.
 real-draft: real-models
 	$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --draft
 

@@ -30,7 +30,7 @@ With --draft (`make real-draft`), two more steps:
 8. DIR/draft: a draft model sharing the generator's tokenizer: the generator's first
    --draft-layers layers, distilled on those samples (pipeline.training.draft: forward KL to the
    generator's distribution), with report.json: the held-out acceptance probability of speculative
-   sampling, greedy agreement and KL. About 10 minutes on 2 CPU cores; `models.draft` of a DSBD
+   sampling, greedy agreement and KL. About 13 minutes on 2 CPU cores; `models.draft` of a DSBD
    build, and `benchmarks.dsbd --models DIR`.
 
 The fast path (the default): the reward model is the generator's network plus a linear head of
