@@ -1,6 +1,7 @@
 """ADED vs plain autoregressive decoding and a static n-gram retrieval drafter, measured in one run.
 
     python -m benchmarks.aded [--model DIR] [--corpus FILE] [--prompts 8] [--new-tokens 64]
+                              [--candidates 24] [--draft-depth 4]
                               [--train-steps 300] [--device cpu] [--json out/aded.json] [--plot out/aded.png]
 
 Methods (greedy decoding, one prompt at a time as in the paper's latency setting, every method on the
@@ -119,6 +120,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--train-steps", type=int, default=300, help="fine-tune steps for the tiny default model")
     parser.add_argument("--iterations", type=int, default=150, help="MCTS iterations (paper: 150)")
+    parser.add_argument("--candidates", type=int, default=24,
+                        help="drafts merged into each verified tree (paper: 24); fewer = smaller verification passes")
+    parser.add_argument("--draft-depth", type=int, default=4, help="draft length l (paper: 4)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -151,9 +155,11 @@ def main(argv=None) -> int:
     base = TrigramMatrix.from_sequences(sequences)
     methods = [
         ("autoregressive", None),
-        ("retrieval", RetrievalDrafter(sequences)),
-        ("aded-static", ADEDDrafter(base.copy(), iterations=args.iterations, adaptive=False, seed=args.seed)),
-        ("aded", ADEDDrafter(base.copy(), iterations=args.iterations, adaptive=True, seed=args.seed)),
+        ("retrieval", RetrievalDrafter(sequences, depth=args.draft_depth, candidates=args.candidates)),
+        ("aded-static", ADEDDrafter(base.copy(), iterations=args.iterations, depth=args.draft_depth,
+                                    candidates=args.candidates, adaptive=False, seed=args.seed)),
+        ("aded", ADEDDrafter(base.copy(), iterations=args.iterations, depth=args.draft_depth,
+                             candidates=args.candidates, adaptive=True, seed=args.seed)),
     ]
     run_method("warm-up", engine, None, prompts[:1], sampling)
     results = []
@@ -181,7 +187,8 @@ def main(argv=None) -> int:
         values = [r["curve"][i][1] if i < len(r["curve"]) else float("nan") for r in rows[1:]]
         print(f"{edge:<9}" + "  ".join(f"{v:>14.3f}" for v in values))
     summary = {"model": args.model or "tiny generator (fine-tuned)", "device": args.device, "prompts": args.prompts,
-               "new_tokens": args.new_tokens, "iterations": args.iterations, "methods": rows}
+               "new_tokens": args.new_tokens, "iterations": args.iterations,
+               "candidates": args.candidates, "draft_depth": args.draft_depth, "methods": rows}
     for path in (args.json, args.plot):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(args.json, "w") as f:
