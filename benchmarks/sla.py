@@ -51,11 +51,11 @@ def bench_prompts(train: int, evaluate: int, seed: int, train_file: str | None =
 
     if train_file or eval_file:
         if not (train_file and eval_file):
-            raise SystemExit("error: --prompts and --eval-prompts-file go together")
+            fail("--prompts and --eval-prompts-file go together")
         chosen = [file_prompts(train_file, train), file_prompts(eval_file, evaluate)]
         overlap = set(chosen[0]) & set(chosen[1])
         if overlap:
-            raise SystemExit(f"error: {eval_file}: {len(overlap)} prompts also in {train_file}")
+            fail(f"{eval_file}: {len(overlap)} prompts also in {train_file}")
         return chosen[0], chosen[1]
 
     pool = [f"{a} {s}." for a in ASKS for s in SUBJECTS]
@@ -64,6 +64,12 @@ def bench_prompts(train: int, evaluate: int, seed: int, train_file: str | None =
     if train + evaluate > len(pool):
         raise SystemExit(f"error: at most {len(pool)} prompts")
     return pool[:train], pool[train:train + evaluate]
+
+
+def fail(message: str):
+    """Bad input: one line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def file_prompts(path: str, count: int) -> list[str]:
@@ -78,12 +84,10 @@ def file_prompts(path: str, count: int) -> list[str]:
             try:
                 prompt = json.loads(line)["prompt"]
             except (ValueError, KeyError, TypeError) as e:
-                print(f"error: {path}: row {row}: no \"prompt\" string ({e})", file=sys.stderr)
-                raise SystemExit(2) from None
+                fail(f"{path}: row {row}: no \"prompt\" string ({e})")
             prompts.append(prompt)
     if len(prompts) < count:
-        print(f"error: {path}: {len(prompts)} prompts, {count} asked for", file=sys.stderr)
-        raise SystemExit(2)
+        fail(f"{path}: {len(prompts)} prompts, {count} asked for")
     return prompts
 
 
