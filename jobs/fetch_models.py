@@ -333,15 +333,21 @@ def build_draft(generator: Path, output: Path, settings: DraftSettings, prompts:
     data, draft_dir = output / "draft-data", output / "draft"
     stamp = data / "settings.json"
     wanted = {"generator": str(generator), "prompts": prompts, "eval_prompts": eval_prompts, **asdict(settings)}
-    if stamp.exists() and json.loads(stamp.read_text()) != wanted:
-        print(f"draft settings changed: rebuilding {data} and {draft_dir}", file=sys.stderr)
+    # The samples depend on the sampling settings only: other changes retrain on the same samples.
+    sampling = {k: wanted[k] for k in ("generator", "prompts", "eval_prompts", "samples_per_prompt",
+                                       "max_new_tokens", "temperature", "seed")}
+    if stamp.exists() and json.loads(stamp.read_text()) != sampling:
+        print(f"draft sampling settings changed: rebuilding {data} and {draft_dir}", file=sys.stderr)
         shutil.rmtree(data), shutil.rmtree(draft_dir, ignore_errors=True)
     data.mkdir(parents=True, exist_ok=True)
     if not stamp.exists():
-        _write_atomic(stamp, json.dumps(wanted, indent=2))
+        _write_atomic(stamp, json.dumps(sampling, indent=2))
     if (draft_dir / "report.json").exists():
-        _skip(draft_dir)
-        return json.loads((draft_dir / "report.json").read_text())
+        report = json.loads((draft_dir / "report.json").read_text())
+        if report.get("settings") == wanted:
+            _skip(draft_dir)
+            return report
+        print(f"draft settings changed: retraining {draft_dir}", file=sys.stderr)
 
     from pipeline.engines.hf import HFEngine
     from pipeline.training.draft import distill, evaluate_draft, truncated_copy

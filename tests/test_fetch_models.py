@@ -376,5 +376,13 @@ def test_draft_step_distills_the_generators_first_layers_and_a_rerun_skips_it(ti
     assert fetch_models.main(args) == 0
     assert f"skip: {draft_dir} exists" in capsys.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in draft_dir.rglob("*")} == written
-    assert fetch_models.main([*args[:-4], "--draft-layers", "2"]) == 2  # settings changed: rebuilt, and 2 is too many
+    assert fetch_models.main([*args[:-4], "--draft-layers", "2"]) == 2  # 2 is too many: refused before sampling
     assert "--draft-layers: draft layers must be in 1..1" in capsys.readouterr().err
+
+    # Another number of epochs retrains on the same samples.
+    monkeypatch.undo()
+    samples = {p: p.stat().st_mtime_ns for p in (tmp_path / "models" / "draft-data").glob("samples-*.jsonl")}
+    assert fetch_models.main([*args[:-2], "--draft-epochs", "1"]) == 0
+    assert "retraining" in capsys.readouterr().err
+    assert json.loads((draft_dir / "report.json").read_text())["training"]["epochs"] == 1
+    assert {p: p.stat().st_mtime_ns for p in samples} == samples
