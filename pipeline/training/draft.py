@@ -55,11 +55,12 @@ def truncated_copy(model, layers: int):
 
 
 def _batches(sequences: list[tuple[list[int], int]], batch_size: int, pad_id: int, device, order=None):
-    """(input_ids, attention_mask, loss_mask) batches; loss_mask marks the positions whose next
+    """(sequence indices, input_ids, attention_mask, loss_mask) batches; loss_mask marks the positions whose next
     token is a response token (position t predicts token t + 1)."""
     order = list(range(len(sequences))) if order is None else order
     for start in range(0, len(order), batch_size):
-        chunk = [sequences[i] for i in order[start:start + batch_size]]
+        index = order[start:start + batch_size]
+        chunk = [sequences[i] for i in index]
         width = max(len(ids) for ids, _ in chunk)
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         attention = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -68,8 +69,7 @@ def _batches(sequences: list[tuple[list[int], int]], batch_size: int, pad_id: in
             ids[row, :len(tokens)] = torch.tensor(tokens)
             attention[row, :len(tokens)] = 1
             loss[row, response_start - 1:len(tokens) - 1] = True
-        yield [order[i] for i in range(start, min(start + batch_size, len(order)))], ids.to(device), \
-            attention.to(device), loss.to(device)
+        yield index, ids.to(device), attention.to(device), loss.to(device)
 
 
 @torch.inference_mode()
