@@ -166,14 +166,7 @@ def _skip(path: Path) -> Path:
 def build_reward_model(generator: Path, output: Path, settings: RewardSettings, progress: bool = True) -> dict:
     """Steps 4-6 (module docstring); returns the report (read back when step 6 is skipped)."""
     data, reward = output / "reward-data", output / "reward"
-    stamp = data / "settings.json"
-    wanted = {"generator": str(generator), **asdict(settings)}
-    if stamp.exists() and json.loads(stamp.read_text()) != wanted:
-        print(f"settings changed: rebuilding {data} and {reward}", file=sys.stderr)
-        shutil.rmtree(data), shutil.rmtree(reward, ignore_errors=True)
-    data.mkdir(parents=True, exist_ok=True)
-    if not stamp.exists():
-        _write_atomic(stamp, json.dumps(wanted, indent=2))
+    _stamp(data, reward, {"generator": str(generator), **asdict(settings)}, "settings")
     if (reward / "report.json").exists():
         report = json.loads((reward / "report.json").read_text())
         if report.get("reward_source") != COMMITTED:  # an assembled model is no trained one: train
@@ -331,17 +324,11 @@ def build_draft(generator: Path, output: Path, settings: DraftSettings, prompts:
         raise FetchError(f"--draft-layers: draft layers must be in 1..{layers - 1} (the generator has {layers}), "
                          f"got {settings.layers}")
     data, draft_dir = output / "draft-data", output / "draft"
-    stamp = data / "settings.json"
     wanted = {"generator": str(generator), "prompts": prompts, "eval_prompts": eval_prompts, **asdict(settings)}
     # The samples depend on the sampling settings only: other changes retrain on the same samples.
-    sampling = {k: wanted[k] for k in ("generator", "prompts", "eval_prompts", "samples_per_prompt",
-                                       "max_new_tokens", "temperature", "seed")}
-    if stamp.exists() and json.loads(stamp.read_text()) != sampling:
-        print(f"draft sampling settings changed: rebuilding {data} and {draft_dir}", file=sys.stderr)
-        shutil.rmtree(data), shutil.rmtree(draft_dir, ignore_errors=True)
-    data.mkdir(parents=True, exist_ok=True)
-    if not stamp.exists():
-        _write_atomic(stamp, json.dumps(sampling, indent=2))
+    _stamp(data, draft_dir, {k: wanted[k] for k in ("generator", "prompts", "eval_prompts", "samples_per_prompt",
+                                                    "max_new_tokens", "temperature", "seed")},
+           "draft sampling settings")
     if (draft_dir / "report.json").exists():
         report = json.loads((draft_dir / "report.json").read_text())
         if report.get("settings") == wanted:
@@ -524,6 +511,18 @@ def load_prompts(path: str, tokenizer, max_new_tokens: int):
         raise FetchError(f"{path}: no prompts")
     formatter = PromptFormatter(tokenizer, max(1, min(tokenizer.model_max_length, 10**6) - max_new_tokens))
     return [formatter.prepare(row)[0] for row in rows]
+
+
+def _stamp(data: Path, model: Path, settings: dict, what: str) -> None:
+    """``data``/settings.json records the settings its files were made with: other settings remove
+    ``data`` and the ``model`` built from it, and the new settings are recorded."""
+    stamp = data / "settings.json"
+    if stamp.exists() and json.loads(stamp.read_text()) != settings:
+        print(f"{what} changed: rebuilding {data} and {model}", file=sys.stderr)
+        shutil.rmtree(data), shutil.rmtree(model, ignore_errors=True)
+    data.mkdir(parents=True, exist_ok=True)
+    if not stamp.exists():
+        _write_atomic(stamp, json.dumps(settings, indent=2))
 
 
 def _write_atomic(path: Path, text: str) -> None:
