@@ -16,9 +16,10 @@ from pipeline.engines.draft import HFDrafter
 
 
 class DraftActor:
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1):
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
+                 prepack: bool = True):
         torch.set_num_threads(max(1, num_threads))
-        self.drafter = HFDrafter.from_pretrained(model, device=device, dtype=dtype)
+        self.drafter = HFDrafter.from_pretrained(model, device=device, dtype=dtype, prepack=prepack)
 
     def draft(self, contexts: list[list[int]], prefix_logp: list[float], width: int, depth: int,
               sampling: SamplingParams, seed: int) -> list[DraftLayer]:

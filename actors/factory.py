@@ -160,11 +160,13 @@ def _plan_actors(config: Config) -> _ActorPlan:
         generator_cls=with_faults(GeneratorActor, "generator", faults),
         generator_args=(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus))),
         generator_kwargs={"draft": None if draft_actors else draft, "backend": m.backend,
-                          "merged_decoding": rt.merged_decoding,
+                          "merged_decoding": rt.merged_decoding, "prepack": m.cpu_prepack,
                           "speculative": m.speculative if m.speculative.enabled else None},
         reward_cls=with_faults(RewardActor, "reward", faults),
-        reward_args=(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size),
-        draft_actor_args=(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus))) if draft_actors else None)
+        reward_args=(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size,
+                     m.cpu_prepack),
+        draft_actor_args=(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus)), m.cpu_prepack)
+        if draft_actors else None)
 
 
 def start_workers(config: Config) -> Workers:

@@ -26,7 +26,7 @@ from pipeline.observability import ActorTimeline, CallTiming
 class GeneratorActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
                  draft: str | None = None, draft_actor=None, backend: str = "hf", merged_decoding: bool = False,
-                 speculative=None):
+                 speculative=None, prepack: bool = True):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
         (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``: "hf"
@@ -36,7 +36,9 @@ class GeneratorActor:
         engine's merged forward passes, or vLLM's continuous batching (ContinuousVLLMEngine: a request
         per row, aborted when pruned); false: one call at a time (the vLLM engine in rounds of
         ``LLM.generate``). ``speculative`` (models.speculative, a
-        pipeline.decoding.speculative.SpeculativeDecoding): speculative decoding inside either engine."""
+        pipeline.decoding.speculative.SpeculativeDecoding): speculative decoding inside either engine.
+        ``prepack`` (models.cpu_prepack): the HF models' linears prepacked for oneDNN on CPU
+        (pipeline.engines.hf.for_inference)."""
         torch.set_num_threads(max(1, num_threads))
         if backend == "vllm":
             from pipeline.engines.vllm_engine import VLLMEngine
@@ -45,7 +47,7 @@ class GeneratorActor:
                                                      continuous=merged_decoding, speculative=speculative)
         else:
             self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype, merged=merged_decoding,
-                                                   speculative=speculative)
+                                                   speculative=speculative, prepack=prepack)
         if draft_actor is not None:
             from actors.remote import RemoteProxy
 
@@ -53,7 +55,7 @@ class GeneratorActor:
         elif draft:
             from pipeline.engines.draft import HFDrafter
 
-            self.engine.drafter = HFDrafter.from_pretrained(draft, device=device, dtype=dtype)
+            self.engine.drafter = HFDrafter.from_pretrained(draft, device=device, dtype=dtype, prepack=prepack)
         merged = getattr(self.engine, "merged", False)
         self._one_at_a_time = contextlib.nullcontext() if merged else threading.Lock()
         self.timeline = ActorTimeline(lambda: len(self.engine.sessions), compute="sampling_and_bookkeeping",

@@ -17,9 +17,10 @@ from pipeline.observability import ActorTimeline, CallTiming
 
 class RewardActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
-                 batch_size: int = 32):
+                 batch_size: int = 32, prepack: bool = True):
         torch.set_num_threads(max(1, num_threads))
-        self.scorer = RewardScorer.from_pretrained(model, device=device, dtype=dtype, batch_size=batch_size)
+        self.scorer = RewardScorer.from_pretrained(model, device=device, dtype=dtype, batch_size=batch_size,
+                                                   prepack=prepack)
         self.timeline = ActorTimeline(lambda: len(self.scorer.sessions), compute="tokenizing_and_bookkeeping",
                                       open_wait="waiting_for_generator")
 

@@ -1,6 +1,7 @@
 """HFEngine decoding throughput: generated tokens per second of one sampling session on CPU.
 
     python -m benchmarks.hf_throughput --model DIR [--rows 128] [--tokens 128] [--repeats 3] [--threads 2]
+    python -m benchmarks.hf_throughput --model DIR --compare-prepack [--repeats 3]
 
 Each repeat opens one session of --rows rows (a fixed set of chat prompts, chat template applied,
 sampled --rows / prompts times each), extends it to exactly --tokens tokens per row (temperature
@@ -9,6 +10,12 @@ generated tokens over the wall clock of open + extend + close, prefill included.
 session (8 tokens) runs first. Prints tokens/s per repeat and their median (issue 14 item 6: >= 0.9x vLLM's
 CPU backend on the same shape). ``hf_tokens_per_second`` is the same measurement for another
 benchmark to call.
+
+``--compare-prepack``: the same measurement on two engines in one process, models.cpu_prepack on
+(pipeline.engines.hf.PackedLinear) and off, their repeats alternating, and the cost of one forward
+pass that feeds 1, 2, 4 or 8 tokens to one row after its prompt (what a verification pass of
+speculative or tree decoding costs: --pass-repeats passes each, median); prints each with the ratio
+off / on.
 """
 
 from __future__ import annotations
@@ -57,21 +64,72 @@ def run_session(engine: HFEngine, prompts: list[list[int]], rows: int, tokens: i
     return stats["generated_tokens"]
 
 
+def _rate(engine: HFEngine, prompts: list[list[int]], rows: int, tokens: int) -> float:
+    start = time.perf_counter()
+    generated = run_session(engine, prompts, rows, tokens)
+    return generated / (time.perf_counter() - start)
+
+
+def _summary(rates: list[float]) -> dict:
+    return {"tokens_per_s": [round(r, 1) for r in rates], "median_tokens_per_s": round(statistics.median(rates), 1)}
+
+
 def hf_tokens_per_second(model_dir: str, rows: int = 128, tokens: int = 128, repeats: int = 3,
-                         threads: int = 2) -> dict:
-    """HFEngine's decoding throughput on ``model_dir`` (float32, CPU, ``threads`` threads): one
-    warm-up session, then ``repeats`` timed ones; tokens/s of each and their median."""
+                         threads: int = 2, prepack: bool = True) -> dict:
+    """HFEngine's decoding throughput on ``model_dir`` (float32, CPU, ``threads`` threads,
+    models.cpu_prepack = ``prepack``): one warm-up session, then ``repeats`` timed ones; tokens/s of
+    each and their median."""
     torch.set_num_threads(threads)
-    engine = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
+    engine = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32", prepack=prepack)
     prompts = chat_prompts(engine.tokenizer, rows)
     run_session(engine, prompts, rows, min(tokens, 8))  # warm-up
-    rates = []
-    for _ in range(repeats):
+    rates = [_rate(engine, prompts, rows, tokens) for _ in range(repeats)]
+    return {"model": model_dir, "transformers": transformers.__version__, "rows": rows, "tokens": tokens,
+            "threads": threads, "prepack": prepack, **_summary(rates)}
+
+
+@torch.inference_mode()
+def pass_seconds(engine: HFEngine, prompt: list[int], fed: int, repeats: int) -> float:
+    """Median seconds of one forward pass feeding ``fed`` tokens to one row whose prompt is cached
+    (the cache is cut back after each pass)."""
+    out = engine.model(torch.tensor([prompt]), use_cache=True)
+    cache = out.past_key_values
+    ids = torch.tensor([prompt[-fed:]])
+    positions = torch.arange(len(prompt), len(prompt) + fed)[None]
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
         start = time.perf_counter()
-        generated = run_session(engine, prompts, rows, tokens)
-        rates.append(generated / (time.perf_counter() - start))
-    return {"model": model_dir, "transformers": transformers.__version__, "rows": rows, "tokens": tokens, "threads": threads,
-            "tokens_per_s": [round(r, 1) for r in rates], "median_tokens_per_s": round(statistics.median(rates), 1)}
+        engine.model(ids, past_key_values=cache, use_cache=True, position_ids=positions)
+        times.append(time.perf_counter() - start)
+        cache.crop(-fed)
+    return statistics.median(times[1:])
+
+
+def compare_prepack(model_dir: str, rows: int, tokens: int, repeats: int, threads: int,
+                    pass_repeats: int = 20) -> dict:
+    """Both settings of models.cpu_prepack in one process, repeats alternating (see the module docstring)."""
+    torch.set_num_threads(threads)
+    engines = {name: HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32", prepack=name == "prepack")
+               for name in ("prepack", "default")}
+    prompts = chat_prompts(engines["prepack"].tokenizer, rows)
+    for engine in engines.values():
+        run_session(engine, prompts, rows, min(tokens, 8))  # warm-up
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            rates[name].append(_rate(engine, prompts, rows, tokens))
+    passes = {name: {fed: pass_seconds(engine, prompts[0], fed, pass_repeats) for fed in (1, 2, 4, 8)}
+              for name, engine in engines.items()}
+    result = {"model": model_dir, "transformers": transformers.__version__, "torch": torch.__version__,
+              "rows": rows, "tokens": tokens, "threads": threads}
+    for name in engines:
+        result[name] = {**_summary(rates[name]),
+                        "pass_ms_by_tokens_fed": {fed: round(s * 1000, 1) for fed, s in passes[name].items()}}
+    result["throughput_ratio_prepack_over_default"] = round(
+        statistics.median(rates["prepack"]) / statistics.median(rates["default"]), 3)
+    result["pass_cost_ratio_default_over_prepack"] = {
+        fed: round(passes["default"][fed] / passes["prepack"][fed], 2) for fed in (1, 2, 4, 8)}
+    return result
 
 
 def main(argv=None) -> int:
@@ -82,11 +140,25 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--no-prepack", action="store_true", help="models.cpu_prepack off")
+    parser.add_argument("--compare-prepack", action="store_true",
+                        help="cpu_prepack on and off side by side, and the cost of 1-8 token passes")
+    parser.add_argument("--pass-repeats", type=int, default=20)
     args = parser.parse_args(argv)
-    result = hf_tokens_per_second(args.model, args.rows, args.tokens, args.repeats, args.threads)
-    for i, rate in enumerate(result["tokens_per_s"]):
-        print(f"repeat {i}: {rate:.1f} tokens/s")
-    print(f"median: {result['median_tokens_per_s']:.1f} tokens/s ({args.rows} rows x {args.tokens} tokens)")
+    if args.compare_prepack:
+        result = compare_prepack(args.model, args.rows, args.tokens, args.repeats, args.threads, args.pass_repeats)
+        for name in ("prepack", "default"):
+            r = result[name]
+            passes = ", ".join(f"{fed} tok {ms} ms" for fed, ms in r["pass_ms_by_tokens_fed"].items())
+            print(f"{name:8s} {r['median_tokens_per_s']:.1f} tokens/s {r['tokens_per_s']}; one-row pass: {passes}")
+        print(f"throughput prepack / default: {result['throughput_ratio_prepack_over_default']}x; "
+              f"one-row pass cost default / prepack by tokens fed: {result['pass_cost_ratio_default_over_prepack']}")
+    else:
+        result = hf_tokens_per_second(args.model, args.rows, args.tokens, args.repeats, args.threads,
+                                      prepack=not args.no_prepack)
+        for i, rate in enumerate(result["tokens_per_s"]):
+            print(f"repeat {i}: {rate:.1f} tokens/s")
+        print(f"median: {result['median_tokens_per_s']:.1f} tokens/s ({args.rows} rows x {args.tokens} tokens)")
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -340,7 +340,7 @@ def build_draft(generator: Path, output: Path, settings: DraftSettings, prompts:
     from pipeline.training.draft import distill, evaluate_draft, truncated_copy
 
     start = time.perf_counter()
-    engine = HFEngine.from_pretrained(str(generator))
+    engine = HFEngine.from_pretrained(str(generator), prepack=False)  # the teacher: truncated_copy copies its weights
     splits = {"train": load_prompts(prompts, engine.tokenizer, settings.max_new_tokens),
               "eval": load_prompts(eval_prompts, engine.tokenizer, settings.max_new_tokens)}
     overlap = {p.prompt_id for p in splits["train"]} & {p.prompt_id for p in splits["eval"]}

@@ -37,6 +37,11 @@ class ModelsConfig:
     backend: str = "hf"
     """Generator backend: hf (every strategy) or vllm (the strategies whose record lists it: best_of_n
     and sbon; `make install-vllm` on CPU, `pip install .[vllm]` on GPU)."""
+    cpu_prepack: bool = True
+    """CPU, float32, HF models (generator, reward, draft): each linear layer's weight is reordered once
+    at load for oneDNN (pipeline.engines.hf.PackedLinear): passes over a few rows (speculative and tree
+    decoding's verification) cost about one row's, and a row's output does not depend on its batch.
+    false: PyTorch's default linear. No effect on GPU, other dtypes or the vLLM backend."""
     speculative: SpeculativeDecoding = field(default_factory=SpeculativeDecoding)
     """Speculative decoding of the rows that go on decoding (best_of_n, sbon): num_speculative_tokens
     > 0 turns it on (pipeline.decoding.speculative.SpeculativeDecoding). Output distribution unchanged."""

@@ -1,5 +1,6 @@
 """HF engine on a tiny real Llama: KV-cache decoding, batching, pruning, counters."""
 
+import pytest
 import torch
 
 from pipeline.decoding.sampling import SamplingParams
@@ -220,3 +221,33 @@ def test_speculative_decoding_finishes_only_the_rows_after_the_last_decision_tok
         threaded = list(pool.map(lambda job: _sbon_like(merged, *job, sampling), jobs))
     assert [g[0] for g in threaded] == [e[0] for e in expected]
     assert merged.sessions == {} and merged._members == [] and merged._driving is None
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_prepacked_linears_match_pytorchs_and_do_not_depend_on_the_batch(tiny_models, engine):
+    from pipeline.engines.hf import PackedLinear
+
+    plain = HFEngine.from_pretrained(str(tiny_models["generator"]), prepack=False)
+    linears = [type(m) for m in plain.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    packed = [type(m) for m in engine.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    assert linears and set(linears) == {torch.nn.Linear} and packed == [PackedLinear] * len(linears)
+    prompt = ids(engine, "Tell me if the battery lasts well in the cold")
+    with torch.inference_mode():
+        a = engine.model(torch.tensor([prompt])).logits
+        b = plain.model(torch.tensor([prompt])).logits
+    assert torch.allclose(a, b, atol=1e-4)  # the other kernel, the same numbers to float rounding
+    assert [r.token_ids for r in engine.generate([prompt], 2, [3, 4], GREEDY)] == \
+        [r.token_ids for r in plain.generate([prompt], 2, [3, 4], GREEDY)]
+    layer = PackedLinear(torch.nn.Linear(64, 96))
+    x = torch.randn(16, 64)
+    with torch.inference_mode():
+        full = layer(x)
+        assert all(torch.equal(layer(x[:m]), full[:m]) for m in (1, 2, 3, 5, 8))  # bitwise, any batch size
+
+
+def test_prepack_is_off_for_other_dtypes_and_when_asked(tiny_models):
+    from pipeline.engines.hf import PackedLinear
+
+    for kwargs in ({"prepack": False}, {"dtype": "bfloat16"}):
+        model = HFEngine.from_pretrained(str(tiny_models["generator"]), **kwargs).model
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())

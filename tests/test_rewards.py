@@ -25,7 +25,7 @@ def test_batched_scores_match_one_by_one(scorer):
 
 
 def test_non_finite_scores_are_nan_never_zero(tiny_models):
-    poisoned = RewardScorer.from_pretrained(str(tiny_models["reward"]))
+    poisoned = RewardScorer.from_pretrained(str(tiny_models["reward"]), prepack=False)  # its weights are edited below
     with torch.no_grad():
         poisoned.model.score.weight.fill_(float("inf"))
         poisoned.model.score.weight[0, 0] = float("-inf")  # inf - inf = nan for every input

@@ -18,7 +18,7 @@ from pipeline.decoding.dsbd import beam_distribution
 from pipeline.decoding.protocols import DraftLayer
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import inverse_cdf
-from pipeline.engines.hf import DTYPES
+from pipeline.engines.hf import DTYPES, for_inference
 from pipeline.engines.rows import RowBatch, RowSnapshot
 
 
@@ -39,9 +39,10 @@ class HFDrafter:
         self._known: dict[tuple[int, ...], tuple[int, int]] = {}
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32") -> HFDrafter:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
-        return cls(model, device)
+    def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
+                        prepack: bool = True) -> HFDrafter:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+        return cls(for_inference(model, device, dtype, prepack), device)
 
     def _remember(self, rows: RowBatch, logq: torch.Tensor, seqs: list[tuple[int, ...]]) -> None:
         """Record that batch row i of this state holds the tokens seqs[i] (and its logq)."""

@@ -61,6 +61,47 @@ from pipeline.engines.rows import RowBatch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class PackedLinear(torch.nn.Module):
+    """An ``nn.Linear`` for inference on CPU whose weight oneDNN reordered once, at load, into its
+    blocked layout (``torch.ops.mkldnn._reorder_linear_weight``; the forward is
+    ``torch.ops.mkldnn._linear_pointwise``, the op PyTorch's own CPU compiler emits for a prepacked
+    linear). Two properties our decoding uses (benchmarks/hf_throughput.py ``--compare-prepack``):
+    a pass over 2-8 rows costs about what one row does, where PyTorch's default linear (MKL,
+    repacking the weight per call) costs 1.5-2x, which is what draft-and-verify decoding pays for
+    (speculative decoding, ADED, DSBD); and a row's output does not depend on how many rows share the
+    pass. Inference only: the packed weight is not a parameter and takes no gradient."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_prepack(device: str | torch.device, dtype: str) -> bool:
+    """Prepacked linears apply: float32 on CPU with oneDNN built in."""
+    return torch.device(device).type == "cpu" and dtype == "float32" and torch.backends.mkldnn.is_available()
+
+
+def for_inference(model, device: str | torch.device = "cpu", dtype: str = "float32", prepack: bool = True):
+    """A loaded model, moved to ``device`` in eval mode; with ``prepack`` (models.cpu_prepack) and
+    where ``can_prepack``, every ``nn.Linear`` in it becomes a PackedLinear (a tied output head too:
+    its packed copy is separate, the embedding keeps the shared weight)."""
+    model = model.to(device).eval()
+    if prepack and can_prepack(device, dtype):
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(module, name, PackedLinear(child))
+    return model
+
+
 def load_tokenizer(name_or_path: str):
     """Any HF tokenizer directory or hub id; a missing pad token falls back to EOS."""
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
@@ -155,17 +196,20 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
-                        merged: bool = False, speculative: SpeculativeDecoding | None = None) -> HFEngine:
+                        merged: bool = False, speculative: SpeculativeDecoding | None = None,
+                        prepack: bool = True) -> HFEngine:
         """Any HF causal LM; a Reward Transformer directory (pipeline.engines.reward_transformer)
-        loads with its reward channel, which model-side methods such as SLA read."""
+        loads with its reward channel, which model-side methods such as SLA read. ``prepack``: see
+        ``for_inference``."""
         from pipeline.engines.reward_transformer import RewardTransformer, has_reward_channel
 
         tokenizer = load_tokenizer(name_or_path)
         if has_reward_channel(name_or_path):
             model = RewardTransformer.from_pretrained(name_or_path, dtype=DTYPES[dtype], device=device)
         else:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
-        return cls(model, tokenizer, device, merged=merged, speculative=speculative)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+        return cls(for_inference(model, device, dtype, prepack), tokenizer, device, merged=merged,
+                   speculative=speculative)
 
     @property
     def max_context(self) -> int:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from pipeline.engines.hf import DTYPES, load_tokenizer
+from pipeline.engines.hf import DTYPES, for_inference, load_tokenizer
 from pipeline.engines.rows import RowBatch, timed_forward
 
 
@@ -60,10 +60,11 @@ class RewardScorer:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
-                        batch_size: int = 32) -> RewardScorer:
+                        batch_size: int = 32, prepack: bool = True) -> RewardScorer:
+        """``prepack``: see pipeline.engines.hf.for_inference."""
         tokenizer = load_tokenizer(name_or_path)
-        model = AutoModelForSequenceClassification.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
-        return cls(model, tokenizer, device, batch_size)
+        model = AutoModelForSequenceClassification.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+        return cls(for_inference(model, device, dtype, prepack), tokenizer, device, batch_size)
 
     def format(self, prompt: str | list[dict], response: str) -> str:
         """The reward model's text: the conversation (a string prompt is one user turn) plus the
