@@ -39,7 +39,7 @@ import torch
 from jobs.make_tiny_models import ASKS, SUBJECTS, corpus, make_tiny_models
 from pipeline.decoding.aded import ADEDDrafter, RetrievalDrafter, aded_decode
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.engines.hf import HFEngine
+from pipeline.engines.hf import HFEngine, for_inference
 from pipeline.decoding.trigram import TrigramMatrix
 from pipeline.engines.adapters import TreeTarget
 
@@ -135,7 +135,8 @@ def main(argv=None) -> int:
         engine = HFEngine.from_pretrained(args.model, device=args.device)
     else:
         tmp = tempfile.mkdtemp(prefix="aded-bench-")
-        engine = HFEngine.from_pretrained(str(make_tiny_models(tmp, seed=0)["generator"]), device=args.device)
+        engine = HFEngine.from_pretrained(str(make_tiny_models(tmp, seed=0)["generator"]), device=args.device,
+                                          prepack=False)  # fine-tuned below, then prepacked
     tok = engine.tokenizer
     if args.corpus and args.corpus.endswith(".jsonl"):  # e.g. the generator's own samples
         with open(args.corpus) as f:
@@ -149,6 +150,8 @@ def main(argv=None) -> int:
     if not args.model and args.train_steps:
         loss = fine_tune(engine, sequences, args.train_steps, args.seed)
         print(f"fine-tuned the tiny generator for {args.train_steps} steps (loss {loss:.2f})")
+    if not args.model:
+        for_inference(engine.model, args.device)  # models.cpu_prepack, as --model loads
     rng = random.Random(args.seed + 1)
     prompts = [tok(f"{rng.choice(ASKS)} {rng.choice(SUBJECTS)}.").input_ids for _ in range(args.prompts)]
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
