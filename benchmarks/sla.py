@@ -3,7 +3,7 @@
     python -m benchmarks.sla [--models DIR] [--device cpu|cuda] [--train-prompts 256] [--eval-prompts 64]
         [--max-new-tokens 32] [--hidden-size 256] [--epochs 3] [--learning-rate 1e-3] [--threads 1]
         [--prompts FILE --eval-prompts-file FILE] [--judge reward|rubric] [--no-adapter] [--dpo-steps 0]
-        [--output benchmarks/results/sla.json]
+        [--pairs DIR] [--output benchmarks/results/sla.json]
 
 --models DIR holds DIR/generator and DIR/reward (what `python -m jobs.make_tiny_models` and
 `python -m jobs.fetch_models` write); without it, the random-weight tiny models are built in a
@@ -13,6 +13,8 @@ say otherwise. The recipe:
 
 1. pairs: our build (best_of_n, --num-samples samples at --temperature, best and worst by the
    labeling reward model: the paper's data collection, section 5) on --train-prompts prompts;
+   --pairs DIR keeps the build in DIR and reuses it on a later run whose models, prompts and
+   sampling settings are the same (DIR/bench-settings.json; any difference rebuilds);
 2. setting 1: the Reward Transformer's channel trained with Bradley-Terry on a frozen policy;
    the adapter baseline (one linear head on the last hidden state) trained the same way;
 3. setting 2: DPO on the same pairs, then the channel on the DPO policy;
@@ -35,6 +37,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -113,6 +116,30 @@ def build_pairs(generator: str, reward: str, prompts: list[str], output: Path, a
         return run_build(plan_build(config), workers, progress=False)
     finally:
         workers.shutdown()
+        prompt_file.unlink()
+
+
+def pair_build(generator: str, reward: str, prompts: list[str], work: Path, args) -> tuple[Path, str]:
+    """The pair build's directory (in ``--pairs DIR``, else in ``work``), built unless DIR holds one
+    with the same settings; and how it was had (built, or reused)."""
+    if not args.pairs:
+        build_pairs(generator, reward, prompts, work / "pairs", args)
+        return work / "pairs", "built"
+    output = Path(args.pairs)
+    stamp = output / "bench-settings.json"
+    settings = {"generator": str(Path(generator).resolve()), "reward": str(Path(reward).resolve()),
+                "prompts": prompts, "num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
+                "temperature": args.temperature, "seed": args.seed, "device": args.device}
+    if (output / "_SUCCESS").exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
+        return output, f"reused from {output}"
+    if output.exists():
+        if not stamp.exists():
+            fail(f"--pairs {output}: exists but holds no pair build of this benchmark (no {stamp.name})")
+        print(f"--pairs {output}: settings changed, rebuilding", flush=True)
+        shutil.rmtree(output)
+    build_pairs(generator, reward, prompts, output, args)
+    stamp.write_text(json.dumps(settings, indent=1))
+    return output, f"built into {output}"
 
 
 def eval_inputs(engine, prompts: list[str], max_new_tokens: int):
@@ -187,6 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sla-temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--pairs", default=None, metavar="DIR",
+                        help="keep the pair build in DIR and reuse it when the settings match")
     parser.add_argument("--output", default="benchmarks/results/sla.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -211,9 +240,11 @@ def run(args, work: Path) -> int:
                                                 args.eval_prompts_file)
     print(f"models: {source}; {len(train_prompts)} training prompts, {len(eval_prompts)} held-out prompts", flush=True)
 
-    manifest = build_pairs(generator, reward, train_prompts, work / "pairs", args)
-    pairs = load_pairs(str(work / "pairs"))
-    print(f"pairs from our build: {len(pairs)} ({manifest['prompts_rejected']} prompts without a pair)", flush=True)
+    pair_dir, how = pair_build(generator, reward, train_prompts, work, args)
+    manifest = json.loads((pair_dir / "_manifest.json").read_text())
+    pairs = load_pairs(str(pair_dir))
+    print(f"pairs from our build ({how}): {len(pairs)} ({manifest['prompts_rejected']} prompts without a pair)",
+          flush=True)
     train = dict(hidden_size=args.hidden_size, epochs=args.epochs, learning_rate=args.learning_rate,
                  seed=args.seed, device=args.device, progress=False)
     rt = train_reward_transformer(pairs, generator, str(work / "rt"), **train)

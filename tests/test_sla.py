@@ -164,3 +164,36 @@ def test_sla_benchmark_prompt_files(tmp_path, capsys):
     assert e.value.code == 2 and "go together" in capsys.readouterr().err
     tiny_train, tiny_eval = bench_prompts(4, 2, 0)  # the tiny grammar, disjoint
     assert len(tiny_train) == 4 and len(tiny_eval) == 2 and not set(tiny_train) & set(tiny_eval)
+
+
+def test_sla_benchmark_keeps_and_reuses_its_pair_build(tiny_models, tmp_path, monkeypatch, capsys):
+    """--pairs DIR: the first run builds there, a run with the same settings reuses it without building,
+    changed settings rebuild, and a directory that holds no pair build of the benchmark is refused (exit 2)."""
+    import argparse
+
+    import benchmarks.sla as bench
+
+    args = argparse.Namespace(pairs=str(tmp_path / "pairs"), num_samples=2, max_new_tokens=8, temperature=1.0,
+                              seed=0, device="cpu")
+    gen, rew = str(tiny_models["generator"]), str(tiny_models["reward"])
+    prompts = ["Write a review of the lamp.", "Describe the kettle."]
+    built, how = bench.pair_build(gen, rew, prompts, tmp_path / "work", args)
+    assert how.startswith("built") and (built / "_SUCCESS").exists() and not (tmp_path / "pairs-prompts.jsonl").exists()
+    first = sorted(p.read_bytes() for p in built.glob("part-*.parquet"))
+
+    def no_build(*_):
+        raise AssertionError("rebuilt although the settings are the same")
+
+    with monkeypatch.context() as m:
+        m.setattr(bench, "build_pairs", no_build)
+        again, how = bench.pair_build(gen, rew, prompts, tmp_path / "work", args)
+    assert how.startswith("reused") and again == built
+    assert sorted(p.read_bytes() for p in again.glob("part-*.parquet")) == first
+    args.max_new_tokens = 6
+    _, how = bench.pair_build(gen, rew, prompts, tmp_path / "work", args)
+    assert how.startswith("built") and "settings changed" in capsys.readouterr().out
+    (tmp_path / "other").mkdir()
+    args.pairs = str(tmp_path / "other")
+    with pytest.raises(SystemExit) as e:
+        bench.pair_build(gen, rew, prompts, tmp_path / "work", args)
+    assert e.value.code == 2 and "holds no pair build" in capsys.readouterr().err
