@@ -251,3 +251,23 @@ def test_prepack_is_off_for_other_dtypes_and_when_asked(tiny_models):
     for kwargs in ({"prepack": False}, {"dtype": "bfloat16"}):
         model = HFEngine.from_pretrained(str(tiny_models["generator"]), **kwargs).model
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_models_cpu_prepack_reaches_every_actor(tiny_models, tmp_path):
+    from actors.factory import _plan_actors
+    from pipeline.config import config_from_dict
+    from pipeline.engines.hf import PackedLinear, can_prepack
+
+    def packed(model) -> bool:
+        return any(isinstance(m, PackedLinear) for m in model.modules())
+
+    for setting in (True, False):
+        config = config_from_dict({
+            "models": {"generator": str(tiny_models["generator"]), "reward": str(tiny_models["reward"]),
+                       "cpu_prepack": setting},
+            "data": {"prompts": str(tmp_path / "prompts.jsonl"), "output": str(tmp_path / "out")},
+            "runtime": {"local": True}})
+        plan = _plan_actors(config)
+        generator = plan.generator_cls(*plan.generator_args, **plan.generator_kwargs)
+        reward = plan.reward_cls(*plan.reward_args)
+        assert packed(generator.engine.model) == packed(reward.scorer.model) == (setting and can_prepack("cpu", "float32"))
