@@ -39,13 +39,16 @@ import torch
 from jobs.make_tiny_models import ASKS, SUBJECTS, corpus, make_tiny_models
 from pipeline.decoding.aded import ADEDDrafter, RetrievalDrafter, aded_decode
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.engines.hf import HFEngine, for_inference
+from pipeline.engines.hf import HFEngine, PackedLinear, for_inference
 from pipeline.decoding.trigram import TrigramMatrix
 from pipeline.engines.adapters import TreeTarget
 
 
 def fine_tune(engine: HFEngine, sequences: list[list[int]], steps: int, seed: int = 0) -> float:
-    """A few AdamW steps of next-token loss on the corpus (tiny random models only)."""
+    """A few AdamW steps of next-token loss on the corpus (tiny random models only; the engine
+    loaded with ``prepack=False``: packed weights take no gradient)."""
+    if any(isinstance(m, PackedLinear) for m in engine.model.modules()):
+        raise ValueError("fine_tune: the engine's linears are prepacked (load it with prepack=False)")
     rng = random.Random(seed)
     model = engine.model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -35,7 +35,7 @@ from benchmarks.aded import fine_tune
 from jobs.make_tiny_models import ASKS, SUBJECTS, corpus, make_tiny_models
 from pipeline.decoding.ults import (DirichletPrior, EmpiricalPrior, ULTSParams, beam_search, collect_softmax,
                                     fit_level_beliefs, ults_search)
-from pipeline.engines.hf import HFEngine
+from pipeline.engines.hf import HFEngine, for_inference
 from pipeline.engines.adapters import PathCacheExpander
 
 
@@ -62,9 +62,10 @@ def main(argv=None) -> int:
         engine = HFEngine.from_pretrained(args.model, device=args.device)
     else:
         engine = HFEngine.from_pretrained(str(make_tiny_models(tempfile.mkdtemp(prefix="ults-bench-"))["generator"]),
-                                          device=args.device)
+                                          device=args.device, prepack=False)  # fine-tuned below, then prepacked
         if args.train_steps:
             fine_tune(engine, [engine.tokenizer(line).input_ids for line in corpus(1, 3000)], args.train_steps)
+        for_inference(engine.model, args.device)
     tok = engine.tokenizer
     rng = random.Random(args.seed + 1)
     prompts = [tok(f"{rng.choice(ASKS)} {rng.choice(SUBJECTS)}.").input_ids for _ in range(args.prompts)]
