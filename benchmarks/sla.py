@@ -13,8 +13,9 @@ say otherwise. The recipe:
 
 1. pairs: our build (best_of_n, --num-samples samples at --temperature, best and worst by the
    labeling reward model: the paper's data collection, section 5) on --train-prompts prompts;
-   --pairs DIR keeps the build in DIR and reuses it on a later run whose models, prompts and
-   sampling settings are the same (DIR/bench-settings.json; any difference rebuilds);
+   --pairs DIR keeps the build in DIR and reuses it on a later run whose models (directories and
+   weight files), prompts and sampling settings are the same (DIR/bench-settings.json; any
+   difference rebuilds);
 2. setting 1: the Reward Transformer's channel trained with Bradley-Terry on a frozen policy;
    the adapter baseline (one linear head on the last hidden state) trained the same way;
 3. setting 2: DPO on the same pairs, then the channel on the DPO policy;
@@ -127,8 +128,11 @@ def pair_build(generator: str, reward: str, prompts: list[str], work: Path, args
         return work / "pairs", "built"
     output = Path(args.pairs)
     stamp = output / "bench-settings.json"
-    settings = {"generator": str(Path(generator).resolve()), "reward": str(Path(reward).resolve()),
-                "prompts": prompts, "num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
+    def model(path: str) -> dict:  # the directory and its weight files' sizes and times: a retrained model rebuilds
+        return {"path": str(Path(path).resolve()), "weights": {f.name: [f.stat().st_size, f.stat().st_mtime_ns]
+                                                               for f in sorted(Path(path).glob("*.safetensors"))}}
+
+    settings = {"generator": model(generator), "reward": model(reward), "prompts": prompts, "num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
                 "temperature": args.temperature, "seed": args.seed, "device": args.device}
     if (output / "_SUCCESS").exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
         return output, f"reused from {output}"

@@ -40,7 +40,8 @@ class ModelsConfig:
     cpu_prepack: bool = True
     """CPU, float32, HF models (generator, reward, draft): each linear layer's weight is reordered once
     at load for oneDNN (pipeline.engines.hf.PackedLinear): passes over a few rows (speculative and tree
-    decoding's verification) cost about one row's, and a row's output does not depend on its batch.
+    decoding's verification) cost about one row's, and a layer's output for a row does not depend on
+    the rows beside it.
     false: PyTorch's default linear. No effect on GPU, other dtypes or the vLLM backend."""
     speculative: SpeculativeDecoding = field(default_factory=SpeculativeDecoding)
     """Speculative decoding of the rows that go on decoding (best_of_n, sbon): num_speculative_tokens

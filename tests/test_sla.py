@@ -170,6 +170,8 @@ def test_sla_benchmark_keeps_and_reuses_its_pair_build(tiny_models, tmp_path, mo
     """--pairs DIR: the first run builds there, a run with the same settings reuses it without building,
     changed settings rebuild, and a directory that holds no pair build of the benchmark is refused (exit 2)."""
     import argparse
+    import os
+    from pathlib import Path
 
     import benchmarks.sla as bench
 
@@ -190,6 +192,10 @@ def test_sla_benchmark_keeps_and_reuses_its_pair_build(tiny_models, tmp_path, mo
     assert how.startswith("reused") and again == built
     assert sorted(p.read_bytes() for p in again.glob("part-*.parquet")) == first
     args.max_new_tokens = 6
+    _, how = bench.pair_build(gen, rew, prompts, tmp_path / "work", args)
+    assert how.startswith("built") and "settings changed" in capsys.readouterr().out
+    weights = next(Path(rew).glob("*.safetensors"))  # a retrained reward model at the same path
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     _, how = bench.pair_build(gen, rew, prompts, tmp_path / "work", args)
     assert how.startswith("built") and "settings changed" in capsys.readouterr().out
     (tmp_path / "other").mkdir()

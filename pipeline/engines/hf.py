@@ -66,10 +66,11 @@ class PackedLinear(torch.nn.Module):
     blocked layout (``torch.ops.mkldnn._reorder_linear_weight``; the forward is
     ``torch.ops.mkldnn._linear_pointwise``, the op PyTorch's own CPU compiler emits for a prepacked
     linear). Two properties our decoding uses (benchmarks/hf_throughput.py ``--compare-prepack``):
-    a pass over 2-8 rows costs about what one row does, where PyTorch's default linear (MKL,
-    repacking the weight per call) costs 1.5-2x, which is what draft-and-verify decoding pays for
-    (speculative decoding, ADED, DSBD); and a row's output does not depend on how many rows share the
-    pass. Inference only: the packed weight is not a parameter and takes no gradient."""
+    a pass over 2-8 rows costs about what one row does, where PyTorch's default linear (MKL, from
+    the plain layout at every call) cost 1.5-2x on our CPU, which is what draft-and-verify decoding
+    pays for (speculative decoding, ADED, DSBD); and the layer's output for a row is bitwise the same
+    however many rows share the pass. Inference only: the packed weight is not a parameter and takes
+    no gradient."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
