@@ -92,6 +92,11 @@ class OutputConflict(Exception):
     """The output holds shards of a different build (config or input): a user error."""
 
 
+class IncompleteBuild(Exception):
+    """A reader asked for a build that has no ``_SUCCESS`` (still running, killed or failed): a user
+    error, one line; ``allow_partial`` reads its committed shards instead."""
+
+
 def part_name(shard: int) -> str:
     return f"part-{shard:05d}.parquet"
 
@@ -194,6 +199,28 @@ class OutputStore:
             with self.fs.open(reject_path, "rb") as f:
                 rejects = pq.read_table(f)
         return pairs, rejects
+
+    def committed_parts(self, allow_partial: bool = False) -> list[str]:
+        """The part files a reader of this build may read, in shard order, as paths this store's
+        filesystem opens (``self.fs``): only shards whose commit marker exists and whose part file
+        matches it (size and sha256 recorded by the marker). Without ``_SUCCESS`` this raises
+        IncompleteBuild, unless ``allow_partial``: then the committed shards are returned and the
+        caller says how many it read. A part file with no marker (a killed run's leftover) is never
+        returned. This is the one way a job reads a build's pairs."""
+        if not self.succeeded() and not allow_partial:
+            raise IncompleteBuild(f"{self.uri}: not a finished build (no _SUCCESS); wait for it to finish, "
+                                  "or pass --allow-partial to read its committed shards only")
+        parts = []
+        for shard, marker in self.iter_markers():
+            path = join(self.root, part_name(shard))
+            try:
+                with self.fs.open(path, "rb") as f:
+                    payload = f.read()
+            except FileNotFoundError:
+                continue
+            if len(payload) == marker.get("bytes") and hashlib.sha256(payload).hexdigest() == marker.get("sha256"):
+                parts.append(path)
+        return parts
 
     def succeeded(self) -> bool:
         self._refresh()

@@ -207,8 +207,11 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
         if live:  # Alg. 1 line 5: finish the accepted sequences
             rows = generator.extend(session, until=sampling.max_new_tokens, keep=live)
             for r, s in zip(rows, rewards(rows)):
+                # A row with no decision point before max_new_tokens (every tau >= T) has no partials:
+                # it is plain Best-of-N.
+                partials = candidates[r.row].partials if r.row in candidates else {}
                 candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
-                                              score=s, completed=True, partials=candidates[r.row].partials)
+                                              score=s, completed=True, partials=partials)
     finally:
         rewards.close()
         generator.close(session)
