@@ -8,6 +8,7 @@ falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -121,6 +122,9 @@ class DataConfig:
             raise ConfigError(f"data.min_margin: must be >= 0, got {self.min_margin}")
         if self.shard_size < 1:
             raise ConfigError(f"data.shard_size: must be >= 1, got {self.shard_size}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"data.max_prompt_tokens: must be >= 1 (or null: the context minus max_new_tokens), "
+                              f"got {self.max_prompt_tokens}")
         if self.output_format not in ("standard", "conversational"):
             raise ConfigError(f"data.output_format: expected standard or conversational, got {self.output_format!r}")
         if self.overlength not in ("truncate", "reject"):
@@ -229,10 +233,47 @@ class Config:
     seed: int = 0
     """Base seed: each candidate's sampler is seeded from (seed, prompt_id, sample index)."""
 
+    def __post_init__(self):
+        # Loading checks each value as it is read (_coerce); this also covers a Config built in code.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            # Strategy parameters are written flat under strategy: in YAML, so they are named so.
+            check_finite(value.params if f.name == "strategy" else value, f.name)
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         params = out["strategy"].pop("params") or {}
         out["strategy"].update(params)
+        return out
+
+    SECRET_NAME_PARTS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "session",
+                         "signature", "private")
+    """A storage option (at any depth: client_kwargs, config_kwargs, ...) whose name holds one of these
+    is a credential; endpoint_url, region_name and the like are not."""
+
+    def redacted_dict(self) -> dict:
+        """to_dict() fit to be written or shown: every credential in ``data.storage_options`` (by its
+        name, SECRET_NAME_PARTS) replaced by "[redacted]", and a user:password in a URL option too.
+        The manifest and every other file a build writes hold this, never to_dict(): an output is
+        read by people and jobs that must not get the keys to the bucket."""
+        from urllib.parse import urlsplit
+
+        def redact(value, secret: bool = False):
+            if secret:
+                return "[redacted]"
+            if isinstance(value, dict):
+                return {k: redact(v, any(p in str(k).lower() for p in Config.SECRET_NAME_PARTS))
+                        for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [redact(v) for v in value]
+            if isinstance(value, str) and "@" in value and "://" in value:
+                parts = urlsplit(value)
+                if parts.password is not None or parts.username is not None:
+                    return parts._replace(netloc="[redacted]@" + parts.netloc.rsplit("@", 1)[1]).geturl()
+            return value
+
+        out = self.to_dict()
+        out["data"]["storage_options"] = redact(out["data"]["storage_options"])
         return out
 
 
@@ -272,8 +313,28 @@ def _coerce(value, hint, where: str):
     if isinstance(value, bool) and bool not in allowed:
         raise ConfigError(f"{where}: expected {_names(allowed)}, got a boolean")
     if not isinstance(value, allowed):
-        raise ConfigError(f"{where}: expected {_names(allowed)}, got {type(value).__name__} {value!r}")
+        shown = "[redacted]" if "storage_options" in where else repr(value)  # may hold a credential
+        raise ConfigError(f"{where}: expected {_names(allowed)}, got {type(value).__name__} {shown}")
+    check_finite(value, where)
     return value
+
+
+def check_finite(value, where: str) -> None:
+    """ConfigError naming the key when ``value`` is, or holds (in a list, tuple, mapping or
+    dataclass), a NaN or infinite float. Every comparison with NaN is false, so a range check
+    such as ``temperature < 0`` lets it through, and it would then poison every row (YAML spells
+    them .nan and .inf); no key of ours means anything by them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be a finite number, got {value}")
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_finite(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_finite(item, f"{where}.{key}")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            check_finite(getattr(value, f.name), f"{where}.{f.name}")
 
 
 def _names(types) -> str:
@@ -288,6 +349,11 @@ def config_from_dict(raw: dict) -> Config:
     strategy_config = StrategyConfig(name=name, params=strategy)
     cfg = _build(Config, raw, "config")
     cfg.strategy = strategy_config
+    # Strategy parameters that depend on the sampling settings (speculative rejection's
+    # initial_candidates >= num_samples) are checked here, at plan time, not mid-build.
+    check_sampling = getattr(strategy_config.params, "check_sampling", None)
+    if check_sampling is not None:
+        check_sampling(cfg.sampling)
     if cfg.models.backend not in method(name).backends:
         served = sorted(n for n, m in METHODS.items() if cfg.models.backend in m.backends)
         raise ConfigError(f"models.backend: {cfg.models.backend} serves {', '.join(served)} only, "
@@ -307,7 +373,13 @@ def apply_override(raw: dict, dotted: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"--set {key}: {part!r} is not a mapping")
         node = child
-    node[parts[-1]] = yaml.safe_load(text) if text != "" else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:  # its message quotes the text, which may hold a credential
+        where = getattr(exc, "problem_mark", None)
+        at = f" at column {where.column + 1}" if where is not None else ""
+        problem = getattr(exc, "problem", None) or "parse error"
+        raise ConfigError(f"--set {key.strip()}: the value is not valid YAML ({problem}{at})") from None
 
 
 def switch_strategy(raw: dict, name: str) -> list[str]:
