@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from pipeline.config import ConfigError, config_from_dict
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
 from pipeline.decoding.protocols import PromptInput, RowState
 from pipeline.decoding.sampling import SamplingParams, row_seed
@@ -271,10 +272,27 @@ def test_memory_budget_mode_starts_wide_and_keeps_the_budget():
         assert result.stats == {"initial_candidates": 16, "screened_out": 11}
 
 
+def test_memory_budget_mode_with_keep_lowest_keeps_exactly_the_budget():
+    """Issue 27: keep_lowest's floor row came on top of the budget (4 rows went on for a budget of 3)."""
+    gen = FakeGenerator()
+    params = SpeculativeRejectionParams(decision_token=6, initial_candidates=16, max_live_candidates=3)
+    results = speculative_rejection(prompts(2), gen, FakeScorer(), params, SAMPLING, 5, seed=4)
+    assert len(gen.calls[2][2]) == 6  # 3 of 16 rows per prompt go on, the budget exactly
+    for i, result in enumerate(results):
+        probe = FakeGenerator()
+        probe.open("x", [[1]], 16, [row_seed(4, f"p{i}", s) for s in range(16)], SAMPLING)
+        partial = dict(zip(range(16), FakeScorer().score([""] * 16, [r.text for r in probe.extend("x", 6)])))
+        ranked = sorted(partial, key=lambda r: (-partial[r], r))
+        done = sorted(c.sample for c in result.candidates if c.completed)
+        assert done == sorted(ranked[:2] + ranked[-1:])  # the best two and the lowest-ranked row
+
+
 def test_memory_budget_mode_needs_enough_initial_candidates():
     params = SpeculativeRejectionParams(decision_token=6, initial_candidates=4)
     with pytest.raises(ValueError, match="at least num_samples"):
         speculative_rejection(prompts(1), FakeGenerator(), FakeScorer(), params, SAMPLING, 8, seed=0)
+    with pytest.raises(ConfigError, match="initial_candidates: 4 is less than sampling.num_samples 8"):
+        config_from_dict({"strategy": {"name": "sbon", "initial_candidates": 4}, "sampling": {"num_samples": 8}})
 
 
 def test_adaptive_cutoff_follows_the_fit_residuals():

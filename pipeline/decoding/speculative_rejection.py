@@ -31,9 +31,9 @@ Extensions, each from the paper's sections 6.3 and 7:
   token costs only the new chunk; rows stopped or finished leave the reward cache with the next
   call, as they leave the generator's. Scores equal full re-scoring to float tolerance.
 - Memory-budget mode (section 6.3, ``initial_candidates`` / ``max_live_candidates``): start
-  ``initial_candidates`` rows per prompt, keep only ``max_live_candidates`` past the first decision
-  token, so peak KV memory after it is that of Best-of-``max_live_candidates`` while the search
-  started wide (the paper starts 250 and keeps 20 at token 64). The prompt's result holds the
+  ``initial_candidates`` rows per prompt, keep exactly ``max_live_candidates`` live rows past the
+  first decision token (with keep_lowest, the lowest-ranked one among them), so peak KV memory
+  after it is that of Best-of-``max_live_candidates`` while the search started wide (the paper starts 250 and keeps 20 at token 64). The prompt's result holds the
   ``num_samples`` rows ranked best (continued rows first, then by partial reward); the rows
   screened out cost tokens (counted in generated_tokens) but are not returned.
 - Prompt-dependent stopping (section 7, ``adaptive_rejection`` = z): from the second decision
@@ -76,7 +76,8 @@ class SpeculativeRejectionParams:
     complete low-reward response exists for the pair's rejected side (data.rejected: complete):
     DPO then compares two finished responses, not a finished one with a truncated one. It costs
     one candidate's remaining tokens per prompt; false saves them (the rejected is then the worst
-    survivor, or with data.rejected: any a stopped partial response)."""
+    survivor, or with data.rejected: any a stopped partial response), but the manifest's Best-of-N
+    token estimate may then run high (estimate_length says how far)."""
 
     def __post_init__(self):
         taus = self.decision_token if isinstance(self.decision_token, list) else [self.decision_token]
@@ -95,6 +96,12 @@ class SpeculativeRejectionParams:
         if self.adaptive_rejection is not None and not self.adaptive_rejection > 0:
             raise ConfigError(f"strategy.adaptive_rejection: expected z > 0, got {self.adaptive_rejection}")
 
+    def check_sampling(self, sampling) -> None:
+        """Checks against the sampling settings (num_samples), run by config validation."""
+        if self.initial_candidates is not None and self.initial_candidates < sampling.num_samples:
+            raise ConfigError(f"strategy.initial_candidates: {self.initial_candidates} is less than "
+                              f"sampling.num_samples {sampling.num_samples} (memory-budget mode starts at least N rows)")
+
     @property
     def decision_tokens(self) -> list[int]:
         taus = self.decision_token if isinstance(self.decision_token, list) else [self.decision_token]
@@ -108,13 +115,6 @@ def rejection_cutoff(partial_rewards: list[float], rejection_rate: float) -> flo
         return -math.inf
     keep = max(1, int(round((1.0 - rejection_rate) * len(finite))))
     return finite[len(finite) - keep]
-
-
-def budget_cutoff(partial_rewards: list[float], budget: int) -> float:
-    """The partial reward of the budget-th best finite row: keeping rows >= it keeps ``budget``
-    rows (more only on exact ties)."""
-    finite = sorted((r for r in partial_rewards if math.isfinite(r)), reverse=True)
-    return finite[min(budget, len(finite)) - 1] if finite else -math.inf
 
 
 def adaptive_cutoff(previous: list[float], current: list[float], z: float) -> float | None:
@@ -158,7 +158,10 @@ class _Rewards:
 def speculative_rejection(prompts: list[PromptInput], generator: Generator, scorer: Scorer,
                           params: SpeculativeRejectionParams, sampling: SamplingParams,
                           num_samples: int, seed: int) -> list[PromptResult]:
-    width = params.initial_candidates or num_samples  # rows started per prompt
+    points = [t for t in params.decision_tokens if t < sampling.max_new_tokens]
+    # No decision token before max_new_tokens: no decision point, plain Best-of-N for these rows
+    # (memory-budget mode has nothing to screen by, so it starts N rows, not initial_candidates).
+    width = (params.initial_candidates or num_samples) if points else num_samples  # rows started per prompt
     if width < num_samples:
         raise ValueError(f"initial_candidates ({width}) must be at least num_samples ({num_samples})")
     session = open_session(generator, prompts, width, sampling, seed)
@@ -168,7 +171,7 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     continued: set[int] = set()  # rows that went on past the first decision token
     live = list(range(len(prompts) * width))  # rows still decoding
     try:
-        for point, tau in enumerate(t for t in params.decision_tokens if t < sampling.max_new_tokens):
+        for point, tau in enumerate(points):
             if not live:
                 break
             rows = generator.extend(session, until=tau, keep=live)  # Alg. 1 line 2
@@ -184,21 +187,24 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
             live = []
             for members in by_prompt.values():
                 partial = [candidates[m].score for m in members]
-                r_cut = None
-                if point == 0 and params.max_live_candidates is not None:
-                    r_cut = budget_cutoff(partial, params.max_live_candidates)  # section 6.3
-                elif point > 0 and params.adaptive_rejection is not None:
-                    r_cut = adaptive_cutoff([previous.get(m, math.nan) for m in members], partial,
-                                            params.adaptive_rejection)
-                if r_cut is None:
-                    r_cut = rejection_cutoff(partial, params.rejection_rate)  # Eq. 3
                 floor = _lowest_live(candidates, members) if params.keep_lowest else None
+                if point == 0 and params.max_live_candidates is not None:  # section 6.3
+                    kept = _budget_rows(candidates, members, params.max_live_candidates, floor)
+                else:
+                    r_cut = None
+                    if point > 0 and params.adaptive_rejection is not None:
+                        r_cut = adaptive_cutoff([previous.get(m, math.nan) for m in members], partial,
+                                                params.adaptive_rejection)
+                    if r_cut is None:
+                        r_cut = rejection_cutoff(partial, params.rejection_rate)  # Eq. 3
+                    # Eq. 4, and the rejected side's supply
+                    kept = {m for m in members if candidates[m].score >= r_cut or m == floor}
                 for m in members:
                     c = candidates[m]
                     previous[m] = c.score
                     if c.completed or c.failed:
                         continue  # ended before tau: kept unchanged; failed: never continued
-                    if c.score >= r_cut or m == floor:  # Eq. 4, and the rejected side's supply
+                    if m in kept:
                         live.append(m)
                         if point == 0:
                             continued.add(m)
@@ -214,12 +220,31 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
                                               score=s, completed=True, partials=partials)
     finally:
         rewards.close()
-        generator.close(session)
+        counters = generator.close(session)
     missing = set(range(len(prompts) * width)) - set(candidates)
     assert not missing, f"speculative rejection lost rows {sorted(missing)[:5]}"
     if width == num_samples:
-        return assemble(prompts, num_samples, candidates, _bon_tokens(candidates, num_samples, sampling))
-    return _screen(prompts, num_samples, width, candidates, continued, sampling)
+        results = assemble(prompts, num_samples, candidates, _bon_tokens(candidates, num_samples, sampling))
+    else:
+        results = _screen(prompts, num_samples, width, candidates, continued, sampling)
+    # A generator that decodes on while the rewards are computed (continuous vLLM) reports the
+    # tokens its dropped rows made past their decision token, which no candidate holds.
+    for result, extra in zip(results, (counters or {}).get("unreported_tokens") or []):
+        result.generated_tokens += extra
+    return results
+
+
+def _budget_rows(candidates: dict[int, Candidate], members: list[int], budget: int, floor: int | None) -> set[int]:
+    """Memory-budget mode's survivors of the first decision token: exactly ``budget`` live rows (or
+    every live row when fewer), the best by partial reward (ties: lowest row). With keep_lowest
+    (``floor`` given) and a budget of two or more, the lowest-ranked live row takes the last slot, so
+    the budget still holds and a complete low-reward response exists for the rejected side."""
+    live = sorted((m for m in members if not candidates[m].completed and not candidates[m].failed),
+                  key=lambda m: (-candidates[m].score, m))
+    kept = live[:budget]
+    if floor is not None and budget >= 2 and floor not in kept:
+        kept[-1] = floor
+    return set(kept)
 
 
 def _lowest_live(candidates: dict[int, Candidate], members: list[int]) -> int | None:
@@ -277,7 +302,15 @@ def estimate_length(partial: float, anchors: list[tuple[float, int]], tau: int, 
     go on are the best-ranked ones, and better partial rewards come with longer responses, so
     their mean length alone overstates a stopped row's; the line corrects for the rank, and
     keep_lowest, which also finishes the lowest-ranked row, makes the anchors span the ranks. One
-    anchor or equal partial rewards: their mean length; none: the cap."""
+    anchor or equal partial rewards: their mean length; none: the cap.
+
+    How far off it may be: with keep_lowest on, the anchors span the ranks and the estimate is close
+    (configs/demo.yaml on the tiny models: 8,916 estimated vs 8,855 generated by a best_of_n build
+    with the same seeds, +0.7%). With keep_lowest off, the anchors are the best-ranked rows only and
+    a stopped row is read at the low edge of their range, so when longer responses score higher the
+    estimate runs high: issue 27's review measured +22% on the real models (not re-measured here; the
+    tiny demo gives -0.3%). Treat tokens_saved as an upper bound there; a best_of_n build with the
+    same seed gives the exact figure."""
     if not anchors:
         return cap
     xs, ys = [a for a, _ in anchors], [b for _, b in anchors]

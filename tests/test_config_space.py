@@ -1,0 +1,207 @@
+"""The configuration space users can set, searched by hypothesis on the tiny models, in-process.
+
+Every registered method, with any combination of N, T, decision tokens (before, at and past T),
+rejection rate, keep_lowest, memory-budget settings, prompts per batch, rows in flight and shard
+size, either is refused by config validation (ConfigError, one line) or builds with every input row
+accounted for and the pair invariants holding. Examples hypothesis found are kept below as plain
+tests (test_found_*).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.config import ConfigError, config_from_dict
+from pipeline.methods import METHODS
+from tests.conftest import MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+# Sample-based methods: each candidate is its own sequence, so a prompt costs at least the tokens
+# of its chosen and rejected responses together (tree searches share prefixes between candidates).
+SAMPLE_BASED = {"best_of_n", "sbon", "aded"}
+
+
+@pytest.fixture(scope="module")
+def space(tiny_models, tmp_path_factory):
+    """Models (the tiny ones, plus a Reward Transformer with a channel for SLA), a prompt file of
+    good and bad rows, and in-process workers cached per (method, merged decoding): loading models
+    is most of a tiny build's cost, and a worker serves any number of builds."""
+    from pipeline.engines.hf import load_tokenizer
+    from pipeline.engines.reward_transformer import RewardTransformer
+
+    tmp = tmp_path_factory.mktemp("space")
+    rt = RewardTransformer.from_pretrained(str(tiny_models["generator"]), hidden_size=16)
+    rt.channel.config.trained = True  # untrained weights: SLA's search runs all the same
+    rt.save_pretrained(str(tmp / "rt"), load_tokenizer(str(tiny_models["generator"])))
+    prompts = write_jsonl(tmp / "prompts.jsonl", MIXED_ROWS)
+    space = Space({"models": tiny_models, "rt": tmp / "rt", "prompts": prompts, "workers": {}})
+    yield space
+    for w in space["workers"].values():
+        w.shutdown()
+
+
+class Space(dict):
+    def __repr__(self) -> str:  # hypothesis prints the fixture with each failing example
+        return "space"
+
+
+def make_config(space: dict, name: str, output: Path, num_samples: int, max_new_tokens: int, params: dict,
+                runtime: dict, shard_size: int) -> object:
+    models = space["models"]
+    raw = {
+        "models": {"generator": str(space["rt"] if name == "sla" else models["generator"]),
+                   "reward": str(models["reward"]), "draft": str(models["draft"])},
+        "strategy": {"name": name, **params},
+        "sampling": {"num_samples": num_samples, "max_new_tokens": max_new_tokens, "top_p": 0.95},
+        "data": {"prompts": str(space["prompts"]), "output": str(output), "shard_size": shard_size},
+        "runtime": {"local": True, **runtime},
+        "seed": 0,
+    }
+    return config_from_dict(raw)
+
+
+def build(space: dict, config) -> dict:
+    """plan_build + run_build with cached in-process workers; returns the manifest."""
+    from actors import start_workers
+    from pipeline.build import plan_build, run_build
+
+    key = (config.strategy.name, config.runtime.merged_decoding, config.models.generator)
+    if key not in space["workers"]:
+        space["workers"][key] = start_workers(config)
+    plan = plan_build(config)
+    return run_build(plan, space["workers"][key], progress=False)
+
+
+def check_output(output: Path, config, manifest: dict) -> None:
+    """Every input row is a pair or a reject, exactly once; the pair invariants hold."""
+    pairs = [r for p in sorted(output.glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    rejects = [r for p in sorted((output / "_rejects").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    rows = sorted([p["source_row"] for p in pairs] + [r["source_row"] for r in rejects])
+    assert rows == list(range(len(MIXED_ROWS))), "every input row exactly once, as a pair or a reject"
+    assert {r["source_row"] for r in rejects} >= set(MIXED_BAD_ROWS)
+    assert manifest["pairs"] == len(pairs) and manifest["prompts_rejected"] == len(rejects)
+    cap = config.sampling.max_new_tokens
+    for p in pairs:
+        assert p["chosen_score"] > p["rejected_score"], p
+        assert math.isfinite(p["chosen_score"]) and math.isfinite(p["rejected_score"])
+        assert not p["rejected_is_partial"], "data.rejected: complete (the default) never pairs a partial response"
+        assert p["num_candidates"] == config.sampling.num_samples
+        assert 0 < len(p["chosen_token_ids"]) <= cap and 0 < len(p["rejected_token_ids"]) <= cap
+        floor = (len(p["chosen_token_ids"]) + len(p["rejected_token_ids"]) if config.strategy.name in SAMPLE_BASED
+                 else max(len(p["chosen_token_ids"]), len(p["rejected_token_ids"])))
+        assert p["generated_tokens"] >= floor, p
+        if config.strategy.name in ("best_of_n", "sbon"):
+            assert p["bon_equivalent_tokens"] <= config.sampling.num_samples * cap
+    generated = sum(p["generated_tokens"] for p in pairs) + sum(r["generated_tokens"] for r in rejects)
+    assert manifest["generated_tokens"] == generated
+    if config.strategy.name == "sbon":
+        taus = config.strategy.params.decision_tokens
+        if all(t >= cap for t in taus):  # no decision point: plain Best-of-N
+            assert all(p["stopped_early"] == 0 for p in pairs)
+            assert all(p["generated_tokens"] == p["bon_equivalent_tokens"] for p in pairs)
+
+
+def run_case(space, name, num_samples, max_new_tokens, params, runtime, shard_size) -> str:
+    """Build one configuration; returns "refused" or "built"."""
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "out"
+        try:
+            config = make_config(space, name, output, num_samples, max_new_tokens, params, runtime, shard_size)
+        except ConfigError as exc:
+            assert "\n" not in str(exc)
+            return "refused"
+        manifest = build(space, config)
+        check_output(output, config, manifest)
+        assert json.loads((output / "_manifest.json").read_text())["pairs"] == manifest["pairs"]
+    return "built"
+
+
+# -- the space -------------------------------------------------------------------------------
+
+taus = st.integers(1, 20)
+runtime_settings = st.fixed_dictionaries({
+    "prompts_per_batch": st.integers(1, 4),
+    "batches_in_flight": st.integers(1, 4),
+    "rows_in_flight": st.sampled_from([0, 1, 4, 64]),
+    "merged_decoding": st.booleans(),
+})
+common = dict(num_samples=st.integers(2, 5), max_new_tokens=st.integers(1, 14), runtime=runtime_settings,
+              shard_size=st.integers(1, 13))
+SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, print_blob=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+sbon_params = st.fixed_dictionaries({
+    "decision_token": st.one_of(taus, st.lists(taus, min_size=1, max_size=3)),
+    "rejection_rate": st.floats(0, 0.95),
+    "keep_lowest": st.booleans(),
+}, optional={
+    "initial_candidates": st.integers(1, 8),
+    "max_live_candidates": st.integers(1, 8),
+    "adaptive_rejection": st.floats(0.1, 3),
+})
+
+
+@SETTINGS
+@given(params=sbon_params, **common)
+def test_sbon_space(space, params, num_samples, max_new_tokens, runtime, shard_size):
+    run_case(space, "sbon", num_samples, max_new_tokens, params, runtime, shard_size)
+
+
+@SETTINGS
+@given(**common)
+def test_best_of_n_space(space, num_samples, max_new_tokens, runtime, shard_size):
+    run_case(space, "best_of_n", num_samples, max_new_tokens, {}, runtime, shard_size)
+
+
+MODEL_SIDE_PARAMS = {
+    "ults": st.fixed_dictionaries({}, optional={"k_max": st.one_of(st.none(), st.integers(1, 4)),
+                                                "branching": st.integers(1, 4),
+                                                "epsilon": st.floats(0.01, 0.9),
+                                                "expansions_per_step": st.integers(1, 3)}),
+    "aded": st.fixed_dictionaries({}, optional={"draft_depth": st.integers(1, 5), "candidates": st.integers(1, 8),
+                                                "iterations": st.integers(1, 40), "top_t": st.integers(1, 12)}),
+    "sla": st.fixed_dictionaries({}, optional={"search_depth": st.integers(1, 3), "search_width": st.integers(1, 3),
+                                               "step_size": st.integers(1, 8)}),
+    "dsbd": st.fixed_dictionaries({}, optional={"draft_width": st.integers(1, 4),
+                                                "num_draft_layers": st.integers(1, 3),
+                                                "acceptance_threshold": st.floats(0.05, 1.0),
+                                                "memory_mode": st.booleans()}),
+}
+
+
+def test_every_registered_method_is_searched():
+    assert set(METHODS) == {"sbon", "best_of_n", *MODEL_SIDE_PARAMS}
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_SIDE_PARAMS))
+def test_model_side_space(space, name):
+    @SETTINGS
+    @given(params=MODEL_SIDE_PARAMS[name], **common)
+    def case(params, num_samples, max_new_tokens, runtime, shard_size):
+        run_case(space, name, num_samples, max_new_tokens, params, runtime, shard_size)
+
+    case()
+
+
+# -- examples hypothesis found, kept as regular tests ----------------------------------------
+
+FOUND = [
+    # issue 27: every decision token at or past max_new_tokens crashed with KeyError: 0.
+    ("sbon", 4, 16, {"decision_token": 16}, {}, 8, "built"),
+    ("sbon", 3, 6, {"decision_token": [6, 9]}, {}, 4, "built"),
+    ("sbon", 3, 1, {"decision_token": 1, "keep_lowest": False}, {"merged_decoding": False}, 1, "built"),
+]
+
+
+@pytest.mark.parametrize("name, num_samples, max_new_tokens, params, runtime, shard_size, outcome", FOUND)
+def test_found(space, name, num_samples, max_new_tokens, params, runtime, shard_size, outcome):
+    assert run_case(space, name, num_samples, max_new_tokens, params, runtime, shard_size) == outcome
