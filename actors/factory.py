@@ -17,18 +17,21 @@ from actors.faults import parse_faults, with_faults
 from pipeline.config import ActorResources, Config, RuntimeConfig
 from pipeline.coordinator import Serialized
 
-from actors.remote import RemoteProxy
+from actors.remote import CONCURRENCY_GROUPS, RemoteProxy, with_call_clock
 from pipeline.methods import method
 from pipeline.observability import TIMED_CALLS, CallLedger
 
-AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-           "AWS_DEFAULT_REGION", "AWS_REGION")
+# The AWS settings that are not secret: a worker sees the same endpoint and region as the driver.
+# Credentials never travel with an actor: Ray keeps each actor's runtime_env in its state API and
+# logs it in plain text (runtime_env_agent.log). The workers read and write no storage (the driver
+# reads the prompts and commits the output), so they need none; anything that does reach S3 on a
+# node uses that node's own AWS environment (an instance role, or a Kubernetes Secret as AWS_*).
+AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION")
 # vLLM settings that hold on every node alike (not VLLM_HOST_IP, core lists and such): the KV cache
 # size in GiB of each engine on vLLM's CPU backend, instead of a fraction of the node's memory.
 VLLM_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
-# storage_options keys (s3fs) and the AWS variables that carry the same setting to a worker.
-STORAGE_ENV = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN",
-               "endpoint_url": "AWS_ENDPOINT_URL"}
+# storage_options keys (s3fs) that are not secret, and the AWS variable that carries each to a worker.
+STORAGE_ENV = {"endpoint_url": "AWS_ENDPOINT_URL"}
 
 
 class TimedHandle:
@@ -122,8 +125,9 @@ def _draft_model(config: Config) -> str | None:
 
 
 def ray_runtime_env(storage_options: dict | None = None) -> dict:
-    """Environment the Ray workers need: for s3://, the AWS_* variables of the driver, plus the
-    endpoint and credentials of ``data.storage_options`` (which win); the driver's VLLM_ENV."""
+    """Environment the Ray workers get: the driver's non-secret AWS settings (AWS_ENV) and
+    ``data.storage_options``' endpoint (which wins), and the driver's VLLM_ENV. Never a key, secret
+    or token: see AWS_ENV."""
     env = {k: os.environ[k] for k in AWS_ENV + VLLM_ENV if k in os.environ}
     for key, var in STORAGE_ENV.items():
         if (storage_options or {}).get(key):
@@ -228,10 +232,18 @@ def _attach_ray() -> None:
 
     if ray.is_initialized():
         return
-    # With no cluster to attach to, the local one we start listens on loopback only.
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return
+    # With no cluster to attach to we start a local one. Its dashboard (the Jobs API) listens on
+    # 127.0.0.1 (ray.init's default), but Ray binds its gRPC servers (GCS, raylet, workers, agents)
+    # to every interface and advertises the node's address whatever _node_ip_address says (Ray
+    # 2.60 resolves 127.0.0.1 to it), so a token guards them: ray.init turns token authentication
+    # on for a new local cluster unless RAY_AUTH_MODE says otherwise (Ray 2.59 on; with Ray
+    # 2.52-2.58 export RAY_AUTH_MODE=token before the build). Setting it here would be too late:
+    # the driver's Ray core has read its mode by now and would connect without the token.
     # address="local": never attach to whatever cluster a stale address file points at.
-    local = {} if os.environ.get("RAY_ADDRESS") else {"address": "local", "_node_ip_address": "127.0.0.1"}
-    ray.init(**local)
+    ray.init(address="local", _node_ip_address="127.0.0.1")
 
 
 def _reserve_placement_group(rt: RuntimeConfig, draft_actors: bool):
@@ -265,6 +277,8 @@ class _RayPlacement:
         > 1: a threaded actor that runs that many calls at once."""
         import ray
 
+        # concurrency_groups: the call clock (actors.remote.with_call_clock) answers beside the work
+        # calls, so a call's timeout runs from its start on the actor, not from its send.
         options: dict = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus, "max_restarts": 0,
                          "runtime_env": self.runtime_env or None}
         if max_concurrency > 1:
@@ -274,7 +288,7 @@ class _RayPlacement:
 
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.group,
                                                                               placement_group_bundle_index=bundle)
-        remote_cls = ray.remote(cls).options(**options)
+        remote_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(with_call_clock(cls)).options(**options)
         return lambda **extra: remote_cls.remote(*args, **(kwargs or {}), **extra)
 
 

@@ -1,5 +1,6 @@
 """Prompt reading and validation, pair selection, and the shard writer."""
 
+import json
 import math
 
 import pyarrow as pa
@@ -7,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.pairs import select_pair
-from pipeline.data.prompts import InputError, PromptFormatter, PromptRow, prompt_id, read_raw_rows, validate
+from pipeline.data.prompts import (InputError, PromptFormatter, PromptRow, PromptSource, prompt_id, read_raw_rows,
+                                   validate)
 from pipeline.data.writer import OutputStore
 from pipeline.decoding.protocols import Candidate, PromptInput, PromptResult
 from tests.conftest import MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
@@ -130,3 +132,57 @@ def test_min_margin_drops_close_pairs_with_a_reason():
     assert select_pair(close, "s", min_margin=0.04)[0]["chosen"] == "a"
     pair, reason = select_pair(close, "s", min_margin=0.1)
     assert pair is None and reason == "margin below min_margin (0.05 < 0.1)"
+
+
+def test_a_json_file_holding_an_array_is_read_as_rows(tmp_path):
+    # Before: the array was one "line", one reject ("row is not a JSON object"), and its prompts vanished.
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b", "id": 2}, {"text": "no prompt"}, "not an object"],
+                               indent=2))
+    values = read_raw_rows(str(path), "prompt")
+    rows, rejects = validate(values, "prompt")
+    assert [r.prompt for r in rows] == ["a", "b"]
+    assert [(r.source_row, r.reason.split(" (")[0]) for r in rejects] == [(2, "missing prompt"),
+                                                                         (3, "row is not a JSON object")]
+    # A .json file of JSON lines stays JSONL; a broken array names the file and its line.
+    write_jsonl(tmp_path / "lines.json", [{"prompt": "c"}, {"prompt": "d"}])
+    assert read_raw_rows(str(tmp_path / "lines.json"), "prompt") == ["c", "d"]
+    (tmp_path / "broken.json").write_text('[\n{"prompt": "a"},\n{"prompt": }\n]')
+    with pytest.raises(InputError, match=r"broken\.json:3: malformed JSON"):
+        read_raw_rows(str(tmp_path / "broken.json"), "prompt")
+
+
+def test_a_directory_input_reads_what_it_can_and_names_what_it_skips(tmp_path):
+    # Before: the hidden file was read as input; the .csv and .txt were dropped without a word.
+    d = tmp_path / "in"
+    (d / ".ipynb_checkpoints").mkdir(parents=True)
+    write_jsonl(d / "a.jsonl", [{"prompt": "a"}])
+    (d / "b.json").write_text(json.dumps([{"prompt": "b"}]))
+    write_jsonl(d / ".hidden.jsonl", [{"prompt": "hidden"}])
+    write_jsonl(d / ".ipynb_checkpoints" / "a-checkpoint.jsonl", [{"prompt": "copy"}])
+    (d / "c.csv").write_text("prompt\nc\n")
+    (d / "notes.txt").write_text("x")
+    source = PromptSource(str(d), "prompt")
+    assert list(source.values()) == ["a", "b"]
+    assert source.skipped == {".hidden.jsonl": "hidden file", ".ipynb_checkpoints/a-checkpoint.jsonl": "hidden file",
+                              "c.csv": "other format, not .jsonl/.json/.parquet",
+                              "notes.txt": "other format, not .jsonl/.json/.parquet"}
+    note = source.skipped_note()
+    assert "\n" not in note and "4 file(s) not read" in note and "c.csv" in note
+    assert PromptSource(str(d / "a.jsonl"), "prompt").skipped_note() is None
+
+
+def test_a_jsonl_file_without_the_prompt_column_fails_like_parquet(tmp_path):
+    # Before: every row became a "missing prompt" reject and the build exited 0.
+    write_jsonl(tmp_path / "wrong.jsonl", [{"question": "a"}, {"question": "b"}])
+    with pytest.raises(InputError, match=r"wrong\.jsonl: no row has the column 'prompt'.*question"):
+        read_raw_rows(str(tmp_path / "wrong.jsonl"), "prompt")
+    (tmp_path / "wrong.json").write_text(json.dumps([{"question": "a"}]))
+    with pytest.raises(InputError, match=r"wrong\.json: no row has the column 'prompt'"):
+        read_raw_rows(str(tmp_path / "wrong.json"), "prompt")
+    # Some rows without it: only those are rejected.
+    write_jsonl(tmp_path / "some.jsonl", [{"question": "a"}, {"prompt": "b"}])
+    rows, rejects = validate(read_raw_rows(str(tmp_path / "some.jsonl"), "prompt"), "prompt")
+    assert [r.prompt for r in rows] == ["b"] and [r.source_row for r in rejects] == [0]
+    write_jsonl(tmp_path / "empty.jsonl", [])
+    assert read_raw_rows(str(tmp_path / "empty.jsonl"), "prompt") == []

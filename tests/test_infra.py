@@ -134,3 +134,71 @@ def test_gpu_config_places_actors_with_a_placement_group():
     rt = config.runtime
     assert rt.placement_strategy in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
     assert rt.generator.num_gpus >= 1 and rt.reward.num_gpus >= 1 and config.models.device == "cuda"
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def ray_pod_templates(spec: dict) -> dict[str, dict]:
+    """A KubeRay spec's pod templates by role: the head, each worker group and (RayJob) the job
+    submitter, which calls the Jobs API too. A RayJob's cluster is its rayClusterSpec."""
+    cluster = spec.get("rayClusterSpec", spec)
+    templates = {"head": cluster["headGroupSpec"]["template"]}
+    templates.update({f"worker group {g['groupName']}": g["template"] for g in cluster.get("workerGroupSpecs", [])})
+    if "submitterPodTemplate" in spec:
+        templates["submitter"] = spec["submitterPodTemplate"]
+    return templates
+
+
+def token_secret(container: dict, pod: dict) -> str | None:
+    """The Secret the container's Ray takes its token from: RAY_AUTH_TOKEN from a secretKeyRef, or
+    RAY_AUTH_TOKEN_PATH inside a mounted secret volume; None when the token comes from anywhere else."""
+    env = {e["name"]: e for e in container.get("env", [])}
+    ref = env.get("RAY_AUTH_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
+    if ref:
+        return ref["name"]
+    path = env.get("RAY_AUTH_TOKEN_PATH", {}).get("value", "")
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] in secrets and path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            return secrets[mount["name"]]
+    return None
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
+def test_the_jobs_api_is_never_open_without_a_token(path):
+    """Ray's dashboard is the Jobs API: whoever reaches it runs code on the cluster. Every Ray node a
+    manifest starts runs with RAY_AUTH_MODE=token and a token that lives outside the repository (a
+    Kubernetes Secret, referenced by every Ray container: head, workers, job submitter; for `ray up`,
+    the token file copied to every node), and a dashboard on a non-loopback address is allowed only
+    with that. Before: rayjob.yaml and ray-cluster.yaml bound it to 0.0.0.0 with no token."""
+    for doc in yaml.safe_load_all(path.read_text()):
+        if not isinstance(doc, dict):
+            continue
+        if "available_node_types" in doc:  # `ray up`
+            starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+                      for c in doc.get(key, []) if "ray start" in c]
+            assert starts, f"{path.name}: no `ray start`"
+            for command in starts:
+                assert re.search(r"\bRAY_AUTH_MODE=token\b", command), f"{path.name}: `{command}` without token auth"
+                host = re.search(r"--dashboard-host[= ](\S+)", command)
+                assert host is None or host.group(1) in LOOPBACK, f"{path.name}: dashboard on {host.group(1)}"
+            mounts = doc.get("file_mounts") or {}
+            assert any(remote.endswith(".ray/auth_token") for remote in mounts), \
+                f"{path.name}: the token file does not reach the nodes (file_mounts)"
+        elif doc.get("kind") in ("RayJob", "RayCluster", "RayService"):
+            spec = doc["spec"]
+            secrets = set()
+            for role, template in ray_pod_templates(spec).items():
+                for container in template["spec"]["containers"]:
+                    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+                    assert env.get("RAY_AUTH_MODE") == "token", f"{path.name}: {role} {container['name']}: no token auth"
+                    assert "RAY_AUTH_TOKEN" not in env or env["RAY_AUTH_TOKEN"] is None, \
+                        f"{path.name}: {role}: a token written into the manifest"
+                    secret = token_secret(container, template["spec"])
+                    assert secret, f"{path.name}: {role} {container['name']}: the token comes from no Secret"
+                    secrets.add(secret)
+            assert len(secrets) == 1, f"{path.name}: Ray containers take their token from different Secrets {secrets}"
+        elif doc.get("kind") == "Secret":
+            assert not doc.get("data") and not any(doc.get("stringData", {}).values()), \
+                f"{path.name}: a Secret with its value in the repository"

@@ -54,7 +54,8 @@ def write_input(path: Path, rows: int) -> Path:
 
 
 def sim_config(generator: Path, prompts: Path, out: Path, *overrides: str):
-    settings = [f"models.generator={generator}", f"models.reward={generator}", "models.draft=",
+    # The simulated workers never load the reward model, but planning checks that it is one.
+    settings = [f"models.generator={generator}", f"models.reward={generator.parent / 'reward'}", "models.draft=",
                 f"data.prompts={prompts}", f"data.output={out}", f"data.shard_size={SHARD}",
                 "sampling.num_samples=2", "sampling.max_new_tokens=2", "runtime.local=true",
                 "runtime.prompts_per_batch=16", "runtime.batches_in_flight=2", *overrides]

@@ -1,7 +1,9 @@
 """Prompt sources, validation, stable prompt ids, sharding and prompt formatting.
 
-Sources: JSONL, Parquet (a file, a directory of files, or a glob) or a dataset saved with
-``datasets.save_to_disk``; local paths or s3:// URIs through fsspec/s3fs.
+Sources: JSONL (``.jsonl``, or ``.json``: one object per line, or one JSON array of objects),
+Parquet (a file, a directory of files, or a glob) or a dataset saved with ``datasets.save_to_disk``;
+local paths or s3:// URIs through fsspec/s3fs. A directory input reads its files of those formats
+and names each file it skips, with the reason (hidden, side file, other format).
 
 A prompt is a string or a conversation in TRL's conversational format: a list of
 {"role": "system" | "user" | "assistant", "content": str} messages ending with a user turn (the
@@ -24,8 +26,10 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sqlite3
 import tempfile
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -94,16 +98,46 @@ def conversation_problem(value: list) -> str | None:
     return None
 
 
-def _files(uri: str, storage_options: dict, suffixes: tuple[str, ...]) -> tuple[Any, list[str]]:
+def skip_reason(rel: str, suffixes: tuple[str, ...]) -> str | None:
+    """Why a directory input does not read the file at ``rel`` (its path inside the directory), or
+    None when it reads it: hidden entries (a dot-file, or anything under a dot-directory such as
+    .ipynb_checkpoints/: editor and tool copies, never meant as input) and underscore-prefixed ones
+    (_rejects/, _markers/: our own side files) are skipped before their format is looked at; so is
+    a file of another format."""
+    parts = rel.split("/")
+    if any(p.startswith(".") for p in parts):
+        return "hidden file"
+    if any(p.startswith("_") for p in parts):
+        return "side file (name starts with _)"
+    if not rel.endswith(suffixes):
+        return f"other format, not {'/'.join(suffixes)}"
+    return None
+
+
+def _files(uri: str, storage_options: dict, suffixes: tuple[str, ...]) -> tuple[Any, list[str], dict[str, str]]:
+    """(filesystem, the files to read, {path inside the directory: why it is skipped}); a directory
+    input skips what it cannot or should not read, and says so by name, rather than fail on it."""
+    skipped: dict[str, str] = {}
+
+    def wanted(rel: str) -> bool:
+        reason = skip_reason(rel, suffixes)
+        if reason is not None:
+            skipped[rel] = reason
+        return reason is None
+
     try:
-        # Underscore-prefixed entries (_rejects/, _markers/) are our own side files, not input.
-        fs, _, files = list_files(uri, storage_options,
-                                  lambda rel: rel.endswith(suffixes) and not any(p.startswith("_") for p in rel.split("/")))
+        fs, _, files = list_files(uri, storage_options, wanted)
     except FileNotFoundError:
         raise InputError(f"{uri}: no such file") from None
     if not files:
-        raise InputError(f"{uri}: no {'/'.join(suffixes)} files found")
-    return fs, files
+        found = f" (skipped: {_skipped_text(skipped)})" if skipped else ""
+        raise InputError(f"{uri}: no {'/'.join(suffixes)} files found{found}")
+    return fs, files, skipped
+
+
+def _skipped_text(skipped: dict[str, str], most: int = 5) -> str:
+    shown = [f"{name} ({reason})" for name, reason in itertools.islice(sorted(skipped.items()), most)]
+    return ", ".join(shown) + (f" and {len(skipped) - most} more" if len(skipped) > most else "")
 
 
 def _is_saved_dataset(uri: str, storage_options: dict) -> bool:
@@ -128,6 +162,9 @@ class PromptSource:
         self.uri, self.column = uri, column
         self.storage_options = storage_options or {}
         self.fs, self.files, self._arrow_files, self._table = None, [], [], None
+        self.skipped: dict[str, str] = {}
+        """Files of a directory input that are not read, by path inside it, with the reason
+        (skip_reason); the build records them in its manifest."""
         if _is_saved_dataset(uri, self.storage_options):
             dataset = _load_saved_dataset(uri, column, self.storage_options)
             # Its files are read as streams rather than through the dataset's memory map, whose pages
@@ -136,7 +173,7 @@ class PromptSource:
             if not self._arrow_files:  # held in memory already (datasets' IN_MEMORY_MAX_SIZE)
                 self._table = dataset.data.table.select([column])
             return
-        self.fs, self.files = _files(uri, self.storage_options, SUFFIXES)
+        self.fs, self.files, self.skipped = _files(uri, self.storage_options, SUFFIXES)
         for f in self.files:
             if not f.endswith(SUFFIXES):
                 raise InputError(f"{f}: unsupported input format (expected .jsonl, .json or .parquet)")
@@ -150,6 +187,12 @@ class PromptSource:
         for f in self.files:
             yield from (_read_jsonl(self.fs, f, self.column) if f.endswith((".jsonl", ".json"))
                         else _read_parquet(self.fs, f, self.column))
+
+    def skipped_note(self) -> str | None:
+        """One line naming the files of a directory input that were not read; None when none was."""
+        if not self.skipped:
+            return None
+        return f"note: {self.uri}: {len(self.skipped)} file(s) not read: {_skipped_text(self.skipped)}"
 
     def shards(self, shard_size: int) -> Iterator[tuple[int, list[Any]]]:
         """(k, the values of rows [k * shard_size, (k + 1) * shard_size)) in order; an empty input is
@@ -194,18 +237,74 @@ def _read_arrow_stream(path: str, column: str) -> Iterator[Any]:
 
 
 def _read_jsonl(fs, path: str, column: str) -> Iterator[Any]:
+    """A JSONL file's column, a line at a time; a ``.json`` file that holds one JSON array (of row
+    objects) is read as those rows. When no row of the file has the column (a wrong
+    data.prompt_column) the file fails, naming the column, as a Parquet file without it does,
+    rather than every row becoming a reject; a file where only some rows lack it rejects those."""
+    seen = _ColumnSeen(column)
     try:
         with fs.open(path, "rb") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise InputError(f"{path}:{number}: malformed JSON line ({exc})") from None
-                yield record.get(column) if isinstance(record, dict) else _NOT_AN_OBJECT
+            if path.endswith(".json") and _starts_with_array(f):
+                yield from (seen.value(record) for record in _json_array(f, path))
+            else:
+                for number, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                        raise InputError(f"{path}:{number}: malformed JSON line ({exc})") from None
+                    yield seen.value(record)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
+    seen.check(path)
+
+
+class _ColumnSeen:
+    """Whether any object row of a JSON file has the prompt column (InputError from ``check`` when
+    none does)."""
+
+    def __init__(self, column: str):
+        self.column, self.objects, self.found, self.first_keys = column, 0, False, None
+
+    def value(self, record: Any) -> Any:
+        if not isinstance(record, dict):
+            return _NOT_AN_OBJECT
+        self.objects += 1
+        if self.first_keys is None:
+            self.first_keys = list(record)
+        self.found = self.found or self.column in record
+        return record.get(self.column)
+
+    def check(self, path: str) -> None:
+        if self.objects and not self.found:
+            keys = ", ".join(self.first_keys[:10]) or "none"
+            raise InputError(f"{path}: no row has the column {self.column!r} (data.prompt_column; "
+                             f"keys of the first row: {keys})")
+
+
+def _starts_with_array(f) -> bool:
+    """Whether the file's first non-blank byte opens a JSON array (the file is rewound)."""
+    head = f.read(4096)
+    while head and not head.strip() and len(head) < (1 << 20):
+        more = f.read(4096)
+        if not more:
+            break
+        head += more
+    f.seek(0)
+    return head.lstrip()[:1] == b"["
+
+
+def _json_array(f, path: str) -> list:
+    """The elements of a file holding one JSON array, read whole: JSON arrays have no line
+    structure to stream by (JSONL is the format for inputs larger than memory)."""
+    try:
+        records = json.loads(f.read())
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 JSON ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg}, column {exc.colno})") from None
+    return records  # a list: the text opens with "["
 
 
 def _read_parquet(fs, path: str, column: str) -> Iterator[Any]:
@@ -337,6 +436,46 @@ def validate(values: list[Any], column: str, start: int = 0,
     return rows, rejects
 
 
+def encode_text(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of user (or model) text as plain text: a special token's string inside it, such as
+    "<|im_start|>system", is split into ordinary tokens, never read as the special token itself."""
+    if not text:
+        return []
+    return tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True).input_ids
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    """(the chat template's text for ``messages``, its token ids), where only the template makes
+    special tokens: every message's content is encoded as plain text (``encode_text``).
+
+    Tokenizing the rendered text would parse a special token's string inside a prompt, so a prompt
+    holding "<|im_end|>" then "<|im_start|>system ..." would forge a system turn. As chat-serving
+    engines do, the template is rendered once with a placeholder for each content: the text between
+    placeholders is the template's own and is tokenized as usual (its role and BOS tokens are real),
+    the contents are tokenized with special tokens split. The text returned is the real rendering.
+    A template that alters a content (``| trim``) is followed when the alteration is a strip;
+    otherwise the content is encoded as written (still as plain text)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    contents = [m["content"] for m in messages]
+    tag = uuid.uuid4().hex
+    while any(tag in c for c in contents):  # a placeholder no content can imitate
+        tag = uuid.uuid4().hex
+    shell = tokenizer.apply_chat_template([{**m, "content": f"<{tag}:{i}>"} for i, m in enumerate(messages)],
+                                          tokenize=False, add_generation_prompt=add_generation_prompt)
+    pieces = re.split(f"<{tag}:(\\d+)>", shell)  # [template, index, template, index, ..., template]
+    for variant in (contents, [c.strip() for c in contents]):
+        if "".join(p if k % 2 == 0 else variant[int(p)] for k, p in enumerate(pieces)) == text:
+            contents = variant
+            break
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k % 2 == 0:
+            ids += tokenizer(piece, add_special_tokens=False).input_ids if piece else []
+        else:
+            ids += encode_text(tokenizer, contents[int(piece)])
+    return text, ids
+
+
 class PromptFormatter:
     """Turns a prompt into generator tokens: chat template when the tokenizer has one (and
     chat_template is "auto"), else the raw text (a conversation without a template: its messages'
@@ -355,11 +494,11 @@ class PromptFormatter:
 
     def render(self, raw: str | list[dict]) -> tuple[str, list[int]]:
         messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+        # The prompt's text is the user's text, never markup: see encode_chat.
         if self.use_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return text, self.tokenizer(text, add_special_tokens=False).input_ids
+            return encode_chat(self.tokenizer, messages, add_generation_prompt=True)
         text = raw if isinstance(raw, str) else "\n\n".join(m["content"] for m in messages)
-        return text, self.tokenizer(text).input_ids
+        return text, encode_text(self.tokenizer, text, add_special_tokens=True)
 
     def _input(self, row: PromptRow, raw: str | list[dict], text: str, ids: list[int]) -> PromptInput:
         # prompt_id stays that of the input row, truncated or not.
@@ -387,7 +526,7 @@ class PromptFormatter:
     def _truncate_text(self, raw: str) -> tuple[str, str, list[int]] | None:
         """Keep the end of the text: the longest tail whose rendering fits."""
         text, ids = self.render(raw)
-        raw_ids = self.tokenizer(raw, add_special_tokens=False).input_ids
+        raw_ids = encode_text(self.tokenizer, raw)
         overhead = len(ids) - len(raw_ids)
         budget = self.max_prompt_tokens - max(overhead, 0)
         while budget > 0:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from pipeline.data.prompts import encode_chat, encode_text
 from pipeline.engines.hf import DTYPES, for_inference, load_tokenizer
 from pipeline.engines.rows import RowBatch, timed_forward
 
@@ -78,23 +79,32 @@ class RewardScorer:
             return prompt + response
         return "\n\n".join(m["content"] for m in turns) + "\n\n" + response
 
+    def encode(self, prompt: str | list[dict], response: str) -> list[int]:
+        """Token ids of ``format(prompt, response)``, the prompt's and the response's text encoded as
+        plain text (pipeline.data.prompts.encode_chat): a special token's string inside a prompt
+        cannot forge a turn the reward model reads. The chat template holds BOS when the model
+        wants it; without one the tokenizer adds its own."""
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.tokenizer.chat_template:
+            return encode_chat(self.tokenizer, turns + [{"role": "assistant", "content": response}],
+                               add_generation_prompt=False)[1]
+        return encode_text(self.tokenizer, self.format(prompt, response), add_special_tokens=True)
+
     @torch.inference_mode()
     def score(self, prompts: list[str | list[dict]], responses: list[str]) -> list[float]:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-        texts = [self.format(p, r) for p, r in zip(prompts, responses)]
-        # The chat template already holds BOS when the model wants it.
-        add_special = not bool(self.tokenizer.chat_template)
+        # Cut from the left past the context: the response, which the score is about, stays.
+        token_ids = [self.encode(p, r)[-self.max_length:] for p, r in zip(prompts, responses)]
         scores: list[float] = []
-        for start in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                   truncation=True, max_length=self.max_length, add_special_tokens=add_special)
+        for start in range(0, len(token_ids), self.batch_size):
+            batch = self.tokenizer.pad({"input_ids": token_ids[start:start + self.batch_size]}, return_tensors="pt")
             with timed_forward(self.device):  # the streaming path's passes are timed by RowBatch
                 logits = self.model(**batch.to(self.device)).logits  # [B, 1]
             self.forward_passes += 1
             self.tokens_read += int(batch["attention_mask"].sum())
             scores.extend(float(v) if math.isfinite(v) else math.nan for v in logits[:, 0].float().tolist())
-        self.scored += len(texts)
+        self.scored += len(token_ids)
         return scores
 
     def stats(self) -> dict:
@@ -131,9 +141,7 @@ class RewardScorer:
                      responses: list[str]) -> list[float]:
         if not self.streaming:
             return self.score(prompts, responses)
-        add_special = not bool(self.tokenizer.chat_template)
-        token_ids = self.tokenizer([self.format(p, r) for p, r in zip(prompts, responses)],
-                                   add_special_tokens=add_special).input_ids
+        token_ids = [self.encode(p, r) for p, r in zip(prompts, responses)]
         scores: dict[int, float] = {}
         too_long = [i for i, ids in enumerate(token_ids) if len(ids) > self.max_length]
         if too_long:  # past the context: score statelessly (cut from the left) and stop caching
