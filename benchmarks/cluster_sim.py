@@ -230,6 +230,8 @@ def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: P
     from pipeline.build import plan_build, run_build
     from pipeline.config import load_config
     from pipeline.coordinator import Serialized
+    from pipeline.data.storage import join
+    from pipeline.data.writer import OutputStore
 
     prompts = workdir / "prompts.jsonl"
     if not prompts.exists():
@@ -259,11 +261,16 @@ def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: P
     driver_cpu = time.process_time() - cpu_planned - cost.actor_cpu
     report = json.loads((out / "_report.json").read_text())
 
+    # Read back what a reader of the build gets: the committed shards (through the output store),
+    # each with its rejects, so a stray or uncommitted file can neither hide a loss nor fake a row.
+    store = OutputStore(str(out))
     seen: dict[int, int] = {}
-    for folder in (out, out / "_rejects"):
-        for part in sorted(folder.glob("part-*.parquet")):
-            for row in pq.read_table(part, columns=["source_row"]).column("source_row").to_pylist():
-                seen[row] = seen.get(row, 0) + 1
+    for part in store.committed_parts():
+        shard_file = part.rsplit("/", 1)[1]
+        for path in (part, join(store.root, "_rejects", shard_file)):
+            with store.fs.open(path, "rb") as f:
+                for row in pq.read_table(f, columns=["source_row"]).column("source_row").to_pylist():
+                    seen[row] = seen.get(row, 0) + 1
     run = report["run_seconds"]
     times = report["actor_time"]
     return {

@@ -125,13 +125,18 @@ def build(strategy: str, args: argparse.Namespace, shared: list[str], prompts: P
 
 
 def read_pairs(output: Path) -> dict[str, dict]:
-    """prompt_id -> pair row of one build (the committed part files)."""
+    """prompt_id -> pair row of one finished build: its committed part files, through the output
+    store (IncompleteBuild if the build did not finish; a stray part file is never read)."""
     import pyarrow.parquet as pq
 
+    from pipeline.data.writer import OutputStore
+
+    store = OutputStore(str(output))
     rows = {}
-    for part in sorted(output.glob("part-*.parquet")):
-        for row in pq.read_table(part).to_pylist():
-            rows[row["prompt_id"]] = row
+    for part in store.committed_parts():
+        with store.fs.open(part, "rb") as f:
+            for row in pq.read_table(f).to_pylist():
+                rows[row["prompt_id"]] = row
     return rows
 
 

@@ -1,11 +1,14 @@
 """Train a Reward Transformer on the build job's pairs (Bradley-Terry, Eq. 17; optionally DPO).
 
-    python -m jobs.train_reward_transformer --pairs URI --model DIR --output DIR [--dpo]
+    python -m jobs.train_reward_transformer --pairs URI [--allow-partial] --model DIR --output DIR [--dpo]
         [--epochs E] [--max-steps N] [--batch-size B] [--learning-rate LR] [--hidden-size H]
         [--eval-fraction F] [--dpo-steps N] [--dpo-learning-rate LR] [--beta B] [--seed S]
         [--device cpu|cuda] [--storage-option key=value ...]
 
 --pairs is a directory or prefix of part-*.parquet (local or s3://), one Parquet file, or a glob.
+A build_dataset output is read through its commit markers: committed shards only, and only once
+the build finished (_SUCCESS); --allow-partial reads an unfinished build's committed shards and
+prints one line saying how many shards and pairs it read.
 --model is an HF causal LM directory or hub id (a fresh reward channel is attached) or a Reward
 Transformer directory (its channel trains on). The policy is frozen unless --dpo, which first
 runs TRL's DPOTrainer on the same training split (the paper's setting 2). Writes the Reward
@@ -22,12 +25,15 @@ import sys
 from pathlib import Path
 
 from pipeline.data.prompts import InputError
+from pipeline.data.writer import IncompleteBuild
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jobs.train_reward_transformer",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", required=True, help="pairs Parquet: directory/prefix, file or glob")
+    parser.add_argument("--allow-partial", action="store_true",
+                        help="read an unfinished build's committed shards (says how many) instead of refusing it")
     parser.add_argument("--model", required=True, help="policy or Reward Transformer to start from")
     parser.add_argument("--output", required=True, help="directory to save the Reward Transformer to")
     parser.add_argument("--dpo", action="store_true", help="also train the policy with DPO first (setting 2)")
@@ -64,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.training.reward_channel import train_reward_transformer
 
     try:
-        pairs = load_pairs(args.pairs, storage_options, token_ids=True)
-    except InputError as exc:
+        pairs = load_pairs(args.pairs, storage_options, token_ids=True, allow_partial=args.allow_partial)
+    except (InputError, IncompleteBuild) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

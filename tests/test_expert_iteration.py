@@ -14,42 +14,62 @@ from pipeline.engines.reward_transformer import has_trained_channel
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 
-def args(tiny_models, prompts, output):
-    return ["--config", "configs/demo.yaml", "--rounds", "2", "--output", str(output), "--prompts", str(prompts),
-            "--dpo", "--dpo-steps", "1", "--dpo-learning-rate", "1e-4", "--strategy-after", "sla", "--epochs", "1",
+def args(tiny_models, prompts, output, *extra, rounds=2, dpo=True):
+    return ["--config", "configs/demo.yaml", "--rounds", str(rounds), "--output", str(output), "--prompts", str(prompts),
+            *(["--dpo", "--dpo-steps", "1", "--dpo-learning-rate", "1e-4"] if dpo else []),
+            "--strategy-after", "sla", "--epochs", "1",
             "--batch-size", "2", "--hidden-size", "8", "--learning-rate", "1e-3", "--no-progress",
             "--set", f"models.generator={tiny_models['generator']}", "--set", f"models.reward={tiny_models['reward']}",
             "--set", "runtime.local=true", "--set", "sampling.num_samples=3", "--set", "sampling.max_new_tokens=8",
-            "--set", "strategy.decision_token=4", "--set", "strategy.step_size=4"]
+            "--set", "strategy.decision_token=4", "--set", "strategy.step_size=4", *extra]
+
+
+def schedule(out: Path) -> tuple[Path, dict]:
+    """The current schedule's directory and record."""
+    progress = json.loads((out / "progress.json").read_text())
+    return out / f"schedule-{progress['current']}", progress["schedules"][progress["current"]]
+
+
+def files(directory: Path) -> dict:
+    return {p: p.stat().st_mtime_ns for p in directory.rglob("*") if p.is_file() and p.name != "progress.json"}
 
 
 def test_two_rounds_then_resume(tiny_models, tmp_path, capsys):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:4]])
     out = tmp_path / "ei"
     assert main(args(tiny_models, prompts, out)) == 0
-    progress = json.loads((out / "progress.json").read_text())["rounds"]
+    sdir, record = schedule(out)
+    progress = record["rounds"]
     assert progress["0"]["generator"] == str(tiny_models["generator"]) and progress["0"]["strategy"] == "sbon"
     # Round 1 builds with round 0's model, by SLA on its trained channel.
-    assert progress["1"]["generator"] == str(out / "round-00" / "model") and progress["1"]["strategy"] == "sla"
+    assert progress["1"]["generator"] == str(sdir / "round-00" / "model") and progress["1"]["strategy"] == "sla"
+    assert all(len(progress[r][k]) == 64 for r in "01" for k in ("config_sha256", "input_sha256"))
     for r in ("round-00", "round-01"):
-        manifest = json.loads((out / r / "pairs" / "_manifest.json").read_text())
+        manifest = json.loads((sdir / r / "pairs" / "_manifest.json").read_text())
         assert manifest["prompts_in"] == 4 and manifest["pairs"] >= 2
-        assert has_trained_channel(str(out / r / "model"))
-    assert capsys.readouterr().out.strip().endswith(f"final model: {out / 'round-01' / 'model'}")
+        assert has_trained_channel(str(sdir / r / "model"))
+    assert record["final_model"] == str(sdir / "round-01" / "model")
+    assert capsys.readouterr().out.strip().endswith(f"final model: {sdir / 'round-01' / 'model'}")
 
-    # Interrupted after round 1's build: the rerun trains round 1 only.
-    before = {p: p.stat().st_mtime_ns for p in (out / "round-00").rglob("*") if p.is_file()}
-    (out / "round-01" / "model" / "training_metrics.json").unlink()
+    # The same config and input again: nothing runs, nothing on disk changes.
+    before = files(out)
     assert main(args(tiny_models, prompts, out)) == 0
     err = capsys.readouterr().err
-    assert "round 0: build finished earlier" in err and "round 1: build finished earlier" in err
-    assert "round 1: training finished earlier" not in err
-    assert (out / "round-01" / "model" / "training_metrics.json").exists()
-    assert before == {p: p.stat().st_mtime_ns for p in (out / "round-00").rglob("*") if p.is_file()}
+    assert "round 0: up to date, skipped" in err and "round 1: up to date, skipped" in err
+    assert files(out) == before
+
+    # Interrupted after round 1's build: the rerun trains round 1 only.
+    (sdir / "round-01" / "model" / "training_metrics.json").unlink()
+    assert main(args(tiny_models, prompts, out)) == 0
+    err = capsys.readouterr().err
+    assert "round 0: up to date, skipped" in err and "round 1: build up to date, skipped" in err
+    assert (sdir / "round-01" / "model" / "training_metrics.json").exists()
+    assert {p: t for p, t in before.items() if "round-00" in str(p)} == {p: t for p, t in files(out).items()
+                                                                         if "round-00" in str(p)}
 
     # The evaluate job on round 1's model: every method against greedy, judged by the labeler.
     report = tmp_path / "eval.json"
-    assert evaluate_main(["--model", str(out / "round-01" / "model"), "--judge", str(tiny_models["reward"]),
+    assert evaluate_main(["--model", str(sdir / "round-01" / "model"), "--judge", str(tiny_models["reward"]),
                           "--prompts", str(prompts), "--max-new-tokens", "8", "--num-samples", "2", "--step-size", "4",
                           "--output", str(report)]) == 0
     methods = json.loads(report.read_text())["methods"]
@@ -57,6 +77,59 @@ def test_two_rounds_then_resume(tiny_models, tmp_path, capsys):
     assert methods["greedy"]["win_rate"] == 0.5 and methods["greedy"]["tie"] == 1.0
     assert all(0 <= m["win_rate"] <= 1 and abs(m["win"] + m["tie"] + m["loss"] - 1) < 1e-9 for m in methods.values())
     assert methods["sla"]["token_cost_vs_greedy"] > 1
+
+
+def test_a_changed_input_or_config_is_new_work_never_skipped(tiny_models, tmp_path, capsys):
+    """The old job printed "skipped" and exited 0 here: it tested only that round 0's files existed."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
+    out = tmp_path / "ei"
+    assert main(args(tiny_models, prompts, out, rounds=1, dpo=False)) == 0
+    capsys.readouterr()
+
+    # A weekly schedule: same path, new prompts.
+    write_jsonl(prompts, [{"prompt": p} for p in GOOD_PROMPTS[2:5]])
+    assert main(args(tiny_models, prompts, out, rounds=1, dpo=False)) == 0
+    err = capsys.readouterr().err
+    assert "skipped" not in err and "(prompts changed since schedule" in err
+    second, record = schedule(out)
+    first = next(out / f"schedule-{sid}" for sid in json.loads((out / "progress.json").read_text())["schedules"]
+                 if out / f"schedule-{sid}" != second)
+    manifest = json.loads((second / "round-00" / "pairs" / "_manifest.json").read_text())
+    assert manifest["prompts_in"] == 3 and record["rounds"]["0"]["build"]["prompts_in"] == 3
+    assert (first / "round-00" / "pairs" / "_SUCCESS").exists()  # the earlier schedule is kept
+
+    # Another N: another build config.
+    assert main(args(tiny_models, prompts, out, "--set", "sampling.num_samples=2", rounds=1, dpo=False)) == 0
+    err = capsys.readouterr().err
+    third, _ = schedule(out)
+    assert "skipped" not in err and third not in (first, second) and "(build config" in err
+    manifest = json.loads((third / "round-00" / "pairs" / "_manifest.json").read_text())
+    assert manifest["config"]["sampling"]["num_samples"] == 2
+    assert main(args(tiny_models, prompts, out, "--set", "sampling.num_samples=2", rounds=1, dpo=False)) == 0
+    assert "round 0: up to date, skipped" in capsys.readouterr().err
+
+    # A reward model that does not exist: one line, exit 2, before anything runs.
+    before = files(out), (out / "progress.json").read_text()
+    assert main(args(tiny_models, prompts, out, "--set", f"models.reward={tmp_path / 'nope'}", rounds=1,
+                     dpo=False)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: models.reward: cannot load") and err.count("\n") == 1
+    assert (files(out), (out / "progress.json").read_text()) == before
+
+
+def test_user_errors_are_one_line(tiny_models, tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": GOOD_PROMPTS[0]}])
+    cases = [(["--strategy-after", "nosuch"], "error: strategy.name: unknown strategy 'nosuch'"),
+             (["--set", f"models.draft={tmp_path / 'nope'}", "--strategy-after", "dsbd"], "error: models.draft: cannot load"),
+             (["--prompts", str(tmp_path / "none.jsonl")], "error: data.prompts:")]
+    for extra, message in cases:
+        assert main(args(tiny_models, prompts, tmp_path / "ei", *extra)) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
+        assert len(err) == 1 and err[0].startswith(message), err
+    (tmp_path / "ei").mkdir(exist_ok=True)
+    (tmp_path / "ei" / "progress.json").write_text("{broken")
+    assert main(args(tiny_models, prompts, tmp_path / "ei")) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'ei' / 'progress.json'}: unreadable")
 
 
 def test_evaluate_refuses_sla_without_channel(tiny_models, tmp_path, capsys):
@@ -72,9 +145,27 @@ def test_evaluate_refuses_sla_without_channel(tiny_models, tmp_path, capsys):
 
 
 def test_cronjob_example_runs_expert_iteration():
+    """The CronJob runs the job in the image's working directory, on what the image holds and the
+    volume provides; its arguments parse and resolve to a config whose models and prompts are all
+    on the volume (a model path under .cache/ or /app, as before, exists in no image)."""
+    from jobs.expert_iteration import parse_args, round_config
+    from pipeline.config import load_config
+
     doc = yaml.safe_load(Path("infra/expert_iteration_cronjob.yaml").read_text())
     assert doc["kind"] == "CronJob" and doc["apiVersion"] == "batch/v1"
     assert len(doc["spec"]["schedule"].split()) == 5
-    container = doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    pod = doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
     assert container["command"] == ["python", "-m", "jobs.expert_iteration"]
-    assert any(a.startswith("--rounds=") for a in container["args"])
+    dockerfile = Path("infra/Dockerfile").read_text().splitlines()
+    workdir = [line.split()[1] for line in dockerfile if line.startswith("WORKDIR")][-1]
+    copied = {line.split()[-1].strip("./") for line in dockerfile if line.startswith("COPY")}
+    assert container["workingDir"] == workdir
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    args = parse_args(container["args"])
+    assert args.rounds >= 1 and Path(args.config).exists() and Path(args.config).parts[0] in copied
+    generator = load_config(args.config, [o for o in args.overrides if not o.startswith("strategy.")]).models.generator
+    config = round_config(args, 0, generator, Path(args.output))
+    for path in (args.output, args.prompts, config.models.generator, config.models.reward):
+        assert any(path.startswith(m + "/") for m in mounts), path
+    assert not config.models.draft
