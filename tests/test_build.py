@@ -264,3 +264,12 @@ def test_non_finite_rewards_are_quarantined_and_left_out_of_statistics(tiny_mode
     rejects = pq.read_table(tmp_path / "out" / "_rejects" / "part-00000.parquet").to_pylist()
     assert [(r["source_row"], r["reason"], r["stage"]) for r in rejects] == [
         (1, "no completed candidate with a finite reward", "pairing")]
+
+
+def test_summary_says_the_estimate_may_run_high_with_keep_lowest_off(mixed_build, tiny_models, tmp_path, capsys):
+    """Issue 27: the Best-of-N token estimate is 22% high with keep_lowest off and nothing said so."""
+    _, prompts = mixed_build
+    assert main(build_args(tiny_models, prompts, tmp_path / "off", "--set", "strategy.keep_lowest=false")) == 0
+    assert "upper bound" in capsys.readouterr().out
+    assert main(build_args(tiny_models, prompts, tmp_path / "on")) == 0
+    assert "upper bound" not in capsys.readouterr().out
