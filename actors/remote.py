@@ -1,8 +1,21 @@
 """RemoteProxy: blocking calls on a Ray actor behind a stable slot.
 
-When its actor dies (RayActorError) or a call outlives ``runtime.call_timeout_s`` (the actor is
-killed), the proxy raises WorkerFailure, whose recovery starts a replacement actor with the same
+When its actor dies (RayActorError) or a call runs longer than ``runtime.call_timeout_s`` (the actor
+is killed), the proxy raises WorkerFailure, whose recovery starts a replacement actor with the same
 options and swaps it into the slot. The coordinator then resubmits the batch.
+
+A call's timeout runs from when the actor STARTS it, not from when the driver sent it: an actor
+serves its calls one at a time (or a few), so a call may wait in the actor's queue behind other
+batches' slow calls (model-side searches, a long extend) for longer than the timeout while the
+actor is healthy. The actor's classes are wrapped by ``with_call_clock``: each public method
+records when it started under its Ray task id, and ``calls_running`` (served in its own concurrency
+group, ``CLOCK_GROUP``, so it answers while the actor is busy) says how long a call has run. The
+proxy waits for the result; whenever the timeout passes with no result it asks, and kills the actor
+only once the call has RUN for the timeout (or the actor cannot even answer that question within
+the timeout: frozen). An actor without the clock is timed from the send, as before.
+"Starts" is when the actor's method is entered: a threaded actor (merged decoding) enters its
+calls at once, so there a call that waits inside the engine (a model-side search queued behind
+another between the merged steps) is timed from its entry.
 
 Once the workers are shut down (``retire``, called by the factory's shutdown before it kills the
 actors), a call fails with WorkersShutDown instead: the batches still in flight when a build ends
@@ -11,12 +24,63 @@ early (an error in one batch) end too, rather than failing over onto new actors.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
+import time
 from typing import Any, Callable
 
 from pipeline.coordinator import WorkerFailure
 
 STARTUP_TIMEOUT_S = 300.0
+CLOCK_GROUP = "call_clock"
+"""The Ray concurrency group that serves ``calls_running`` beside the actor's work calls."""
+CONCURRENCY_GROUPS = {CLOCK_GROUP: 1}
+"""What an actor with the clock is declared with (``ray.remote(concurrency_groups=...)``; Ray refuses
+them in ``.options()``)."""
+QUEUED_POLL_FRACTION = 0.25
+"""While a call has not started, ask again after this fraction of the timeout: a call that starts
+just after it was asked is thus killed at most this fraction of the timeout late."""
+
+
+def with_call_clock(cls: type) -> type:
+    """A subclass of actor class ``cls`` whose public methods record their start under the calling
+    Ray task's id, and which answers ``calls_running`` (see the module docstring). Wrap it outermost
+    (around actors.faults.with_faults): a fault that hangs a call hangs a started call."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            import ray
+
+            task = ray.get_runtime_context().get_task_id()
+            with self._clock_lock:
+                self._call_started[task] = time.monotonic()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                with self._clock_lock:
+                    self._call_started.pop(task, None)
+
+        return call
+
+    def __init__(self, *args, **kwargs):
+        self._call_started: dict[str | None, float] = {}
+        self._clock_lock = threading.Lock()
+        cls.__init__(self, *args, **kwargs)
+
+    def calls_running(self, task_ids: list[str]) -> dict[str, float]:
+        """Seconds each of ``task_ids`` has run on this actor so far; calls that have not started
+        (or have ended) are absent."""
+        now = time.monotonic()
+        with self._clock_lock:
+            return {t: now - self._call_started[t] for t in task_ids if t in self._call_started}
+
+    namespace = {"__init__": __init__, "__doc__": cls.__doc__, "__module__": cls.__module__,
+                 "calls_running": calls_running}
+    namespace.update({name: wrap(fn) for name, fn in inspect.getmembers(cls, inspect.isfunction)
+                      if not name.startswith("_")})
+    return type(cls.__name__, (cls,), namespace)
 
 
 class WorkersShutDown(RuntimeError):
@@ -69,15 +133,44 @@ class RemoteProxy:
         if self._retired:
             raise WorkersShutDown(f"{self.name}: {name}() after the workers were shut down")
         try:
-            return ray.get(getattr(handle, name).remote(*args, **kwargs), timeout=self.timeout_s)
+            ref = getattr(handle, name).remote(*args, **kwargs)
+            return ray.get(ref) if self.timeout_s is None else self._result(handle, ref)
         except RayActorError as exc:
             cause = f"{self.name} actor died during {name}() ({type(exc).__name__})"
         except GetTimeoutError:
             ray.kill(handle, no_restart=True)
-            cause = f"{self.name} actor hung: {name}() took over {self.timeout_s:g}s; killed"
+            cause = f"{self.name} actor hung: {name}() ran over {self.timeout_s:g}s after it started; killed"
         if self._retired:  # killed by the shutdown, not a fault
             raise WorkersShutDown(f"{self.name}: {name}() ended by the workers' shutdown")
         raise WorkerFailure(cause, lambda: self.replace(handle))
+
+    def _result(self, handle: Any, ref: Any) -> Any:
+        """``ref``'s value, once its call has run for at most ``timeout_s`` on the actor (time queued
+        there does not count); GetTimeoutError once it has run longer, or when the actor does not
+        answer how long within ``timeout_s``."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        sent = time.monotonic()
+        task = ref.task_id().hex()
+        wait_s = self.timeout_s
+        while True:
+            ready, _ = ray.wait([ref], timeout=wait_s)
+            if ready:
+                return ray.get(ref)
+            try:
+                probe = handle.calls_running.options(concurrency_group=CLOCK_GROUP)
+            except AttributeError:  # an actor without the clock: timed from the send
+                running = {task: time.monotonic() - sent}
+            else:
+                running = ray.get(probe.remote([task]), timeout=self.timeout_s)
+            ran = running.get(task)
+            if ran is None:  # queued behind other calls (or just ended: the next wait returns at once)
+                wait_s = self.timeout_s * QUEUED_POLL_FRACTION
+            elif ran >= self.timeout_s:
+                raise GetTimeoutError(f"{task} ran {ran:.1f}s")
+            else:
+                wait_s = self.timeout_s - ran
 
     def replace(self, failed: Any) -> None:
         """Start a new actor in place of ``failed``, unless another thread already did."""

@@ -171,7 +171,12 @@ class RuntimeConfig:
     merged_decoding: bool = True
     """The HF generator takes its batches' calls concurrently and decodes the rows of every batch
     being extended in one forward pass per step (pipeline/engines/hf.py); each batch still reaches
-    its decision tokens on its own schedule, and candidates are the same as without it. With
+    its decision tokens on its own schedule. Reproducibility: rows sample from their own seeded
+    generators, so the same seed and the same batch composition give identical candidates; but a
+    row's logits depend slightly on which rows share its forward pass (padding and kernel choice:
+    up to ~1.3e-4 measured on a real model), so when batches merge differently (timing, other
+    batches in flight) a sampled token may rarely differ from the unmerged run's, and the response
+    diverges from there; the distribution of candidates is the same. With
     models.backend vllm: continuous batching (pipeline/engines/vllm_engine.py): a request per row
     for its whole response, pruned rows aborted, every batch's rows in one vLLM engine; candidates
     are then those of Best-of-N for the same seeds. false: one call at a time, each batch decoded
@@ -181,8 +186,9 @@ class RuntimeConfig:
     local: bool = False
     """Run in-process without Ray (tests, debugging)."""
     call_timeout_s: float = 900.0
-    """Seconds one actor call may take (queueing behind the actor's other batches included) before
-    the actor is presumed hung: it is killed, replaced, and its batches are resubmitted."""
+    """Seconds one actor call may run, counted from when the actor starts it (time queued behind
+    the actor's other calls does not count: actors.remote), before the actor is presumed hung: it
+    is killed, replaced, and its batches are resubmitted."""
     max_attempts: int = 3
     """Attempts per batch when actors die or hang; past this the build fails naming the shard."""
     placement_strategy: str = ""

@@ -14,10 +14,13 @@ cache) stays on the reward handle that opened it.
 Handles are anything that satisfies the Generator / Scorer protocols: Ray actor proxies in
 production (actors.RemoteProxy), plain in-process engines wrapped in ``Serialized`` in tests.
 
-Faults: a handle whose actor died or hung raises WorkerFailure. The coordinator then asks the
-failure to recover (the proxy replaces its actor, once, however many batches saw it fail) and runs
-the whole batch again from the start: its KV cache died with the actor, and per-row seeds make the
-rerun produce the same candidates. This wraps whole strategy calls, so it covers every call pattern
+Faults: a handle whose actor died or hung raises WorkerFailure ("hung": a call ran longer than
+runtime.call_timeout_s from when the actor started it; time queued on the actor does not count,
+see actors.remote). The coordinator then asks the failure to recover (the proxy replaces its actor,
+once, however many batches saw it fail) and runs the whole batch again from the start: its KV cache
+died with the actor, and per-row seeds make the rerun produce the same candidates (with merged
+decoding, up to the rare token that differs when the batch shares its passes with other batches:
+runtime.merged_decoding in pipeline.config). This wraps whole strategy calls, so it covers every call pattern
 (open/extend/close, score, or one ``generator.search``). After ``max_attempts`` the batch raises
 BatchFailed, naming its prompts.
 """

@@ -121,6 +121,12 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
         rows = engine.generate([formatter.render(text)[1]], 4, seeds, SamplingParams(max_new_tokens=12))
         assert completions["lengths"] == [len(r.token_ids) for r in rows]
         assert completions["final"] == pytest.approx(scorer.score([text] * 4, [r.text for r in rows]), abs=1e-4)
+        # The partial rewards that drive the grid: each row's first tau tokens (all of them if it
+        # ended earlier) as text, scored afresh in full by the reward model, not streamed.
+        for tau in (4, 8):
+            partial_texts = engine.tokenizer.batch_decode([r.token_ids[:tau] for r in rows], skip_special_tokens=True)
+            assert any(len(r.token_ids) > tau for r in rows)  # a real partial response, not a final one
+            assert completions["partial"][str(tau)] == pytest.approx(scorer.score([text] * 4, partial_texts), abs=1e-4)
     # The grid is Algorithm 1 replayed on exactly those rewards.
     collected = [PromptRewards(c["lengths"], c["final"], {int(t): v for t, v in c["partial"].items()})
                  for c in report["completions"]]

@@ -17,6 +17,12 @@ from pipeline.engines.vllm_engine import ContinuousVLLMEngine, VLLMEngine, segme
 EOS = 0
 
 
+def _stops(token: int, params) -> bool:
+    """vLLM's stop rule (vllm.v1.core.sched.utils.check_stop): a stop token ends a request even
+    with ignore_eos, which only covers the tokenizer's EOS (here EOS)."""
+    return token in params.stop_token_ids or (token == EOS and not params.ignore_eos)
+
+
 class FakeLLM:
     """Stands in for vllm.LLM.generate: tokens from the request seed, EOS with probability 0.05."""
 
@@ -31,7 +37,7 @@ class FakeLLM:
             rng, tokens = random.Random(p.seed), []
             while len(tokens) < p.max_tokens:
                 tokens.append(EOS if rng.random() < 0.05 else rng.randint(1, 50))
-                if tokens[-1] in p.stop_token_ids and not p.ignore_eos:
+                if _stops(tokens[-1], p):
                     break
             reason = "stop" if tokens[-1] == EOS else "length"
             self.generated += len(tokens)
@@ -48,6 +54,7 @@ class FakeLLMEngine:
         self.running: dict[str, tuple[random.Random, object, list[int]]] = {}
         self.max_running, self.fail_after, self.step_seconds = max_running, fail_after, step_seconds
         self.added, self.aborted, self.steps, self.step_rows = [], [], 0, []
+        self.tokens_made: dict[str, int] = {}  # request id -> tokens decoded for it (EOS included)
         self.engine_core = SimpleNamespace(shutdown=lambda: None)
 
     def add_request(self, request_id, prompt, params):
@@ -71,7 +78,8 @@ class FakeLLMEngine:
         for request_id in list(self.running)[:self.max_running]:
             rng, params, tokens = self.running[request_id]
             tokens.append(EOS if rng.random() < 0.05 else rng.randint(1, 50))
-            finished = len(tokens) >= params.max_tokens or (tokens[-1] in params.stop_token_ids and not params.ignore_eos)
+            self.tokens_made[request_id] = len(tokens)
+            finished = len(tokens) >= params.max_tokens or _stops(tokens[-1], params)
             if finished:
                 del self.running[request_id]
             outputs.append(SimpleNamespace(request_id=request_id, finished=finished,
@@ -273,3 +281,95 @@ def _scorer():
     from tests.test_decoding import FakeScorer
 
     return FakeScorer()
+
+
+@pytest.mark.parametrize("make", [fake_engine, continuous_engine])
+def test_ignore_eos_decodes_every_row_to_max_new_tokens(make):
+    """sampling.ignore_eos: no row stops at EOS, on either vLLM engine (vLLM stops at any stop token
+    even with ignore_eos, so the engine must send none)."""
+    engine = make()
+    try:
+        engine.open("s", [[1, 2]], 8, list(range(8)), SamplingParams(max_new_tokens=40, ignore_eos=True))
+        rows = engine.extend("s", until=40)
+        assert all(len(r.token_ids) == 40 and r.finished for r in rows)
+        assert any(EOS in r.token_ids for r in rows)  # EOS was drawn (p = 0.05 a token) and did not stop
+        engine.close("s")
+    finally:
+        engine.shutdown()
+
+
+class SlowScorer:
+    """FakeScorer's rewards, after ``seconds``: the continuous engine's rows decode on meanwhile."""
+
+    def __init__(self, seconds: float):
+        self.inner, self.seconds = _scorer(), seconds
+
+    def score(self, prompts, responses):
+        time.sleep(self.seconds)
+        return self.inner.score(prompts, responses)
+
+
+def test_continuous_speculative_rejection_counts_the_tokens_rows_decode_while_they_are_scored():
+    """Rows go on decoding past tau while the reward model scores them; the ones then dropped made
+    tokens that no candidate holds. generated_tokens (and so tokens_saved) must count every token
+    the engine decoded (EOS aside, as everywhere), prompt by prompt."""
+    prompts = [PromptInput(f"p{i}", "x", "x", [1, 2 + i]) for i in range(2)]
+    sampling = SamplingParams(max_new_tokens=40)
+    params = SpeculativeRejectionParams(4, 0.5, keep_lowest=False, streaming_rewards=False)
+    engine = continuous_engine(max_running=16, step_seconds=0.002)
+    try:
+        results = speculative_rejection(prompts, engine, SlowScorer(0.1), params, sampling, 8, seed=3)
+        running = engine._engine
+        decoded = {}  # prompt -> tokens the fake engine decoded for its rows, EOS not counted
+        for request_id, _, params_ in running.added:
+            row = int(request_id.split(":")[1])
+            tokens = _replay(params_, running.tokens_made.get(request_id, 0))
+            decoded[row // 8] = decoded.get(row // 8, 0) + len(tokens) - (tokens[-1] == EOS if tokens else 0)
+        held = [sum(len(c.token_ids) for c in r.candidates) for r in results]
+        assert all(decoded[i] > held[i] for i in range(2))  # dropped rows ran past tau (the test has power)
+        assert [r.generated_tokens for r in results] == [decoded[0], decoded[1]]
+    finally:
+        engine.shutdown()
+
+
+def _replay(params, count: int) -> list[int]:
+    """The first ``count`` tokens FakeLLMEngine drew for a request with these parameters."""
+    rng = random.Random(params.seed)
+    return [EOS if rng.random() < 0.05 else rng.randint(1, 50) for _ in range(count)]
+
+
+@pytest.mark.vllm
+def test_ignore_eos_on_real_vllm_decodes_past_every_eos(tmp_path):
+    """On a real vLLM engine (rounds and continuous): with ignore_eos no row stops at a token of the
+    engine's EOS set. A token the free rows often sample is made an EOS, as in
+    tests/test_vllm_real.py, so EOS is certain to be drawn."""
+    pytest.importorskip("vllm", reason="vllm is not installed (make install-vllm, or pip install .[vllm] on a GPU)")
+    import functools
+
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from jobs.make_tiny_models import make_vllm_model
+
+    engine = VLLMEngine.from_pretrained(str(make_vllm_model(tmp_path)), dtype="float32", gpu_memory_utilization=0.12,
+                                        max_model_len=256, max_num_batched_tokens=512)
+    continuous = ContinuousVLLMEngine(engine.llm, engine.tokenizer, engine.eos_ids,
+                                      functools.partial(VLLMSamplingParams, output_kind=RequestOutputKind.DELTA))
+    try:
+        prompts = [PromptInput(f"p{i}", "x", "x", engine.tokenizer(f"Review product {i}.").input_ids) for i in range(2)]
+        sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        scorer = SimpleNamespace(score=lambda prompts_, texts: [float(len(t)) for t in texts])
+        free = best_of_n(prompts, engine, scorer, BestOfNParams(), sampling, 8, seed=7)
+        counts: dict[int, int] = {}
+        for c in (c for r in free for c in r.candidates):
+            for t in set(c.token_ids[1:]):
+                counts[t] = counts.get(t, 0) + 1
+        stop = max(counts, key=counts.get)
+        for generator in (engine, continuous):
+            generator.eos_ids = engine.eos_ids | {stop}
+            results = best_of_n(prompts, generator, scorer, BestOfNParams(), sampling, 8, seed=7)
+            rows = [c.token_ids for r in results for c in r.candidates]
+            assert all(len(t) == 24 for t in rows)
+            assert sum(stop in t for t in rows) >= 3  # drawn, and decoding went on past it
+    finally:
+        continuous.shutdown()

@@ -33,11 +33,23 @@ draws from the q_beam used to verify them):
   the accepted parents and renormalised; verifying them against the unrestricted q_beam would
   bias the output.
 - Beams are sampled with replacement (iid, as the theorem states), so two beams may coincide.
-- A response ends at its first EOS; beams run to max_new_tokens (beam sampling and DSBD alike)
-  and the candidate is the final beam with the lowest perplexity (highest target likelihood).
-  The paper does not say how the last iteration meets the length cap: an iteration emits up to
+- EOS (beam sampling and DSBD alike). A beam ends at its first EOS: it is complete, and from then
+  on its only continuation is one more EOS with probability 1 (log-prob 0), so p_beam (Eq. 1) still
+  weighs it by its likelihood, which no longer changes, and it never grows a real token again (an
+  absorbing state; ``absorb_ended``). All beams keep one length (the padding EOS fills the ended
+  ones' rows), so the forest, the KV cache and Theorem 3.1 are untouched: only the target's
+  next-token distribution after an ended beam is replaced before p_beam is formed. Decoding stops
+  once every beam has ended, or at max_new_tokens. The candidate is the complete beam with the
+  lowest perplexity (section 3.4 and Figure 1 rank beams by perplexity, "lowest perplexity"):
+  the highest mean target log-likelihood per token of the response up to and including its EOS
+  (``perplexity_rank``), so a beam is never ranked by tokens after its EOS, and beams of different
+  lengths compare per token. With no EOS (``ignore_eos``) all beams have max_new_tokens tokens and
+  this is the highest likelihood, as before. The paper only says decoding continues "until the
+  stopping criteria are met (e.g., reaching the maximum number of tokens)"; the ranking by mean
+  log-likelihood is also what Hugging Face's beam scorer does with its default length_penalty 1.
+- The paper does not say how the last iteration meets the length cap: an iteration emits up to
   gamma + 1 positions (line 33's extra layer), so gamma is at most the room left minus one
-  (``draft_depth``) and the final beams have exactly max_new_tokens tokens, as in beam sampling.
+  (``draft_depth``) and the final beams have exactly max_new_tokens positions, as in beam sampling.
 """
 
 from __future__ import annotations
@@ -180,9 +192,34 @@ class ForestTarget(Protocol):
 @dataclass
 class Beam:
     tokens: list[int]
-    """Generated tokens (prompt excluded); the last one is not yet in the target's cache."""
+    """Generated tokens (prompt excluded); the last one is not yet in the target's cache. After an
+    EOS only padding EOS follow (see the module docstring)."""
     logp: float
-    """log p(tokens | prompt) under the target (unwarped)."""
+    """log p(tokens | prompt) under the target (unwarped), up to and including the first EOS."""
+    ended_at: int | None = None
+    """Length of the response up to and including its first EOS; None while the beam is open."""
+
+    @property
+    def length(self) -> int:
+        """Tokens the beam's likelihood covers: up to its EOS, or all of them while it is open."""
+        return self.ended_at if self.ended_at is not None else len(self.tokens)
+
+
+def perplexity_rank(beam: Beam) -> float:
+    """Higher is better: the mean target log-likelihood per token (minus log perplexity)."""
+    return beam.logp / max(1, beam.length)
+
+
+def absorb_ended(next_logp: torch.Tensor, beams: list[Beam], eos_ids: set[int]) -> torch.Tensor:
+    """The target's next-token log-probs [len(beams), V] with each ended beam's row replaced by
+    certainty of one more EOS (the smallest EOS id): an ended beam stays as it is."""
+    ended = [i for i, b in enumerate(beams) if b.ended_at is not None]
+    if not ended:
+        return next_logp
+    out = next_logp.clone()
+    out[ended] = -torch.inf
+    out[ended, min(eos_ids)] = 0.0
+    return out
 
 
 @dataclass
@@ -208,26 +245,39 @@ def _uniforms(generator: torch.Generator):
 
 
 def _best(beams: list[Beam]) -> Beam:
-    return max(beams, key=lambda b: b.logp)
+    """The lowest-perplexity beam; ties: the first."""
+    return max(beams, key=perplexity_rank)
+
+
+def _all_ended(beams: list[Beam]) -> bool:
+    return all(b.ended_at is not None for b in beams)
 
 
 def _finish(beams: list[Beam], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """The lowest-perplexity final beam (all have one length) as the response."""
+    """The lowest-perplexity final beam as the response (its tokens before its EOS)."""
     return cut_response(_best(beams).tokens, max_new_tokens, eos_ids)
 
 
-def extend_beams(parents: list[Beam], next_logp: torch.Tensor, picks: list[int]) -> list[Beam]:
+def extend_beams(parents: list[Beam], next_logp: torch.Tensor, picks: list[int],
+                 eos_ids: set[int] = frozenset()) -> list[Beam]:
     """The beams of flat p_beam indices ``picks`` (parent * V + token, Eq. 1): parent plus token,
-    its target log-likelihood raised by log p(token | parent). next_logp: [len(parents), V]."""
+    its target log-likelihood raised by log p(token | parent) (0 after an ended parent:
+    ``absorb_ended``). A token in ``eos_ids`` ends an open beam. next_logp: [len(parents), V]."""
     vocab = next_logp.shape[-1]
-    return [Beam(parents[x // vocab].tokens + [x % vocab],
-                 parents[x // vocab].logp + float(next_logp[x // vocab, x % vocab])) for x in picks]
+    out = []
+    for x in picks:
+        parent, token = parents[x // vocab], x % vocab
+        tokens = parent.tokens + [token]
+        ended_at = parent.ended_at if parent.ended_at is not None else (len(tokens) if token in eos_ids else None)
+        out.append(Beam(tokens, parent.logp + float(next_logp[x // vocab, token]), ended_at))
+    return out
 
 
 def beam_sampling(target: ForestTarget, prompt: list[int], width: int, sampling: SamplingParams, seed: int,
                   eos_ids: set[int] = frozenset(), stats: DecodeStats | None = None) -> list[int]:
     """Beam sampling (paper section 2.1): W beams drawn iid from p_beam at every step, one target
-    forward per step. Width 1 is multinomial sampling."""
+    forward per step. Width 1 is multinomial sampling. A beam ends at EOS, decoding stops when
+    all have, and the answer is the lowest-perplexity beam (module docstring)."""
 
     stats = stats if stats is not None else DecodeStats()
     g = torch.Generator().manual_seed(seed)
@@ -235,13 +285,13 @@ def beam_sampling(target: ForestTarget, prompt: list[int], width: int, sampling:
     target.open(prompt)
     beams = [Beam([], 0.0)]
     pending = [prompt[-1]]
-    while len(beams[0].tokens) < sampling.max_new_tokens:
-        logp = target.verify([TokenTree([t], [-1]) for t in pending])[:, 0]  # [W, V]
+    while len(beams[0].tokens) < sampling.max_new_tokens and not _all_ended(beams):
+        logp = absorb_ended(target.verify([TokenTree([t], [-1]) for t in pending])[:, 0], beams, eos_ids)  # [W, V]
         stats.target_forwards += 1
         vocab = logp.shape[-1]
         p = beam_distribution(torch.tensor([b.logp for b in beams]), logp, sampling)
         picks = [int(inverse_cdf(p, torch.tensor(u()))) for _ in range(width)]
-        beams = extend_beams(beams, logp, picks)
+        beams = extend_beams(beams, logp, picks, eos_ids)
         target.commit([(x // vocab, [0]) for x in picks])
         pending = [b.tokens[-1] for b in beams]
         stats.steps += 1
@@ -299,11 +349,11 @@ def build_forest(contexts: list[list[int]], layers: list[DraftLayer]) -> DraftFo
 
 
 def target_p_beam(logp: torch.Tensor, nodes: list[tuple[int, int]], beams: list[Beam],
-                  sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+                  sampling: SamplingParams, eos_ids: set[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 1 line 11 (and 32): p_beam^(l) (Eq. 1) over (beam, next token) for the beams at
     forest positions ``nodes``. logp: [W_L, N, V] from the forest pass. Returns the next-token
-    log-probs [|A|, V] and p_beam [|A| * V]."""
-    next_logp = torch.stack([logp[n] for n in nodes])  # [|A|, V]
+    log-probs [|A|, V] (an ended beam's: one more EOS, ``absorb_ended``) and p_beam [|A| * V]."""
+    next_logp = absorb_ended(torch.stack([logp[n] for n in nodes]), beams, eos_ids)  # [|A|, V]
     return next_logp, beam_distribution(torch.tensor([b.logp for b in beams]), next_logp, sampling)
 
 
@@ -334,7 +384,8 @@ def draft_depth(num_draft_layers: int, room: int) -> int:
 
 
 def verify_forest(forest: DraftForest, logp: torch.Tensor, beams: list[Beam], params: DSBDParams,
-                  sampling: SamplingParams, fixed_width: int | None, uniforms, stats: DecodeStats) -> ForestVerdict:
+                  sampling: SamplingParams, fixed_width: int | None, uniforms, stats: DecodeStats,
+                  eos_ids: set[int] = frozenset()) -> ForestVerdict:
     """Algorithm 1 lines 3-33 over the forest's target log-probs ``logp`` [W_L, N, V]: layer by layer,
     drop the drafts of rejected parents (line 10), set W_L^(l) by Eq. 6 (line 13; ``fixed_width``:
     a constant W_L) and verify (lines 12-30, verify_layer); stop at the first layer that fails. If
@@ -349,7 +400,7 @@ def verify_forest(forest: DraftForest, logp: torch.Tensor, beams: list[Beam], pa
     width = fixed_width or len(beams)
     for l, layer in enumerate(forest.layers, start=1):
         nodes = [forest.where[l - 1][n] for n in accepted]
-        next_logp, p_beam = target_p_beam(logp, nodes, accepted_beams, sampling)
+        next_logp, p_beam = target_p_beam(logp, nodes, accepted_beams, sampling, eos_ids)
         survivors, candidates, q_beam = surviving_drafts(layer, accepted, vocab, logp.device)
         if fixed_width is None:
             width = dynamic_width(acceptance_chain(p_beam, q_beam, len(candidates)), params.acceptance_threshold,
@@ -359,22 +410,22 @@ def verify_forest(forest: DraftForest, logp: torch.Tensor, beams: list[Beam], pa
             return ForestVerdict(nodes, accepted_beams, next_logp, verdict.outputs)
         stats.draft_layers_accepted += 1
         accepted = [survivors[pos] for pos in verdict.accepted]
-        accepted_beams = extend_beams(accepted_beams, next_logp, [candidates[pos] for pos in verdict.accepted])
+        accepted_beams = extend_beams(accepted_beams, next_logp, [candidates[pos] for pos in verdict.accepted], eos_ids)
         stats.steps += 1
         stats.beam_steps += len(accepted)
     nodes = [forest.where[-1][n] for n in accepted]
-    next_logp, p_beam = target_p_beam(logp, nodes, accepted_beams, sampling)
+    next_logp, p_beam = target_p_beam(logp, nodes, accepted_beams, sampling, eos_ids)
     return ForestVerdict(nodes, accepted_beams, next_logp,
                          [int(inverse_cdf(p_beam, torch.tensor(uniforms()))) for _ in range(width)])
 
 
 def emit_beams(forest: DraftForest, verdict: ForestVerdict, memory_mode: bool,
-               stats: DecodeStats) -> tuple[list[Beam], list[tuple[int, list[int]]]]:
+               stats: DecodeStats, eos_ids: set[int] = frozenset()) -> tuple[list[Beam], list[tuple[int, list[int]]]]:
     """Algorithm 1 line 35: the output beams, the next iteration's input beams, with the KV path
     each keeps (section 3.3: its parent's tree and the path to the parent; its own token is the
     root of its next tree). Memory mode (section 3.4) keeps only the lowest-perplexity beam."""
     vocab = verdict.parent_logp.shape[-1]
-    out = extend_beams(verdict.parent_beams, verdict.parent_logp, verdict.outputs)
+    out = extend_beams(verdict.parent_beams, verdict.parent_logp, verdict.outputs, eos_ids)
     sources = []
     for x in verdict.outputs:
         tree, node = verdict.parent_nodes[x // vocab]
@@ -382,7 +433,7 @@ def emit_beams(forest: DraftForest, verdict: ForestVerdict, memory_mode: bool,
     stats.steps += 1
     stats.beam_steps += len(out)
     if memory_mode:  # one input beam (one KV cache row) for the next iteration
-        best = max(range(len(out)), key=lambda i: out[i].logp)
+        best = max(range(len(out)), key=lambda i: perplexity_rank(out[i]))
         out, sources = [out[best]], [sources[best]]
     return out, sources
 
@@ -402,7 +453,7 @@ def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], param
     u = _uniforms(g)
     target.open(prompt)
     beams = [Beam([], 0.0)]
-    while len(beams[0].tokens) < sampling.max_new_tokens:
+    while len(beams[0].tokens) < sampling.max_new_tokens and not _all_ended(beams):
         stats.iterations += 1
         contexts = [prompt + b.tokens for b in beams]
         gamma = draft_depth(params.num_draft_layers, sampling.max_new_tokens - len(beams[0].tokens))
@@ -412,8 +463,8 @@ def dsbd_decode(target: ForestTarget, drafter: Drafter, prompt: list[int], param
         forest = build_forest(contexts, layers)
         logp = target.verify(forest.trees)  # [W_L, N, V]
         stats.target_forwards += 1
-        verdict = verify_forest(forest, logp, beams, params, sampling, fixed_width, u, stats)
-        beams, sources = emit_beams(forest, verdict, params.memory_mode, stats)
+        verdict = verify_forest(forest, logp, beams, params, sampling, fixed_width, u, stats, eos_ids)
+        beams, sources = emit_beams(forest, verdict, params.memory_mode, stats, eos_ids)
         target.commit(sources)
     return _finish(beams, sampling.max_new_tokens, eos_ids)
 

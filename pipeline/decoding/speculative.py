@@ -146,4 +146,6 @@ def speculative_decode(target, drafter, prompt: list[int], num_draft_tokens: int
             stats.drafted += gamma
             stats.steps += n + 1
             stats.beam_steps += n + 1
+        if any(t in eos_ids for t in tokens[len(tokens) - n - 1:]):
+            break  # the response ended: nothing after its EOS is kept, so nothing more is decoded
     return cut_response(tokens, sampling.max_new_tokens, eos_ids)

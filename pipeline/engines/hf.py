@@ -23,7 +23,12 @@ a common cache length). Each call returns when its own rows reach its ``until`` 
 session that stops to be scored leaves the loop (``RowBatch.split``) while the others go on, and a
 session that opens meanwhile is prefilled between two steps and joins at its first ``extend``. The
 batch is re-cut only when its membership changes (a session joins or leaves, rows finish). Rows
-sample from their own generators, so every candidate is the one the unmerged engine makes.
+sample from their own generators, so with the same seeds and the same batch composition the
+candidates are identical; they are not bit-identical to the unmerged engine's: a row's logits
+depend slightly on the rows that share its forward pass (left padding to a common length, kernels
+chosen by batch shape; up to ~1.3e-4 on a real model), so a token sampled near a tie in the
+inverse CDF may rarely differ, and the row diverges from there. The candidates' distribution is
+the same. (The tiny test models' CPU passes happen to agree exactly.)
 
 Speculative decoding (``speculative``, models.speculative, off by default): an extend to the length
 cap (Best-of-N's rows, the candidates that survive speculative rejection's last decision token)

@@ -17,7 +17,8 @@ reach ``until`` tokens (the rows go on decoding meanwhile, as the reward model s
 waiting (other prompts' candidates). So each batch (with ``prompts_per_batch: 1``, each prompt)
 reaches its decision tokens on its own schedule, nothing waits for a round across batches, and no
 row is ever prefilled twice. The rows a batch drops after they ran past ``until`` cost the tokens
-they made meanwhile; those count in ``generated_tokens``.
+they made meanwhile; ``close`` reports them per prompt (``unreported_tokens``) and speculative
+rejection adds them to each prompt's ``generated_tokens``.
 
 Sampling: each request carries its own seed, derived from the row's seed and the number of
 tokens it already has, so a row's continuation is reproducible and rows are independent. The
@@ -51,6 +52,8 @@ class _Row:
     seed: int
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
+    reported: int = 0
+    """How many of ``tokens`` the last ``extend`` that listed this row returned (continuous mode)."""
 
 
 @dataclass
@@ -58,6 +61,7 @@ class _Session:
     sampling: SamplingParams
     rows: dict[int, _Row]
     live: set[int]
+    num_samples: int = 1
     generated_tokens: int = 0
     requests: int = 0
 
@@ -170,7 +174,7 @@ class VLLMEngine:
              sampling: SamplingParams) -> None:
         check_open(self.sessions, session, prompts, num_samples, seeds)
         rows = {r: _Row(prompt=list(prompts[r // num_samples]), seed=s) for r, s in enumerate(seeds)}
-        self.sessions[session] = _Session(sampling=sampling, rows=rows, live=set(rows))
+        self.sessions[session] = _Session(sampling=sampling, rows=rows, live=set(rows), num_samples=num_samples)
 
     def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
         state = self._session(session)
@@ -219,7 +223,10 @@ class VLLMEngine:
         return self.make_sampling(
             n=1, max_tokens=until - len(row.tokens), temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k if s.top_k > 0 else -1, seed=segment_seed(row.seed, len(row.tokens)),
-            stop_token_ids=sorted(self.eos_ids), ignore_eos=s.ignore_eos, detokenize=False)
+            # vLLM stops at a stop token even with ignore_eos (which only covers the tokenizer's
+            # own EOS: vllm.v1.core.sched.utils.check_stop), so with ignore_eos none is sent.
+            stop_token_ids=[] if s.ignore_eos else sorted(self.eos_ids), ignore_eos=s.ignore_eos,
+            detokenize=False)
 
     def close(self, session: str) -> dict:
         state = self.sessions.pop(session, None)
@@ -269,6 +276,9 @@ class ContinuousVLLMEngine(VLLMEngine):
         self._cond = threading.Condition()  # guards the sessions and their rows
         self._engine_lock = threading.Lock()  # one engine call at a time; taken after _cond, never before
         self._requests: dict[str, tuple[_Session, _Row]] = {}  # request id -> its session and row
+        # Requests aborted since the step loop's current step began: that step may still have
+        # decoded a token for them, which is counted (not kept) when its output arrives.
+        self._dropped: dict[str, tuple[_Session, _Row]] = {}
         self._error: BaseException | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -313,16 +323,28 @@ class ContinuousVLLMEngine(VLLMEngine):
                 state.rows[r].finished or len(state.rows[r].tokens) >= until for r in state.live))
             self._check_running()
             views = [(r, state.rows[r].tokens[:until], self._ended_by(state, state.rows[r], until)) for r in reported]
+            for r, tokens, _ in views:
+                state.rows[r].reported = len(tokens)
         texts = self.tokenizer.batch_decode([tokens for _, tokens, _ in views], skip_special_tokens=True)
         return [RowState(row=r, token_ids=tokens, text=text, finished=finished)
                 for (r, tokens, finished), text in zip(views, texts)]
 
     def close(self, session: str) -> dict:
+        """The session's counters, plus ``unreported_tokens``: per prompt of the session, the tokens
+        its rows decoded that no ``extend`` returned. Those are the rows that went on decoding past
+        a decision token while the reward model scored them and were then dropped (aborted): their
+        candidates hold only the tokens up to that decision token, but the tokens were decoded, so
+        speculative rejection adds them to the prompt's cost (generated_tokens, and so
+        tokens_saved)."""
         with self._cond:
             state = self.sessions.get(session)
-            if state is not None:
-                self._abort(session, state, set(state.rows))
-            return super().close(session)
+            if state is None:
+                return super().close(session)
+            self._abort(session, state, set(state.rows))
+            unreported = [0] * (len(state.rows) // state.num_samples)
+            for r, row in state.rows.items():
+                unreported[r // state.num_samples] += len(row.tokens) - row.reported
+            return {**super().close(session), "unreported_tokens": unreported}
 
     def shutdown(self) -> None:
         with self._cond:
@@ -341,10 +363,12 @@ class ContinuousVLLMEngine(VLLMEngine):
     def _abort(self, session: str, state: _Session, rows: set[int]) -> None:
         """Abort the requests of ``rows`` that still run (caller holds the lock)."""
         running = [f"{session}:{r}" for r in sorted(rows) if not state.rows[r].finished]
-        running = [request for request in running if self._requests.pop(request, None) is not None]
+        entries = {request: self._requests.pop(request, None) for request in running}
+        running = [request for request, entry in entries.items() if entry is not None]
         if running:
             with self._engine_lock:
                 self._engine.abort_request(running)
+            self._dropped.update((request, entries[request]) for request in running)
 
     def _check_running(self) -> None:
         if self._error is not None:
@@ -360,6 +384,9 @@ class ContinuousVLLMEngine(VLLMEngine):
                 self._cond.wait_for(lambda: self._stopping or bool(self._requests))
                 if self._stopping:
                     return
+                # Aborted before this step starts (abort_request ran under _cond): the step makes
+                # no token for them, so they leave _dropped once its outputs are taken.
+                settled = list(self._dropped)
             try:
                 with self._engine_lock:  # all running requests may have been aborted meanwhile
                     outputs = self._engine.step() if self._engine.has_unfinished_requests() else None
@@ -374,6 +401,8 @@ class ContinuousVLLMEngine(VLLMEngine):
                     continue
                 for output in outputs:
                     self._take(output)
+                for request in settled:
+                    self._dropped.pop(request, None)
                 self._cond.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
@@ -385,8 +414,11 @@ class ContinuousVLLMEngine(VLLMEngine):
     def _take(self, output: Any) -> None:
         """One request's step output: its new tokens (the EOS that ends it is counted, not kept)."""
         entry = self._requests.get(output.request_id)
-        if entry is None:  # aborted, or closed with its session
-            return
+        dropped = entry is None
+        if dropped:  # aborted after this step began: its token was decoded all the same
+            entry = self._dropped.get(output.request_id)
+            if entry is None:
+                return
         state, row = entry
         completion = output.outputs[0]
         new = list(completion.token_ids)
@@ -394,9 +426,11 @@ class ContinuousVLLMEngine(VLLMEngine):
         ended = output.finished
         if new and new[-1] in self.eos_ids and not state.sampling.ignore_eos:
             new, ended = new[:-1], True
-        row.tokens.extend(new)
+        row.tokens.extend(new)  # a dropped row is never reported again: close counts these
         state.generated_tokens += cost
         self.generated_tokens += cost
+        if dropped:
+            return
         if ended or len(row.tokens) >= state.sampling.max_new_tokens:
             row.finished = True
             del self._requests[output.request_id]
