@@ -5,9 +5,10 @@
 
 With no Ray address it starts a local cluster; under `ray job submit` or with RAY_ADDRESS set it
 attaches. `--set runtime.local=true` runs everything in-process without Ray. User errors (bad
-config, missing or unreadable input, an output that holds a build of another config) print one
-line on stderr and exit with code 2. A rerun into the same output resumes: committed shards are
-skipped. A shard that still fails after runtime.max_attempts exits with code 1, naming the shard.
+config, missing or unreadable input, an output that holds a build of another config or that
+another build is writing) print one line on stderr and exit with code 2. A rerun into the same
+output resumes: committed shards are skipped. A shard that still fails after
+runtime.max_attempts exits with code 1, naming the shard.
 """
 
 from __future__ import annotations
@@ -57,17 +58,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InputError, OutputConflict) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    workers = start_workers(config)
     try:
-        manifest = run_build(plan, workers, progress=not args.no_progress)
+        workers = start_workers(config)
+        try:
+            manifest = run_build(plan, workers, progress=not args.no_progress)
+        finally:
+            workers.shutdown()
     except ShardFailed as exc:  # a shard out of retries: loud, named, and resumable
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except InputError as exc:  # the input, read again shard by shard, changed or became unreadable
+    except (InputError, OutputConflict) as exc:
+        # The input, read again shard by shard, changed or became unreadable; or the output's lease
+        # was lost, or another config's shards turned up in it (verify).
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        workers.shutdown()
+        plan.store.release_lease()  # run_build releases it too; this covers workers that never started
     print(format_summary(manifest))
     print(f"output: {config.data.output}  (run report: _report.json)")
     return 0

@@ -8,8 +8,9 @@ error surfaces before a cluster starts; the run reads it again, shard by shard, 
 shards, and hands the prompts of whole pending shards to the coordinator a window at a time
 (``WINDOW_ROUNDS``), formatting them as it goes. A shard commits (pipeline.data.writer: data,
 then marker) as soon as its last prompt is done, and its rejects commit with it. An output built
-with another config is refused (OutputConflict) unless overwritten. At the end every marker is
-checked against its files, the manifest is recomputed from all of them (so it describes what is
+with another config is refused (OutputConflict) unless overwritten; one that a live build writes
+(its lease) is refused (OutputLocked) from planning to the end. At the end every marker is
+checked against its files and the config hash, the manifest is recomputed from all of them (so it describes what is
 on disk whether the run resumed or not), the run report is written, and _SUCCESS last.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -30,7 +32,8 @@ from pipeline.config import Config, ConfigError
 from pipeline.coordinator import BatchFailed, Coordinator
 from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import FirstRows, InputError, PromptFormatter, PromptSource, Reject, validate
-from pipeline.data.writer import OutputStore, fingerprint
+from pipeline.data.storage import access_errors, check_access
+from pipeline.data.writer import OutputStore, check_location, fingerprint
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import load_tokenizer
 from pipeline.methods import method
@@ -113,30 +116,117 @@ class BuildPlan:
     config_hash: str = ""
 
 
+def _model_config(key: str, path: str, kind: str):
+    """The AutoConfig of ``models.<key>``, refused (ConfigError, one line) when it cannot be read or
+    is not the ``kind`` of model the role loads: "causal" (AutoModelForCausalLM) or "reward"
+    (AutoModelForSequenceClassification with one label). Reading config.json is cheap, so every
+    model is checked here, at plan time, rather than when an actor loads its weights after the
+    cluster has started. Only what loading would surely refuse or silently get wrong is refused:
+    a model type the Auto class cannot load, or a checkpoint saved with another kind of head (its
+    weights would load under a random head)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+
+    if not path:
+        raise ConfigError(f"models.{key}: not set (a model directory or hub id)")
+    if "://" not in path and (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
+        raise ConfigError(f"models.{key}: {path!r}: no such model directory")
+    try:
+        model_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"models.{key}: cannot load {path!r} ({str(exc).strip().splitlines()[0]})") from None
+    model_type = getattr(model_config, "model_type", "")
+    saved_as = ", ".join(model_config.architectures or []) or model_type
+    if kind == "causal":
+        heads = [a for a in model_config.architectures or [] if a.endswith(("ForSequenceClassification",
+                                                                               "ForTokenClassification"))]
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (heads and heads == model_config.architectures):
+            raise ConfigError(f"models.{key}: {path!r} is a {saved_as}, not a causal language model "
+                              "(AutoModelForCausalLM)")
+    else:
+        heads = [a for a in model_config.architectures or [] if a.endswith("ForSequenceClassification")]
+        if model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES or (model_config.architectures
+                                                                                 and not heads):
+            raise ConfigError(f"models.{key}: {path!r} is a {saved_as}, not a sequence classifier "
+                              "(AutoModelForSequenceClassification) with one output label")
+        if model_config.num_labels != 1:
+            raise ConfigError(f"models.{key}: {path!r} has {model_config.num_labels} output labels; a reward "
+                              "model has one")
+    return model_config
+
+
+def _context(model_config) -> int | None:
+    value = getattr(model_config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def check_models(config: Config) -> tuple:
+    """Plan time, before any worker or cluster starts: every model the build will load (the generator,
+    the reward model, and the draft model for strategies whose registry record drafts) exists, reads,
+    and is the kind of model its role needs; then the strategy's own checks (SLA: a trained reward
+    channel). Returns (the generator's tokenizer, the context every prompt plus response must fit:
+    the generator's, and the draft model's when it is shorter, since the draft reads the same tokens)."""
+    models = config.models
+    generator = _model_config("generator", models.generator, "causal")
+    _model_config("reward", models.reward, "reward")
+    try:
+        tokenizer = load_tokenizer(models.generator)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"models.generator: cannot load the tokenizer of {models.generator!r} "
+                          f"({str(exc).strip().splitlines()[0]})") from None
+    try:
+        load_tokenizer(models.reward)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"models.reward: cannot load the tokenizer of {models.reward!r} "
+                          f"({str(exc).strip().splitlines()[0]})") from None
+    record = method(config.strategy.name)
+    contexts = [_context(generator) or int(tokenizer.model_max_length)]
+    if record.uses_draft and models.draft:
+        contexts.append(_context(_model_config("draft", models.draft, "causal")) or contexts[0])
+    if record.check_models is not None:
+        record.check_models(config.strategy.params, models)
+    return tokenizer, min(contexts)
+
+
+def max_prompt_tokens(config: Config, context: int) -> int:
+    """The prompt token limit: data.max_prompt_tokens, or what the context leaves after
+    max_new_tokens. Refused (ConfigError) when a prompt and its response could overrun the context:
+    past it a rotary model silently decodes on positions it never saw, and a learned-position one
+    fails with an IndexError mid-run."""
+    new_tokens = config.sampling.max_new_tokens
+    if new_tokens >= context:
+        raise ConfigError(f"sampling.max_new_tokens: {new_tokens} leaves no room for a prompt in the model's "
+                          f"context of {context} tokens")
+    limit = config.data.max_prompt_tokens
+    if limit is None:
+        return context - new_tokens
+    if limit + new_tokens > context:
+        raise ConfigError(f"data.max_prompt_tokens: {limit} + sampling.max_new_tokens {new_tokens} = "
+                          f"{limit + new_tokens} exceeds the model's context of {context} tokens; "
+                          f"at most {context - new_tokens}")
+    return limit
+
+
 def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
     """Read and validate the input shard by shard, check the output (OutputConflict when it holds
     another build, unless ``overwrite``), and find the shards still to build."""
     start = time.perf_counter()
     data = config.data
     build_hash = config_hash(config)
-    try:
-        tokenizer = load_tokenizer(config.models.generator)
-        model_config = AutoConfig.from_pretrained(config.models.generator)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"models.generator: cannot load {config.models.generator!r} "
-                          f"({str(exc).splitlines()[0]})") from None
-    # A strategy may need more of its models than loading them checks (SLA: a trained reward channel).
-    check_models = method(config.strategy.name).check_models
-    if check_models is not None:
-        check_models(config.strategy.params, config.models)
-    context = getattr(model_config, "max_position_embeddings", None)
-    context = int(context or tokenizer.model_max_length)
-    max_prompt = data.max_prompt_tokens or context - config.sampling.max_new_tokens
-    formatter = PromptFormatter(tokenizer, max_prompt, data.overlength, config.sampling.chat_template)
+    for uri in (data.prompts, data.output):  # s3:// without (valid) credentials: one line, naming the URI
+        check_access(uri, data.storage_options)
+    tokenizer, context = check_models(config)
+    formatter = PromptFormatter(tokenizer, max_prompt_tokens(config, context), data.overlength,
+                                config.sampling.chat_template)
 
-    source = PromptSource(data.prompts, data.prompt_column, data.storage_options)
+    with access_errors(data.prompts):
+        source = PromptSource(data.prompts, data.prompt_column, data.storage_options)
+    if source.skipped_note():  # the manifest lists them too (input_files_skipped)
+        print(source.skipped_note(), file=sys.stderr)
     first_rows = FirstRows()
+    store = None
     try:
+        check_location(data.output, data.prompts)  # before the input is read: it may be our own output
         fingerprints, valid, prompts_in = [], [], 0
         for k, values in source.shards(data.shard_size):
             fingerprints.append(fingerprint(values))
@@ -145,10 +235,15 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
             prompts_in += len(values)
         num_shards = len(fingerprints)
         store = OutputStore(data.output, data.storage_options)
+        # One writer per output: the lease comes before anything in it is read or changed, and
+        # run_build releases it (OutputLocked, one line, when a live build holds it).
+        store.acquire_lease(build_hash)
         committed = set() if overwrite else store.committed({k: (fp, build_hash) for k, fp in enumerate(fingerprints)})
         store.prepare(overwrite=overwrite)
     except BaseException:
         first_rows.close()
+        if store is not None:
+            store.release_lease()
         raise
     pending = [k for k in range(num_shards) if k not in committed]
     return BuildPlan(config, store, prompts_in, num_shards, pending, sum(valid[k] for k in pending), source,
@@ -222,6 +317,7 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
         return _run(plan, workers, progress)
     finally:
         plan.first_rows.close()
+        plan.store.release_lease()
 
 
 def _run(plan: BuildPlan, workers, progress: bool) -> dict:
@@ -325,17 +421,19 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
     sync_restarts()
 
     # _SUCCESS only after every marker is checked: summarize reads them all through verify.
-    manifest = summarize(store, store.verify(plan.num_shards), plan.num_shards, plan.prompts_in)
+    # verify also checks every marker's config hash: shards of another config never get _SUCCESS.
+    manifest = summarize(store, store.verify(plan.num_shards, plan.config_hash), plan.num_shards, plan.prompts_in)
     wall = time.perf_counter() - plan.started
     run_stats = workers.stats()
     if "actor_time" in run_stats:
         run_stats["actor_time"] = round_seconds(run_stats["actor_time"])
     written = set(plan.pending)
     manifest.update(wall_seconds=round(wall, 3), startup_seconds=round(run_started - plan.started, 3),
-                    run_seconds=round(last_commit - run_started, 3), config=config.to_dict(),
+                    run_seconds=round(last_commit - run_started, 3), config=config.redacted_dict(),
                     config_hash=plan.config_hash, shards_written=list(plan.pending),
                     shards_skipped=[k for k in range(plan.num_shards) if k not in written],
-                    prompts_truncated=truncated_prompts, run_stats=run_stats, pairs_this_run=pairs_made)
+                    prompts_truncated=truncated_prompts, run_stats=run_stats, pairs_this_run=pairs_made,
+                    input_files_skipped=dict(plan.source.skipped))
     # The rate of this run only: resumed shards cost it nothing. One definition for every figure.
     metrics.set_rate(wall)
     manifest["pairs_per_minute"] = round(pairs_per_hour(pairs_made, wall) / 60, 2)
@@ -394,6 +492,15 @@ def summarize(store: OutputStore, markers: Iterable[tuple[int, dict]], num_shard
             "reward_stats": rewards}
 
 
+def _estimate_caveat(manifest: dict) -> str:
+    """How far off the Best-of-N estimate may be: with speculative rejection's keep_lowest off it
+    reads stopped rows off the best-ranked ones only (speculative_rejection.estimate_length)."""
+    strategy = manifest.get("config", {}).get("strategy", {})
+    if strategy.get("name") in ("sbon", "speculative_rejection") and strategy.get("keep_lowest") is False:
+        return "; keep_lowest off: may run high, +22% measured at alpha 0.875, so savings are an upper bound"
+    return ""
+
+
 def format_summary(manifest: dict) -> str:
     from pipeline.observability import format_actor_time
 
@@ -404,7 +511,7 @@ def format_summary(manifest: dict) -> str:
             f"  ({', '.join(f'{k}: {v}' for k, v in sorted(manifest['reject_reasons'].items()))})"
             if manifest["reject_reasons"] else ""),
         f"tokens generated       {manifest['generated_tokens']}",
-        f"Best-of-N would need   {manifest['bon_equivalent_tokens']}  (estimate)"
+        f"Best-of-N would need   {manifest['bon_equivalent_tokens']}  (estimate{_estimate_caveat(manifest)})"
         + (f"  (saved {1 - manifest['generated_tokens'] / manifest['bon_equivalent_tokens']:.1%}, estimated)"
            if manifest["bon_equivalent_tokens"] else ""),
         f"wall time      {manifest['wall_seconds']:.1f}s"

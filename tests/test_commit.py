@@ -36,7 +36,9 @@ def test_data_without_marker_is_redone_and_temp_files_are_ignored(tmp_path):
     (tmp_path / "_markers" / ".tmp-dead-part-00002.json").write_text("{")
     expected = {k: (f"fp{k}", "cfg") for k in range(3)}
     assert store.committed(expected) == {0}
+    store.acquire_lease("cfg")  # prepare() removes temp files only as the output's one writer
     store.prepare()
+    store.release_lease()
     assert not list(tmp_path.rglob(".tmp-*"))
     assert (tmp_path / part_name(1)).exists()  # left in place; the rerun overwrites it
     # A part file that is not the one its marker describes (truncated by hand) is not committed either.
@@ -55,7 +57,9 @@ def test_other_config_or_input_is_a_conflict_unless_overwritten(tmp_path):
         store.committed({})
     (tmp_path / "notes.txt").write_text("not ours")
     store.write_success({})
+    store.acquire_lease("cfg-b")
     store.prepare(overwrite=True)
+    store.release_lease()
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["notes.txt"]
     assert store.committed({0: ("fp0", "cfg-b")}) == set()
 

@@ -16,17 +16,28 @@ os.replace; on S3 one PUT of the final key is atomic. A shard is committed when 
 and matches the config and input; a part file without a marker (a run killed between the two
 writes) is redone, and temp files left by a killed run (``.tmp-*``) are ignored and removed.
 Ray may run a batch twice (retries are at-least-once); the marker makes the output exactly-once.
+
+One writer per output: a build holds ``_lease.json`` (owner id, host, pid, heartbeat, config hash)
+from planning to its end (Lease). It is created atomically (a hard link locally, a conditional PUT
+on S3), refreshed by a heartbeat thread, and taken over only once its heartbeat is older than the
+timeout (or its process is gone, on the same host). Everything else in the output is read or
+changed only while the lease is held, so a build never sees another live build's temp files.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
 import os
+import socket
+import sys
+import threading
 import time
 import uuid
-from typing import Iterator
+import weakref
+from typing import Iterator, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -86,10 +97,21 @@ QUARANTINE_SCHEMA = pa.schema([
 SIDE_DIRS = ("_rejects", "_quarantine")
 OWN_FILES = ("_manifest.json", "_report.json", "_SUCCESS")
 TMP_PREFIX = ".tmp-"
+LEASE_NAME = "_lease.json"
+MARKER_KEYS = ("shard", "config_hash", "input_fingerprint", "rows", "sha256", "bytes", "rejects", "quarantine")
 
 
 class OutputConflict(Exception):
-    """The output holds shards of a different build (config or input): a user error."""
+    """The output cannot take this build (another build's shards, a file, the input itself, a
+    damaged marker): a user error, one line."""
+
+
+class OutputLocked(OutputConflict):
+    """Another live build holds the output's lease, or this build lost it: one line, exit 2."""
+
+
+class CorruptMarker(OutputConflict):
+    """A commit marker that is not one this project wrote (unparseable or missing fields)."""
 
 
 class IncompleteBuild(Exception):
@@ -105,6 +127,41 @@ def marker_name(shard: int) -> str:
     return f"part-{shard:05d}.json"
 
 
+def check_location(output: str, prompts: str) -> None:
+    """Refuse an output that is the input, lies inside the input directory, or holds the input:
+    the build would read its own output as prompts, or ``--overwrite`` would delete the input.
+    Local paths are compared resolved (symlinks, ``..``), s3:// URIs as bucket/prefix; a glob input
+    stands for its directory (recursively only with ``**``)."""
+    if not output or not prompts:
+        return
+    out_scheme, out = _location(output)
+    in_scheme, source = _location(prompts)
+    if out_scheme != in_scheme:
+        return
+    glob_at = min((source.find(ch) for ch in "*?[" if ch in source), default=-1)
+    recursive = True
+    if glob_at >= 0:
+        recursive = "**" in source
+        source = source[:glob_at].rsplit("/", 1)[0]
+    if out == source:
+        where = "is the input"
+    elif recursive and out.startswith(source.rstrip("/") + "/"):
+        where = "is inside the input"
+    elif source.startswith(out.rstrip("/") + "/"):
+        where = "holds the input"
+    else:
+        return
+    raise OutputConflict(f"data.output: {output} {where} ({prompts}); choose another --output")
+
+
+def _location(uri: str) -> tuple[str, str]:
+    if is_remote(uri):
+        scheme, rest = uri.split("://", 1)
+        return scheme, rest.strip("/")
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    return "file", os.path.realpath(path)
+
+
 def fingerprint(values: list) -> str:
     """sha256 of a shard's raw input values, in order: the marker's input fingerprint."""
     digest = hashlib.sha256()
@@ -115,12 +172,43 @@ def fingerprint(values: list) -> str:
 
 
 class OutputStore:
+    LEASE_TIMEOUT_S = 120.0
+    """A lease whose heartbeat is older than this belongs to a dead build and is taken over."""
+    LEASE_HEARTBEAT_S = 10.0
+    """How often the holder rewrites its lease's heartbeat (well under the timeout)."""
+
     def __init__(self, uri: str, storage_options: dict | None = None):
         self.uri = uri.rstrip("/")
         self.storage_options = storage_options or {}
         self.fs, self.root = filesystem(self.uri, self.storage_options)
         self.remote = is_remote(uri)
+        self.lease: Lease | None = None
+        if self.fs.isfile(self.root):
+            raise OutputConflict(f"{self.uri}: is a file; the output must be a directory or an s3:// prefix")
         self.fs.makedirs(self.root, exist_ok=True)
+
+    # -- the lease ---------------------------------------------------------------------------
+
+    def acquire_lease(self, config_hash: str, timeout_s: float | None = None, heartbeat_s: float | None = None) -> None:
+        """Become the output's one writer (Lease), before anything in it is read or changed; raises
+        OutputLocked when a live build holds it."""
+        path = join(self.root, LEASE_NAME)
+        if not self.remote:
+            file = _LocalLeaseFile(path, join(self.uri, LEASE_NAME))
+        elif "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)):
+            file = _S3LeaseFile(self.fs, path, join(self.uri, LEASE_NAME))
+        else:
+            raise OutputConflict(f"{self.uri}: outputs are local paths or s3:// prefixes (the write lease needs "
+                                 "an atomic create)")
+        lease = Lease(file, self.uri, config_hash, timeout_s or self.LEASE_TIMEOUT_S,
+                      heartbeat_s or self.LEASE_HEARTBEAT_S)
+        lease.acquire()
+        self.lease = lease
+
+    def release_lease(self) -> None:
+        """Let the next build in (idempotent; a build calls it in a ``finally``)."""
+        if self.lease is not None:
+            self.lease.release()
 
     # -- reading the state of the output ----------------------------------------------------
 
@@ -143,8 +231,26 @@ class OutputStore:
             chunk = paths[i:i + self.MARKERS_PER_READ]
             contents = self.fs.cat(chunk)
             for path in chunk:
-                marker = json.loads(contents[path])
-                yield int(marker["shard"]), marker
+                marker = self._parse_marker(path, contents[path])
+                yield marker["shard"], marker
+
+    def _parse_marker(self, path: str, content: bytes) -> dict:
+        """A marker this project wrote, or CorruptMarker (one line naming the file)."""
+        name = path.rsplit("/", 1)[1]
+        try:
+            marker = json.loads(content)
+            if not isinstance(marker, dict):
+                raise ValueError("not a JSON object")
+            missing = [key for key in MARKER_KEYS if key not in marker]
+            if missing:
+                raise ValueError(f"no {', '.join(missing)}")
+            if not isinstance(marker["shard"], int) or marker_name(marker["shard"]) != name:
+                raise ValueError(f"its shard {marker['shard']!r} does not match its name")
+        except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise CorruptMarker(f"{join(self.uri, '_markers', name)}: unreadable commit marker "
+                                f"({str(exc).splitlines()[0][:120]}); delete it (its shard is then rebuilt) "
+                                "or use another --output") from None
+        return marker
 
     def markers(self) -> dict[int, dict]:
         """Every readable commit marker, by shard (all in memory: for tests and small outputs)."""
@@ -152,9 +258,9 @@ class OutputStore:
 
     def committed(self, expected: dict[int, tuple[str, str]]) -> set[int]:
         """Shards already committed. ``expected`` maps shard -> (input fingerprint, config hash) of
-        this build; a marker that disagrees raises OutputConflict (one line, for the user). A marker
-        whose part file is missing or has another size is not committed (the shard is redone)."""
-        sizes = self._sizes()
+        this build; a marker that disagrees raises OutputConflict (one line, for the user). A shard
+        whose files are missing or do not match its marker (size and sha256: damaged after its
+        commit) is not committed: it is rebuilt, and one line on stderr says so."""
         done = set()
         for shard, marker in self.iter_markers():
             if shard not in expected:
@@ -167,14 +273,32 @@ class OutputStore:
             if marker["input_fingerprint"] != fp:
                 raise OutputConflict(f"{self.uri}: shard {shard} was built from different input rows; "
                                      "use --overwrite to replace it, or another --output")
-            if sizes.get(part_name(shard)) == marker["bytes"]:
+            damage = self._damage(shard, marker)
+            if damage is None:
                 done.add(shard)
+            else:
+                print(f"warning: {join(self.uri, damage)}; shard {shard} is rebuilt", file=sys.stderr)
         return done
 
-    def _sizes(self) -> dict[str, int]:
-        self._refresh()
-        return {entry["name"].rsplit("/", 1)[1]: entry["size"]
-                for entry in self._ls(self.root, detail=True) if entry["type"] == "file"}
+    def _files(self, shard: int, marker: dict) -> list[tuple[str, dict]]:
+        """(path relative to the root, its record in the marker) of the shard's three files."""
+        return [(part_name(shard), marker)] + [(f"{d}/{part_name(shard)}", marker[d.strip("_")]) for d in SIDE_DIRS]
+
+    def _damage(self, shard: int, marker: dict) -> str | None:
+        """The first of the shard's files that is missing or is not the one its marker records
+        (size, then sha256, read in blocks), as "relative path: what is wrong"; None if all match."""
+        for rel, record in self._files(shard, marker):
+            digest, size = hashlib.sha256(), 0
+            try:
+                with self.fs.open(join(self.root, rel), "rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        size += len(block)
+            except FileNotFoundError:
+                return f"{rel}: missing, though its commit marker exists"
+            if size != record["bytes"] or digest.hexdigest() != record["sha256"]:
+                return f"{rel}: does not match its commit marker ({'size' if size != record['bytes'] else 'sha256'})"
+        return None
 
     def _ls(self, path: str, detail: bool = False) -> list:
         try:  # an S3 "directory" with nothing under it does not exist
@@ -229,15 +353,28 @@ class OutputStore:
     # -- writing -----------------------------------------------------------------------------
 
     def prepare(self, overwrite: bool = False) -> None:
-        """Before a run: remove temp files of killed runs and the old _SUCCESS (this run rewrites it);
-        with ``overwrite``, remove every file of an earlier build (only ours: part-*, _markers/, ...)."""
+        """Before a run, with the lease held: remove temp files (with the lease ours, only a dead
+        build can have left them) and the old _SUCCESS (this run rewrites it). With ``overwrite``,
+        remove the earlier build: what its markers say it wrote (each shard's part, rejects and
+        quarantine files, then the marker) and our root files; any other file, even one named
+        ``part-*``, is the user's and stays."""
+        if self.lease is None:
+            raise RuntimeError(f"{self.uri}: prepare() needs the output's lease (acquire_lease first)")
+        self.lease.check()
         self._refresh()
-        for directory in (self.root, *(join(self.root, d) for d in (*SIDE_DIRS, "_markers"))):
-            for path in self._ls(directory):
-                name = path.rsplit("/", 1)[1]
-                ours = name.startswith("part-") or (directory == self.root and name in OWN_FILES)
-                if name.startswith(TMP_PREFIX) or name == "_SUCCESS" or (overwrite and ours):
-                    self.fs.rm(path)
+        doomed = [path for directory in (self.root, *(join(self.root, d) for d in (*SIDE_DIRS, "_markers")))
+                  for path in self._ls(directory) if path.rsplit("/", 1)[1].startswith(TMP_PREFIX)]
+        doomed.append(join(self.root, "_SUCCESS"))
+        if overwrite:
+            for shard, marker in self.iter_markers():  # a marker goes after its files: a rerun finds them
+                doomed += [join(self.root, rel) for rel, _ in self._files(shard, marker)]
+                doomed.append(join(self.root, "_markers", marker_name(shard)))
+            doomed += [join(self.root, name) for name in OWN_FILES]
+        for path in doomed:
+            try:
+                self.fs.rm(path)
+            except FileNotFoundError:
+                pass
         self._refresh()
 
     def commit_shard(self, shard: int, pairs: list[dict], rejects: list[dict], input_fingerprint: str,
@@ -259,11 +396,12 @@ class OutputStore:
         self._write_bytes(join(self.root, "_markers", marker_name(shard)), json.dumps(marker, sort_keys=True).encode())
         return marker
 
-    def verify(self, num_shards: int) -> Iterator[tuple[int, dict]]:
+    def verify(self, num_shards: int, config_hash: str | None = None) -> Iterator[tuple[int, dict]]:
         """Check the marker of every shard 0 .. num_shards - 1 against its files (sha256 and row
-        count), in shard order, yielding (shard, marker) as each passes; markers are read a chunk at
-        a time (iter_markers). Raises RuntimeError naming the first shard that fails: consume it all
-        before declaring the output complete."""
+        count) and, given ``config_hash``, against the build's config, in shard order, yielding
+        (shard, marker) as each passes; markers are read a chunk at a time (iter_markers). Raises
+        RuntimeError naming the first shard whose files fail, OutputConflict for a shard another
+        config wrote: consume it all before declaring the output complete."""
         expected = 0
         for shard, marker in itertools.chain(self.iter_markers(), [(num_shards, None)]):
             if shard >= num_shards and expected == num_shards:
@@ -272,8 +410,11 @@ class OutputStore:
                 missing = min(expected, num_shards)
                 raise RuntimeError(f"shard {missing}: no commit marker ({join(self.uri, '_markers', marker_name(missing))})")
             expected += 1
-            files = [(part_name(shard), marker)] + [(f"{d}/{part_name(shard)}", marker[d.strip("_")]) for d in SIDE_DIRS]
-            for rel, record in files:
+            if config_hash is not None and marker["config_hash"] != config_hash:
+                raise OutputConflict(f"{self.uri}: shard {shard} was written by a build with another config (hash "
+                                     f"{marker['config_hash'][:12]}, this build {config_hash[:12]}): two builds wrote "
+                                     "this output; rebuild it with --overwrite")
+            for rel, record in self._files(shard, marker):
                 with self.fs.open(join(self.root, rel), "rb") as f:
                     payload = f.read()
                 if hashlib.sha256(payload).hexdigest() != record["sha256"]:
@@ -293,6 +434,8 @@ class OutputStore:
         self.write_json("_SUCCESS", content)
 
     def _write_bytes(self, path: str, payload: bytes) -> None:
+        if self.lease is not None:  # a build that lost its lease writes nothing more
+            self.lease.check()
         parent = path.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
         if self.remote:
@@ -315,3 +458,311 @@ def _parquet_bytes(table: pa.Table) -> bytes:
         if table.num_rows:
             writer.write_table(table)
     return sink.getvalue().to_pybytes()
+
+
+# -- the lease: one writer per output -------------------------------------------------------------
+
+class Lease:
+    """The output's write lease, ``_lease.json``: owner id, host, pid, start and heartbeat times and
+    the config hash of the build that holds it.
+
+    Acquired once, atomically (``_LeaseFile.create``). A daemon thread rewrites it every
+    ``heartbeat_s`` with a compare-and-swap on the version this holder last wrote, so a holder that
+    was taken over finds out at its next beat; from then on ``check`` (called before every write
+    of the output) raises OutputLocked. A lease whose heartbeat is older than ``timeout_s``, or
+    whose process is gone on this same host, belongs to a dead build and is taken over with a
+    compare-and-swap on the version read, and one line on stderr says whose it was. The thread
+    holds the lease weakly: a plan that is dropped without running stops beating, and its lease
+    goes stale instead of blocking the output for the life of the process."""
+
+    def __init__(self, file: "_LeaseFile", uri: str, config_hash: str, timeout_s: float, heartbeat_s: float):
+        self.file, self.uri, self.config_hash = file, uri, config_hash
+        self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
+        self.owner = uuid.uuid4().hex
+        self.host, self.pid, self.pid_namespace = socket.gethostname(), os.getpid(), _pid_namespace()
+        self.started = time.time()
+        self.lost: str | None = None
+        """Why the lease is no longer this build's (then every write of the output is refused)."""
+        self._tag = None  # the version this holder last wrote (its bytes locally, its ETag on S3)
+        self._last_beat = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def _payload(self) -> bytes:
+        return json.dumps({"owner": self.owner, "host": self.host, "pid": self.pid, "started": self.started,
+                           "heartbeat": time.time(), "heartbeat_s": self.heartbeat_s,
+                           "pid_namespace": self.pid_namespace,
+                           "config_hash": self.config_hash}, sort_keys=True).encode()
+
+    def acquire(self) -> None:
+        """Take the lease, or raise OutputLocked naming the live build that holds it. A holder that
+        has missed three heartbeats is presumed dead (a killed driver on another host, a retried
+        RayJob): instead of refusing, wait until its lease is stale, say so, and take it over."""
+        waited = False
+        for _ in range(8):  # each retry means another build changed the lease between two of our steps
+            tag = self.file.create(self._payload())
+            if tag is None:
+                found = self.file.read()
+                if found is None:  # released in between: try to create it again
+                    continue
+                content, current = found
+                holder = _parse_lease(content)
+                if holder is None:
+                    raise OutputLocked(f"{self.file.uri}: unreadable lease file; if no build is writing "
+                                       f"{self.uri}, delete it and rerun")
+                age = time.time() - holder["heartbeat"]
+                # Its pid means something here only on this host, in this pid namespace (containers
+                # that share a hostname each have their own).
+                dead = ((holder["host"], holder.get("pid_namespace")) == (self.host, self.pid_namespace)
+                        and not _process_alive(holder["pid"]))
+                beats = holder.get("heartbeat_s")
+                silent = age > 3 * (beats if isinstance(beats, (int, float)) else self.heartbeat_s)
+                if age <= self.timeout_s and not dead and silent and not waited:
+                    print(f"warning: {self.uri}: the build holding its lease (host {holder['host']}, pid "
+                          f"{holder['pid']}) has written no heartbeat for {age:.0f}s; waiting "
+                          f"{self.timeout_s - age:.0f}s for it to go stale", file=sys.stderr)
+                    time.sleep(self.timeout_s - age + 0.01)
+                    waited = True
+                    continue
+                if age <= self.timeout_s and not dead:
+                    raise OutputLocked(f"{self.uri}: another build is writing to it (host {holder['host']}, "
+                                       f"pid {holder['pid']}, heartbeat {age:.0f}s ago); wait for it to finish "
+                                       f"or use another --output (a lease is taken over after {self.timeout_s:.0f}s "
+                                       "without a heartbeat)")
+                tag = self.file.replace(self._payload(), current)
+                if tag is None:
+                    continue
+                why = "its process is gone" if dead else f"older than the {self.timeout_s:.0f}s timeout"
+                print(f"warning: {self.uri}: took over the lease of a stopped build (host {holder['host']}, "
+                      f"pid {holder['pid']}, last heartbeat {age:.0f}s ago: {why})", file=sys.stderr)
+            self._tag, self._last_beat = tag, time.time()
+            self._start_heartbeat()
+            return
+        raise OutputLocked(f"{self.uri}: could not take the output's lease (other builds keep changing it)")
+
+    def _start_heartbeat(self) -> None:
+        ref, stop, interval = weakref.ref(self), self._stop, self.heartbeat_s
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                lease = ref()
+                if lease is None:
+                    return
+                lease.beat()
+                del lease
+
+        threading.Thread(target=beat, name=f"lease {self.uri}", daemon=True).start()
+
+    def beat(self) -> None:
+        """Refresh the heartbeat if the lease is still this build's; otherwise record it as lost."""
+        with self._lock:
+            if self._tag is None or self.lost:
+                return
+            try:
+                tag = self.file.refresh(self._payload(), self._tag)
+            except OSError as exc:  # storage hiccup: the next beat retries, unless others may take it by now
+                if time.time() - self._last_beat > self.timeout_s:
+                    self.lost = f"no heartbeat written for {self.timeout_s:.0f}s ({exc})"
+                return
+            if tag is None:
+                found = self.file.read()
+                holder = _parse_lease(found[0]) if found else None
+                self.lost = (f"taken over by host {holder['host']}, pid {holder['pid']}" if holder
+                             else "its lease file was removed")
+                return
+            self._tag, self._last_beat = tag, time.time()
+
+    def check(self) -> None:
+        if self.lost:
+            raise OutputLocked(f"{self.uri}: this build lost its lease ({self.lost}); another build may be "
+                               "writing to it: nothing more is written")
+        if self._tag is None:
+            raise OutputLocked(f"{self.uri}: this build does not hold the output's lease")
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still this build's (idempotent)."""
+        self._stop.set()
+        with self._lock:
+            if self._tag is None:
+                return
+            tag, self._tag = self._tag, None
+            if self.lost:
+                return
+            try:
+                self.file.delete(tag)
+            except OSError as exc:  # it goes stale and is taken over after the timeout
+                print(f"warning: {self.file.uri}: could not release the lease ({exc})", file=sys.stderr)
+
+
+def _parse_lease(content: bytes) -> dict | None:
+    try:
+        holder = json.loads(content)
+        if isinstance(holder, dict) and isinstance(holder["heartbeat"], (int, float)):
+            return {**holder, "host": holder.get("host"), "pid": holder.get("pid")}
+    except (ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _process_alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # unknown: only the heartbeat's age can tell
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class _LeaseFile(Protocol):
+    """Compare-and-swap on one small file. ``tag`` is the version a caller read or wrote; every
+    method that takes one acts only if the file is still at that version, and returns None (or
+    False) when it is not. ``create`` returns None when the file exists."""
+
+    uri: str
+
+    def read(self) -> tuple[bytes, object] | None: ...
+    def create(self, payload: bytes) -> object | None: ...
+    def replace(self, payload: bytes, tag) -> object | None: ...
+    def refresh(self, payload: bytes, tag) -> object | None: ...
+    def delete(self, tag) -> bool: ...
+
+
+class _LocalLeaseFile:
+    """On a local (or NFS) directory; the tag is the file's bytes (each write has a new heartbeat
+    time and an owner id, so no two versions are equal)."""
+
+    def __init__(self, path: str, uri: str):
+        self.path, self.uri = path, uri
+        self.directory = os.path.dirname(path)
+
+    def read(self):
+        try:
+            with open(self.path, "rb") as f:
+                content = f.read()
+        except FileNotFoundError:
+            return None
+        return content, content
+
+    def _temp(self, payload: bytes) -> str:
+        tmp = os.path.join(self.directory, f"{TMP_PREFIX}lease-{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def create(self, payload):
+        # Written whole to a temp file, then hard-linked to the lease name: link fails if the name
+        # exists (atomic like O_CREAT|O_EXCL), and a reader never sees a half-written lease.
+        tmp = self._temp(payload)
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            return None
+        finally:
+            os.unlink(tmp)
+        return payload
+
+    def replace(self, payload, tag):
+        # Claim the file by renaming it away (only one rename of a name succeeds), check that the
+        # claimed file is the version read, then create ours; a claimed newer version is put back.
+        claim = os.path.join(self.directory, f"{TMP_PREFIX}lease-claim-{uuid.uuid4().hex}")
+        try:
+            os.rename(self.path, claim)
+        except FileNotFoundError:
+            return None
+        try:
+            with open(claim, "rb") as f:
+                if f.read() != tag:
+                    try:
+                        os.link(claim, self.path)
+                    except FileExistsError:
+                        pass
+                    return None
+        finally:
+            os.unlink(claim)
+        return self.create(payload)
+
+    def refresh(self, payload, tag):
+        # The holder's own rewrite: the file is renamed over in one step, never absent (a starting
+        # build must never find the name free while its holder is alive).
+        found = self.read()
+        if found is None or found[1] != tag:
+            return None
+        os.replace(self._temp(payload), self.path)
+        return payload
+
+    def delete(self, tag):
+        found = self.read()
+        if found is None or found[1] != tag:
+            return False
+        os.unlink(self.path)
+        return True
+
+
+class _S3LeaseFile:
+    """On S3, through S3's conditional writes: create is PUT If-None-Match "*", replace and refresh
+    PUT If-Match the ETag read or written, release DELETE If-Match. The tag is the ETag."""
+
+    def __init__(self, fs, path: str, uri: str):
+        self.fs, self.uri = fs, uri
+        self.bucket, self.key, _ = fs.split_path(path)
+
+    def read(self):
+        from fsspec.asyn import sync
+
+        async def get():
+            try:
+                response = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
+            except FileNotFoundError:
+                return None
+            try:  # body and ETag of one GET: the content is the version the tag names
+                return await response["Body"].read(), response["ETag"]
+            finally:
+                response["Body"].close()
+
+        return sync(self.fs.loop, get)
+
+    def _put(self, payload: bytes, **condition):
+        try:
+            return self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=payload, **condition)["ETag"]
+        except OSError as exc:
+            if _precondition_failed(exc):
+                return None
+            raise
+
+    def create(self, payload):
+        return self._put(payload, IfNoneMatch="*")
+
+    def replace(self, payload, tag):
+        return self._put(payload, IfMatch=tag)
+
+    refresh = replace
+
+    def delete(self, tag):
+        try:
+            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=tag)
+        except OSError as exc:
+            if _precondition_failed(exc) or isinstance(exc, FileNotFoundError):
+                return False
+            raise
+        return True
+
+
+def _precondition_failed(exc: OSError) -> bool:
+    """s3fs turns 412 into FileExistsError (If-None-Match) or OSError(EINVAL) (If-Match); S3 answers
+    a conditional write racing another with 409 ConditionalRequestConflict."""
+    if isinstance(exc, FileExistsError):
+        return True
+    code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or (code is None and exc.errno == errno.EINVAL)

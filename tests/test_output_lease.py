@@ -1,0 +1,335 @@
+"""One writer per output (the lease), and the output-side user errors: a locked, mixed, misplaced,
+corrupt or damaged output is refused with one line, or repaired with one line, never silently."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.build_dataset import main
+from pipeline.data.writer import (LEASE_NAME, OutputConflict, OutputLocked, OutputStore, check_location,
+                                  marker_name, part_name)
+from tests.conftest import GOOD_PROMPTS, MIXED_ROWS, write_jsonl
+from tests.test_build import build_args, copy_output
+
+PAIR = {"prompt_id": "x", "prompt": "p", "chosen": "a", "rejected": "b", "chosen_score": 1.0, "rejected_score": 0.0,
+        "strategy": "sbon", "num_candidates": 2, "generated_tokens": 3, "source_row": 0}
+
+
+def error_lines(capsys) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def stale_lease(path, host, pid, age, **extra):
+    now = time.time()
+    path.write_text(json.dumps({"owner": "dead", "host": host, "pid": pid, "started": now - age - 5,
+                                "heartbeat": now - age, "config_hash": "old", **extra}))
+
+
+# -- the lease, on its own ---------------------------------------------------------------------
+
+def test_a_live_lease_blocks_a_second_writer_until_released(tmp_path):
+    first, second = OutputStore(str(tmp_path)), OutputStore(str(tmp_path))
+    first.acquire_lease("cfg-a")
+    lease = json.loads((tmp_path / LEASE_NAME).read_text())
+    assert (lease["host"], lease["pid"], lease["config_hash"]) == (socket.gethostname(), os.getpid(), "cfg-a")
+    assert lease["pid_namespace"] == os.stat("/proc/self/ns/pid").st_ino
+    assert len(lease["owner"]) == 32 and lease["heartbeat"] >= lease["started"]
+    with pytest.raises(OutputLocked, match=rf"another build is writing to it \(host {socket.gethostname()}, "
+                                           rf"pid {os.getpid()}, heartbeat \d+s ago\)"):
+        second.acquire_lease("cfg-b")
+    with pytest.raises(RuntimeError, match="needs the output's lease"):
+        second.prepare()
+    first.release_lease()
+    assert not (tmp_path / LEASE_NAME).exists()
+    second.acquire_lease("cfg-b")
+    second.release_lease()
+
+
+def test_a_stale_lease_is_taken_over_with_a_line(tmp_path, capsys):
+    stale_lease(tmp_path / LEASE_NAME, "node-7", 4242, age=300)
+    store = OutputStore(str(tmp_path))
+    store.acquire_lease("cfg", timeout_s=120)
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and "took over the lease" in lines[0]
+    assert "host node-7, pid 4242, last heartbeat 300s ago" in lines[0] and "120s timeout" in lines[0]
+    assert json.loads((tmp_path / LEASE_NAME).read_text())["owner"] == store.lease.owner
+    store.release_lease()
+
+    # A fresh heartbeat from another host is live ...
+    stale_lease(tmp_path / LEASE_NAME, "node-7", 4242, age=5)
+    with pytest.raises(OutputLocked, match="host node-7, pid 4242"):
+        OutputStore(str(tmp_path)).acquire_lease("cfg", timeout_s=120)
+    # ... but on this host a process that is gone (a SIGKILLed build) holds nothing; a pid of another
+    # pid namespace (a container with the same hostname) says nothing about its process.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = os.stat("/proc/self/ns/pid").st_ino
+    stale_lease(tmp_path / LEASE_NAME, socket.gethostname(), dead.pid, age=1, pid_namespace=here + 1)
+    with pytest.raises(OutputLocked, match=f"pid {dead.pid}"):
+        OutputStore(str(tmp_path)).acquire_lease("cfg", timeout_s=120)
+    stale_lease(tmp_path / LEASE_NAME, socket.gethostname(), dead.pid, age=1, pid_namespace=here)
+    store = OutputStore(str(tmp_path))
+    store.acquire_lease("cfg", timeout_s=120)
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and f"pid {dead.pid}, last heartbeat 1s ago: its process is gone" in lines[0]
+    store.release_lease()
+
+
+def test_a_silent_lease_is_waited_for_then_taken_over(tmp_path, capsys):
+    """A driver killed on another host (a retried RayJob) has stopped beating: the next build waits
+    for its lease to go stale instead of failing."""
+    now = time.time()
+    (tmp_path / LEASE_NAME).write_text(json.dumps({"owner": "gone", "host": "node-8", "pid": 5, "started": now - 9,
+                                                   "heartbeat": now - 0.4, "heartbeat_s": 0.05}))
+    store = OutputStore(str(tmp_path))
+    started = time.monotonic()
+    store.acquire_lease("cfg", timeout_s=1.0)
+    assert time.monotonic() - started >= 0.5
+    lines = error_lines(capsys)
+    assert len(lines) == 2 and re.search(r"\(host node-8, pid 5\) has written no heartbeat for \ds; waiting \ds",
+                                         lines[0])
+    assert "took over the lease of a stopped build (host node-8, pid 5" in lines[1]
+    store.release_lease()
+
+
+def test_the_heartbeat_keeps_a_lease_live_and_a_taken_over_holder_writes_nothing(tmp_path):
+    holder = OutputStore(str(tmp_path))
+    holder.acquire_lease("cfg", timeout_s=1.0, heartbeat_s=0.05)
+    time.sleep(1.5)  # past the timeout: only the heartbeat keeps it live
+    with pytest.raises(OutputLocked, match="another build is writing"):
+        OutputStore(str(tmp_path)).acquire_lease("cfg", timeout_s=1.0)
+    holder.release_lease()
+
+    # The holder froze past the timeout and another build took the lease over: its next beat sees it.
+    # (Beaten by hand: a beat already under way could rewrite the lease it read just before.)
+    holder.acquire_lease("cfg", heartbeat_s=3600)
+    holder.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    stale_lease(tmp_path / LEASE_NAME, "node-9", 99, age=0)
+    holder.lease.beat()
+    with pytest.raises(OutputLocked, match=r"lost its lease \(taken over by host node-9, pid 99\)"):
+        holder.commit_shard(1, [PAIR], [], "fp1", "cfg")
+    assert not (tmp_path / part_name(1)).exists()
+    holder.release_lease()  # not ours any more: left in place
+    assert json.loads((tmp_path / LEASE_NAME).read_text())["host"] == "node-9"
+
+
+def test_prepare_leaves_a_live_builds_temp_files_alone(tmp_path):
+    """Before the lease, a starting build deleted another build's in-flight .tmp-* files."""
+    running = OutputStore(str(tmp_path))
+    running.acquire_lease("cfg")
+    in_flight = tmp_path / ".tmp-0123-part-00000.parquet"
+    in_flight.write_bytes(b"PAR1 being written")
+    starting = OutputStore(str(tmp_path))
+    with pytest.raises(OutputLocked):
+        starting.acquire_lease("cfg")
+    with pytest.raises(RuntimeError, match="needs the output's lease"):
+        starting.prepare()
+    assert in_flight.exists()
+    running.release_lease()  # the writer is gone: now its temp file is a leftover
+    starting.acquire_lease("cfg")
+    starting.prepare()
+    assert not in_flight.exists()
+    starting.release_lease()
+
+
+# -- what the markers say ------------------------------------------------------------------------
+
+def test_verify_rejects_a_marker_of_another_config(tmp_path):
+    store = OutputStore(str(tmp_path))
+    store.commit_shard(0, [PAIR], [], "fp0", "cfg-a")
+    store.commit_shard(1, [PAIR], [], "fp1", "cfg-b")  # a second build got in
+    with pytest.raises(OutputConflict, match="shard 1 was written by a build with another config"):
+        list(store.verify(2, "cfg-a"))
+    assert [k for k, _ in store.verify(1, "cfg-a")] == [0]
+
+
+def test_overwrite_deletes_only_what_the_markers_name(tmp_path):
+    store = OutputStore(str(tmp_path))
+    store.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    store.commit_shard(1, [PAIR], [], "fp1", "cfg")
+    for name in ("_manifest.json", "_report.json", "_SUCCESS"):
+        store.write_json(name, {})
+    user = {"part-notes.txt": b"my notes", "_rejects/part-notes.txt": b"mine too", "README.md": b"# mine"}
+    for rel, content in user.items():
+        (tmp_path / rel).write_bytes(content)
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "part-99999.parquet")
+    store.acquire_lease("cfg-new")
+    store.prepare(overwrite=True)
+    store.release_lease()
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert left == sorted([*user, "part-99999.parquet"])
+
+
+def test_output_equal_to_inside_or_holding_the_input_is_refused():
+    for output, prompts, where in [("data/in", "data/in", "is the input"),
+                                   ("data/in/out", "data/in", "is inside the input"),
+                                   ("data", "data/in/p.jsonl", "holds the input"),
+                                   ("data/in/../in", "data/in", "is the input"),
+                                   ("s3://b/in/", "s3://b/in", "is the input"),
+                                   ("s3://b/in/out", "s3://b/in", "is inside the input"),
+                                   ("data/in/out", "data/in/**/*.jsonl", "is inside the input"),
+                                   ("data/in", "data/in/*.parquet", "is the input")]:
+        with pytest.raises(OutputConflict, match=f"data.output: {output} {where}"):
+            check_location(output, prompts)
+    for output, prompts in [("data/out", "data/in"), ("data/in2", "data/in"), ("s3://b/out", "s3://b/in"),
+                            ("data/in", "s3://b/data/in"), ("data/in/out", "data/in/*.jsonl"),
+                            ("data/out", "data/in/p.jsonl")]:
+        check_location(output, prompts)
+
+
+# -- through the build job ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built(tiny_models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lease")
+    prompts = write_jsonl(tmp / "mixed.jsonl", MIXED_ROWS)
+    assert main(build_args(tiny_models, prompts, tmp / "out")) == 0
+    assert not (tmp / "out" / LEASE_NAME).exists()  # released at the end
+    return tmp / "out", prompts
+
+
+def test_two_builds_started_together_one_is_refused_and_the_output_is_consistent(tiny_models, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """Before the lease both exited 0, their shards mixed in one output under one _SUCCESS."""
+    prompts = write_jsonl(tmp_path / "mixed.jsonl", MIXED_ROWS)
+    out = tmp_path / "out"
+    together = threading.Barrier(2, timeout=120)
+    acquire = OutputStore.acquire_lease
+
+    def at_once(self, *args, **kwargs):  # both planned, both reach for the output in the same instant
+        together.wait()
+        return acquire(self, *args, **kwargs)
+
+    monkeypatch.setattr(OutputStore, "acquire_lease", at_once)
+    codes = {}
+    threads = [threading.Thread(target=lambda seed=seed: codes.__setitem__(
+        seed, main(build_args(tiny_models, prompts, out, "--seed", str(seed))))) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert sorted(codes.values()) == [0, 2], codes
+    errors = [line for line in error_lines(capsys) if line.startswith("error:")]
+    assert len(errors) == 1 and "another build is writing to it" in errors[0] and f"pid {os.getpid()}" in errors[0]
+    winner = next(seed for seed, rc in codes.items() if rc == 0)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    success = json.loads((out / "_SUCCESS").read_text())
+    assert manifest["config"]["seed"] == winner and manifest["pairs"] == len(GOOD_PROMPTS)
+    store = OutputStore(str(out))
+    assert {m["config_hash"] for m in store.markers().values()} == {success["config_hash"]}
+    assert [k for k, _ in store.verify(3, success["config_hash"])] == [0, 1, 2]
+    assert not (out / LEASE_NAME).exists()
+
+
+def test_output_naming_a_file_is_one_line_exit_2(tiny_models, built, tmp_path, capsys):
+    _, prompts = built
+    target = tmp_path / "existing.parquet"
+    target.write_bytes(b"not a directory")
+    assert main(build_args(tiny_models, prompts, target)) == 2
+    lines = error_lines(capsys)
+    assert lines == [f"error: {target}: is a file; the output must be a directory or an s3:// prefix"]
+    assert target.read_bytes() == b"not a directory"
+
+
+def test_output_equal_to_or_inside_the_input_is_one_line_exit_2(tiny_models, tmp_path, capsys):
+    source = tmp_path / "in"
+    source.mkdir()
+    write_jsonl(source / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
+    for output, where in [(source, "is the input"), (source / "out", "is inside the input")]:
+        assert main(build_args(tiny_models, source, output, "--overwrite")) == 2
+        lines = error_lines(capsys)
+        assert len(lines) == 1 and f"data.output: {output} {where}" in lines[0]
+    assert sorted(p.name for p in source.iterdir()) == ["p.jsonl"]
+    assert main(build_args(tiny_models, source / "p.jsonl", tmp_path, "--overwrite")) == 2
+    assert "holds the input" in error_lines(capsys)[0]
+
+
+def test_a_corrupt_marker_is_one_line_exit_2(tiny_models, built, tmp_path, capsys):
+    out, prompts = built
+    out = copy_output(out, tmp_path / "out")
+    marker = out / "_markers" / marker_name(1)
+    for content in ('{"shard": 1, "rows"', json.dumps({"shard": 1})):
+        marker.write_text(content)
+        assert main(build_args(tiny_models, prompts, out)) == 2
+        lines = error_lines(capsys)
+        assert len(lines) == 1 and f"{marker}: unreadable commit marker" in lines[0]
+    assert not (out / LEASE_NAME).exists()  # a refused build lets the next one in
+
+
+def test_a_damaged_committed_shard_is_rebuilt_with_a_line(tiny_models, built, tmp_path, capsys):
+    """Resume compared the part file's size only: a flipped byte was skipped, and verify then failed
+    every rerun."""
+    out, prompts = built
+    out = copy_output(out, tmp_path / "out")
+    part = out / part_name(1)
+    original = part.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0xFF
+    part.write_bytes(bytes(damaged))
+    assert main(build_args(tiny_models, prompts, out)) == 0
+    warnings = [line for line in error_lines(capsys) if line.startswith("warning:")]
+    assert warnings == [f"warning: {part}: does not match its commit marker (sha256); shard 1 is rebuilt"]
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["shards_written"] == [1] and manifest["shards_skipped"] == [0, 2]
+    assert pq.read_table(part).num_rows == pq.read_table(pa.BufferReader(original)).num_rows
+    assert [k for k, _ in OutputStore(str(out)).verify(3)] == [0, 1, 2]
+
+
+# -- on S3 ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3():
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+    import s3fs
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
+               "client_kwargs": {"region_name": "us-east-1"}}
+    boto3.client("s3", endpoint_url=options["endpoint_url"], aws_access_key_id="testing",
+                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="bucket")
+    yield s3fs.S3FileSystem(**options), options
+    server.stop()
+
+
+def test_s3_lease_is_a_conditional_create_and_a_stale_one_is_taken_over(s3, capsys):
+    fs, options = s3
+    uri, key = "s3://bucket/leased", "bucket/leased/_lease.json"
+    holder = OutputStore(uri, options)
+    holder.acquire_lease("cfg", timeout_s=1.0, heartbeat_s=0.05)
+    assert json.loads(fs.cat(key))["owner"] == holder.lease.owner
+    time.sleep(1.5)  # the heartbeat (PUT If-Match) keeps it live past the timeout
+    with pytest.raises(OutputLocked, match=f"another build is writing to it .*pid {os.getpid()}"):
+        OutputStore(uri, options).acquire_lease("cfg", timeout_s=1.0)
+    holder.release_lease()
+    fs.invalidate_cache()
+    assert not fs.exists(key)
+    capsys.readouterr()  # a heartbeat late under load makes the refused build wait first, with a line
+
+    now = time.time()
+    fs.pipe(key, json.dumps({"owner": "dead", "host": "node-3", "pid": 7, "started": now - 400,
+                             "heartbeat": now - 300, "config_hash": "old"}).encode())
+    taker = OutputStore(uri, options)
+    taker.acquire_lease("cfg", timeout_s=120, heartbeat_s=0.05)
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and "took over the lease" in lines[0] and "host node-3, pid 7" in lines[0]
+    taker.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    # Someone overwrites it behind the holder's back: its next conditional refresh fails, it stops.
+    fs.pipe(key, json.dumps({"owner": "other", "host": "node-4", "pid": 8, "heartbeat": time.time()}).encode())
+    taker.lease.beat()  # what its thread does every 0.05 s; by hand, so the test does not race it
+    with pytest.raises(OutputLocked, match=r"lost its lease \(taken over by host node-4, pid 8\)"):
+        taker.commit_shard(1, [PAIR], [], "fp1", "cfg")
+    taker.release_lease()
+    fs.invalidate_cache()
+    assert json.loads(fs.cat(key))["owner"] == "other"  # not ours: left in place
