@@ -239,7 +239,10 @@ def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: P
                                    for i in range(args.prompts)))
     out = workdir / f"out-{generators}"
     overrides = {
-        "models.generator": args.tokenizer, "models.reward": args.tokenizer, "models.draft": "",
+        # Planning checks every model's kind: the simulated scorer stands in for the tiny reward model
+        # beside the tokenizer's generator (jobs.make_tiny_models writes both).
+        "models.generator": args.tokenizer, "models.reward": str(Path(args.tokenizer).parent / "reward"),
+        "models.draft": "",
         "sampling.num_samples": args.num_samples,
         "sampling.max_new_tokens": args.max_new_tokens, "data.prompts": str(prompts), "data.output": str(out),
         "data.shard_size": args.shard_size, "runtime.prompts_per_batch": args.prompts_per_batch,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -39,6 +40,40 @@ def cluster():
              log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str = "bucket"):
+    """A real S3 protocol server (moto) on 127.0.0.1 with one empty bucket; yields its endpoint URL
+    and stops the server on exit."""
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        yield endpoint
+    finally:
+        server.stop()
+
+
+def s3_options(endpoint: str, key: str = "testing", secret: str = "testing") -> dict:
+    """data.storage_options for a moto endpoint."""
+    return {"endpoint_url": endpoint, "key": key, "secret": secret, "client_kwargs": {"region_name": "us-east-1"}}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """(s3fs filesystem, storage_options) on a moto server with the bucket "bucket", per test module."""
+    import s3fs
+
+    with moto_s3() as endpoint:
+        options = s3_options(endpoint)
+        yield s3fs.S3FileSystem(**options), options
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

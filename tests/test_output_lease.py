@@ -286,23 +286,6 @@ def test_a_damaged_committed_shard_is_rebuilt_with_a_line(tiny_models, built, tm
 
 # -- on S3 ----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def s3():
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
-    import s3fs
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
-               "client_kwargs": {"region_name": "us-east-1"}}
-    boto3.client("s3", endpoint_url=options["endpoint_url"], aws_access_key_id="testing",
-                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="bucket")
-    yield s3fs.S3FileSystem(**options), options
-    server.stop()
-
-
 def test_s3_lease_is_a_conditional_create_and_a_stale_one_is_taken_over(s3, capsys):
     fs, options = s3
     uri, key = "s3://bucket/leased", "bucket/leased/_lease.json"

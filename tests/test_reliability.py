@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 
 from jobs.build_dataset import main  # noqa: E402
 from pipeline.data.prompts import prompt_id  # noqa: E402
-from tests.conftest import GOOD_PROMPTS, write_jsonl  # noqa: E402
+from tests.conftest import GOOD_PROMPTS, moto_s3, write_jsonl  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 EXPECTED_IDS = sorted(prompt_id(p) for p in GOOD_PROMPTS)
@@ -137,20 +137,12 @@ def test_sigkill_of_the_driver_leaves_no_half_written_shard_and_the_rerun_resume
 
 
 def test_s3_settings_reach_ray_workers_and_an_s3_build_resumes(cluster, tiny_models, prompts, reference, tmp_path):
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
     import s3fs
 
     from actors import start_workers
     from pipeline.config import load_config
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s",
-                     region_name="us-east-1").create_bucket(Bucket="bucket")
+    with moto_s3() as endpoint:
         options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"}}
         fs = s3fs.S3FileSystem(**options)
         fs.put(str(prompts), "bucket/in/p.jsonl")
@@ -184,5 +176,3 @@ def test_s3_settings_reach_ray_workers_and_an_s3_build_resumes(cluster, tiny_mod
         local = tmp_path / "copy"
         fs.get("bucket/out/run/", str(local), recursive=True)
         assert_exactly_once(local, reference)
-    finally:
-        server.stop()

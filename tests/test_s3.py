@@ -11,23 +11,6 @@ from pipeline.training.dpo import load_pairs  # noqa: E402
 from tests.conftest import GOOD_PROMPTS, MIXED_BAD_ROWS, MIXED_ROWS  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
-               "client_kwargs": {"region_name": "us-east-1"}}
-    import boto3
-    import s3fs
-
-    boto3.client("s3", endpoint_url=options["endpoint_url"], aws_access_key_id="testing",
-                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="bucket")
-    fs = s3fs.S3FileSystem(**options)
-    yield fs, options
-    server.stop()
-
-
 def test_build_reads_and_writes_s3(s3, tiny_models):
     fs, options = s3
     with fs.open("bucket/in/prompts.jsonl", "w") as f:

@@ -15,7 +15,7 @@ import pytest
 
 from jobs.build_dataset import main
 from pipeline.config import ConfigError, load_config
-from tests.conftest import GOOD_PROMPTS, write_jsonl
+from tests.conftest import GOOD_PROMPTS, moto_s3, write_jsonl
 
 SECRET = "SECRETfake1234567890"  # data.storage_options' secret
 TOKEN = "TOKENfake0987654321"  # data.storage_options' session token
@@ -118,22 +118,14 @@ def test_s3_build_on_ray_leaves_no_secret_in_output_logs_or_workers(cluster, tin
     runtime_env_agent.log), not in the workers' environment; the endpoint still reaches them.
     Before: the actors' runtime_env carried key, secret and token (runtime_env_agent.log and the
     workers' os.environ held them) and _manifest.json held storage_options verbatim."""
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
     import ray
     import s3fs
 
     from actors import start_workers
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
+    with moto_s3() as endpoint:
         options = {"endpoint_url": endpoint, "key": "AKIAOPTIONS", "secret": SECRET, "token": TOKEN,
                    "client_kwargs": {"region_name": "us-east-1"}}
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s",
-                     region_name="us-east-1").create_bucket(Bucket="bucket")
         fs = s3fs.S3FileSystem(**options)
         prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]] + [{"prompt": ""}])
         fs.put(str(prompts), "bucket/in/p.jsonl")
@@ -163,8 +155,6 @@ def test_s3_build_on_ray_leaves_no_secret_in_output_logs_or_workers(cluster, tin
             workers.shutdown()
         assert env["AWS_ENDPOINT_URL"] == endpoint
         assert not [s for s in ALL if s in json.dumps(env)]
-    finally:
-        server.stop()
 
     session = Path(ray._private.worker._global_node.get_session_dir_path())
     assert list(session.rglob("runtime_env_agent*.log")), "no runtime_env agent log to check"

@@ -13,7 +13,7 @@ import yaml
 import actors
 from jobs.build_dataset import main
 from pipeline.config import Config, ConfigError, SamplingConfig, load_config
-from tests.conftest import GOOD_PROMPTS, write_jsonl
+from tests.conftest import GOOD_PROMPTS, moto_s3, write_jsonl
 
 
 def write_config(tmp_path, strategy: dict) -> str:
@@ -169,21 +169,15 @@ def test_a_directory_input_names_the_files_it_skips_in_the_manifest(tiny_models,
 # -- s3:// without (valid) credentials -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def s3():
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+def s3_endpoint():
+    """A moto server on 127.0.0.1 with bucket/in/p.jsonl (two prompts); yields its endpoint."""
     import boto3
 
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                          region_name="us-east-1")
-    client.create_bucket(Bucket="bucket")
-    body = "".join(json.dumps({"prompt": p}) + "\n" for p in GOOD_PROMPTS[:2])
-    client.put_object(Bucket="bucket", Key="in/p.jsonl", Body=body.encode())
-    yield endpoint
-    server.stop()
+    with moto_s3() as endpoint:
+        body = "".join(json.dumps({"prompt": p}) + "\n" for p in GOOD_PROMPTS[:2])
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").put_object(Bucket="bucket", Key="in/p.jsonl", Body=body.encode())
+        yield endpoint
 
 
 @pytest.fixture
@@ -199,11 +193,11 @@ def no_aws_environment(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("credentials", ["none", "wrong"])
 @pytest.mark.parametrize("side", ["input", "output"])
-def test_s3_without_valid_credentials_is_one_line_naming_the_uri(side, credentials, s3, tiny_models, tmp_path,
+def test_s3_without_valid_credentials_is_one_line_naming_the_uri(side, credentials, s3_endpoint, tiny_models, tmp_path,
                                                                    capsys, monkeypatch, no_aws_environment,
                                                                    no_workers):
     # Before: a NoCredentialsError (or PermissionError) traceback of 60 to 144 lines of botocore.
-    options = {"endpoint_url": s3, "client_kwargs": {"region_name": "us-east-1"}}
+    options = {"endpoint_url": s3_endpoint, "client_kwargs": {"region_name": "us-east-1"}}
     if credentials == "wrong":
         import moto.settings
 
