@@ -199,6 +199,14 @@ FOUND = [
     ("sbon", 4, 16, {"decision_token": 16}, {}, 8, "built"),
     ("sbon", 3, 6, {"decision_token": [6, 9]}, {}, 4, "built"),
     ("sbon", 3, 1, {"decision_token": 1, "keep_lowest": False}, {"merged_decoding": False}, 1, "built"),
+    # hypothesis: initial_candidates < num_samples raised ValueError mid-build; now refused by config.
+    ("sbon", 5, 8, {"decision_token": 4, "initial_candidates": 2}, {}, 3, "refused"),
+    # hypothesis: memory-budget mode with no decision point started initial_candidates rows and
+    # counted the screened ones' tokens; now plain Best-of-N.
+    ("sbon", 2, 1, {"decision_token": 1, "rejection_rate": 0.0, "keep_lowest": False, "initial_candidates": 3},
+     {"prompts_per_batch": 1, "batches_in_flight": 1, "rows_in_flight": 0, "merged_decoding": False}, 1, "built"),
+    # memory-budget mode with keep_lowest (tests/test_decoding.py checks that exactly the budget goes on).
+    ("sbon", 4, 12, {"decision_token": 3, "initial_candidates": 6, "max_live_candidates": 2}, {}, 4, "built"),
 ]
 
 
