@@ -237,7 +237,8 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
         store = OutputStore(data.output, data.storage_options)
         # One writer per output: the lease comes before anything in it is read or changed, and
         # run_build releases it (OutputLocked, one line, when a live build holds it).
-        store.acquire_lease(build_hash)
+        lease_timeout = config.runtime.lease_timeout_s
+        store.acquire_lease(build_hash, timeout_s=lease_timeout, heartbeat_s=lease_timeout / 12)
         committed = set() if overwrite else store.committed({k: (fp, build_hash) for k, fp in enumerate(fingerprints)})
         store.prepare(overwrite=overwrite)
     except BaseException:

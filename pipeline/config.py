@@ -191,6 +191,10 @@ class RuntimeConfig:
     is killed, replaced, and its batches are resubmitted."""
     max_attempts: int = 3
     """Attempts per batch when actors die or hang; past this the build fails naming the shard."""
+    lease_timeout_s: float = 120.0
+    """One writer per output (pipeline.data.writer, _lease.json): another build's lease whose heartbeat
+    is older than this is taken to be a dead build's and taken over (with a line saying whose).
+    The holder refreshes its own every lease_timeout_s / 12 seconds (10 s at the default)."""
     placement_strategy: str = ""
     """Ray placement group for all actors (one bundle each): PACK, SPREAD, STRICT_PACK, STRICT_SPREAD;
     empty: no placement group (Ray places actors by their resources)."""
@@ -207,6 +211,8 @@ class RuntimeConfig:
                 raise ConfigError(f"runtime.{key}: must be >= 1, got {getattr(self, key)}")
         if self.rows_in_flight < 0:
             raise ConfigError(f"runtime.rows_in_flight: must be >= 0 (0: no row limit), got {self.rows_in_flight}")
+        if self.lease_timeout_s <= 0:
+            raise ConfigError(f"runtime.lease_timeout_s: must be > 0, got {self.lease_timeout_s}")
         if self.call_timeout_s <= 0:
             raise ConfigError(f"runtime.call_timeout_s: must be > 0, got {self.call_timeout_s}")
         if self.placement_strategy not in ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):

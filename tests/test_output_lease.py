@@ -316,3 +316,16 @@ def test_s3_lease_is_a_conditional_create_and_a_stale_one_is_taken_over(s3, caps
     taker.release_lease()
     fs.invalidate_cache()
     assert json.loads(fs.cat(key))["owner"] == "other"  # not ours: left in place
+
+
+def test_runtime_lease_timeout_s_decides_when_a_lease_is_stale(tiny_models, tmp_path, capsys):
+    """The config key reaches the lease: a lease silent for 15 s is live at the default 120 s and a
+    dead build's at runtime.lease_timeout_s=10."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
+    out = tmp_path / "out"
+    out.mkdir()
+    stale_lease(out / LEASE_NAME, "node-3", 77, age=15)
+    assert main(build_args(tiny_models, prompts, out)) == 2
+    assert "host node-3, pid 77" in error_lines(capsys)[-1]
+    assert main(build_args(tiny_models, prompts, out, "--set", "runtime.lease_timeout_s=10")) == 0
+    assert any("took over the lease" in line and "node-3" in line for line in error_lines(capsys))
