@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.build_dataset import main
-from pipeline.data.writer import (LEASE_NAME, OutputConflict, OutputLocked, OutputStore, check_location,
+from pipeline.data.writer import (LEASE_NAME, LEASE_TMP_PREFIX, OutputConflict, OutputLocked, OutputStore, check_location,
                                   marker_name, part_name)
 from tests.conftest import GOOD_PROMPTS, MIXED_ROWS, write_jsonl
 from tests.test_build import build_args, copy_output
@@ -139,6 +139,21 @@ def test_prepare_leaves_a_live_builds_temp_files_alone(tmp_path):
     starting.prepare()
     assert not in_flight.exists()
     starting.release_lease()
+
+
+def test_prepare_leaves_another_builds_lease_attempt_alone(tmp_path):
+    """Two builds started together: the holder's prepare() removed the other's lease temp file between
+    its write and its link (FileNotFoundError, a traceback, in about 1 run in 3). A lease temp file
+    goes only once older than the lease timeout (a killed process's leftover)."""
+    holder = OutputStore(str(tmp_path))
+    holder.acquire_lease("cfg", timeout_s=60)
+    attempt, leftover = tmp_path / f"{LEASE_TMP_PREFIX}aaaa", tmp_path / f"{LEASE_TMP_PREFIX}bbbb"
+    attempt.write_bytes(b"{}")
+    leftover.write_bytes(b"{}")
+    os.utime(leftover, (time.time() - 120, time.time() - 120))
+    holder.prepare()
+    assert attempt.exists() and not leftover.exists()
+    holder.release_lease()
 
 
 # -- what the markers say ------------------------------------------------------------------------

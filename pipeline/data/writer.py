@@ -97,6 +97,10 @@ QUARANTINE_SCHEMA = pa.schema([
 SIDE_DIRS = ("_rejects", "_quarantine")
 OWN_FILES = ("_manifest.json", "_report.json", "_SUCCESS")
 TMP_PREFIX = ".tmp-"
+LEASE_TMP_PREFIX = ".lease-tmp-"
+"""The local lease's own temp and claim files: a build that holds the lease removes ``.tmp-*``
+files (a dead build's), so another build's lease attempt must not use that prefix; one of these
+left by a killed process is removed once older than the lease timeout."""
 LEASE_NAME = "_lease.json"
 MARKER_KEYS = ("shard", "config_hash", "input_fingerprint", "rows", "sha256", "bytes", "rejects", "quarantine")
 
@@ -365,6 +369,11 @@ class OutputStore:
         doomed = [path for directory in (self.root, *(join(self.root, d) for d in (*SIDE_DIRS, "_markers")))
                   for path in self._ls(directory) if path.rsplit("/", 1)[1].startswith(TMP_PREFIX)]
         doomed.append(join(self.root, "_SUCCESS"))
+        # Another build's lease attempt may be in flight: only a lease temp file older than the
+        # lease timeout is a killed process's leftover.
+        doomed += [entry["name"] for entry in self._ls(self.root, detail=True)
+                   if entry["name"].rsplit("/", 1)[1].startswith(LEASE_TMP_PREFIX)
+                   and time.time() - _mtime(entry) > self.lease.timeout_s]
         if overwrite:
             for shard, marker in self.iter_markers():  # a marker goes after its files: a rerun finds them
                 doomed += [join(self.root, rel) for rel, _ in self._files(shard, marker)]
@@ -448,6 +457,13 @@ class OutputStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+
+def _mtime(entry: dict) -> float:
+    """A listing entry's modification time in seconds (fsspec's local "mtime"; S3 has none of these
+    files)."""
+    value = entry.get("mtime", entry.get("LastModified", 0))
+    return value.timestamp() if hasattr(value, "timestamp") else float(value or 0)
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
@@ -654,7 +670,7 @@ class _LocalLeaseFile:
         return content, content
 
     def _temp(self, payload: bytes) -> str:
-        tmp = os.path.join(self.directory, f"{TMP_PREFIX}lease-{uuid.uuid4().hex}")
+        tmp = os.path.join(self.directory, f"{LEASE_TMP_PREFIX}{uuid.uuid4().hex}")
         with open(tmp, "wb") as f:
             f.write(payload)
             f.flush()
@@ -676,7 +692,7 @@ class _LocalLeaseFile:
     def replace(self, payload, tag):
         # Claim the file by renaming it away (only one rename of a name succeeds), check that the
         # claimed file is the version read, then create ours; a claimed newer version is put back.
-        claim = os.path.join(self.directory, f"{TMP_PREFIX}lease-claim-{uuid.uuid4().hex}")
+        claim = os.path.join(self.directory, f"{LEASE_TMP_PREFIX}claim-{uuid.uuid4().hex}")
         try:
             os.rename(self.path, claim)
         except FileNotFoundError:
