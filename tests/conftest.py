@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,8 @@ def cluster():
 
 @contextlib.contextmanager
 def moto_s3(bucket: str = "bucket"):
-    """A real S3 protocol server (moto) on 127.0.0.1 with one empty bucket; yields its endpoint URL
-    and stops the server on exit."""
+    """A real S3 protocol server (moto) on 127.0.0.1 holding one empty bucket and nothing else; yields
+    its endpoint URL and stops the server on exit."""
     moto_server = pytest.importorskip("moto.server")
     import boto3
 
@@ -54,6 +55,9 @@ def moto_s3(bucket: str = "bucket"):
     try:
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
+        # moto keeps its buckets per process, not per server: start each server empty, so that a
+        # test never finds another test's output.
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
                      region_name="us-east-1").create_bucket(Bucket=bucket)
         yield endpoint
