@@ -100,7 +100,10 @@ class Generator(Protocol):
         each has ``until`` tokens or is finished. Returns the kept rows' states."""
 
     def close(self, session: str) -> dict:
-        """Free the session; returns its counters (generated_tokens, forward_passes)."""
+        """Free the session; returns its counters (generated_tokens, forward_passes), and, from an
+        engine whose rows decode on while the caller scores them (continuous vLLM),
+        ``unreported_tokens``: per prompt, tokens decoded that no returned RowState holds (the
+        caller adds them to the prompt's cost)."""
 
     def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
                sampling: SamplingParams, params: object) -> list[SearchOutput]:
