@@ -106,15 +106,22 @@ def test_a_vllm_build_through_ray_actors_equals_the_in_process_build(cluster, ti
         # It ran on Ray actors, with no fault and no retry.
         assert got["report"]["actor_restarts"] == 0 and got["report"]["batch_retries"] == 0
         assert set(manifest["run_stats"]["actor_time"]) == {"generator", "reward"}
-        # Same seed, same pairs as in-process.
-        assert [[p[k] for k in PAIR_COLUMNS] for p in got["pairs"]] == \
-            [[p[k] for k in PAIR_COLUMNS] for p in expected["pairs"]], strategy
+        # Same seed, same pairs as in-process. Under continuous batching, rows of speculative
+        # rejection go on decoding while their partial rewards are computed, and every token decoded
+        # counts (issue 27): how many that is depends on timing, so sbon's token cost is bounded, not
+        # repeated exactly.
+        columns = [k for k in PAIR_COLUMNS if strategy == "best_of_n" or k != "generated_tokens"]
+        assert [[p[k] for k in columns] for p in got["pairs"]] == \
+            [[p[k] for k in columns] for p in expected["pairs"]], strategy
+        for p in got["pairs"]:
+            assert len(p["chosen_token_ids"]) + len(p["rejected_token_ids"]) <= p["generated_tokens"] <= 4 * 16
         for a, b in zip(got["pairs"], expected["pairs"]):
             assert (a["chosen_score"], a["rejected_score"]) == pytest.approx((b["chosen_score"], b["rejected_score"]),
                                                                             rel=1e-5, abs=1e-6)
         assert [[r[k] for k in REJECT_COLUMNS] for r in got["rejects"]] == \
             [[r[k] for k in REJECT_COLUMNS] for r in expected["rejects"]]
-        assert manifest["generated_tokens"] == expected["manifest"]["generated_tokens"]
+        if strategy == "best_of_n":
+            assert manifest["generated_tokens"] == expected["manifest"]["generated_tokens"]
     # Speculative rejection stopped rows early, so it decoded fewer tokens than Best-of-N.
     assert remote["sbon"]["manifest"]["generated_tokens"] < remote["best_of_n"]["manifest"]["generated_tokens"]
     assert any(p["stopped_early"] for p in remote["sbon"]["pairs"])
