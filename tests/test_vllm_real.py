@@ -175,6 +175,13 @@ def test_continuous_speculative_rejection_from_many_threads_aborts_pruned_rows(v
                 assert c.token_ids == full.token_ids and c.completed
     assert stopped >= 8
     assert continuous.generated_tokens - before < sum(r.generated_tokens for r in bon)
+    # Every token the engine decoded is some prompt's cost, those decoded while rewards were
+    # computed included (issue 27: they were left out). The engine also counts each EOS, which no
+    # response holds (generated_tokens counts response tokens): one per row that ended on it, and
+    # at most one per stopped row, which may have reached its EOS while it was being scored.
+    eos = sum(c.completed and not c.stopped_early and len(c.token_ids) < 64 for r in sbon for c in r.candidates)
+    uncounted = continuous.generated_tokens - before - sum(r.generated_tokens for r in sbon)
+    assert eos <= uncounted <= eos + stopped
     assert continuous.sessions == {} and continuous._requests == {}
 
 
