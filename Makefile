@@ -37,13 +37,14 @@ demo: install $(TINY_MODELS)/generator/config.json
 	$(PY) -m jobs.build_dataset --config configs/demo-real.yaml --output out/demo-real && \
 	$(PY) -c "$$PRINT_PAIR" out/demo-real
 
-# The first pair of a build's output, as text.
+# The first pair of a build's output, as text (its committed shards, read through the output store).
 define PRINT_PAIR
-import glob, sys, textwrap
+import sys, textwrap
 import pandas as pd
+from pipeline.data.writer import OutputStore
 
 output = sys.argv[1]
-pairs = pd.concat([pd.read_parquet(p) for p in sorted(glob.glob(output + "/part-*.parquet"))])
+pairs = pd.concat([pd.read_parquet(p) for p in OutputStore(output).committed_parts()])
 pair = pairs.sort_values("source_row").iloc[0]
 def show(text):
     return "\n".join(textwrap.fill(line, 100, initial_indent="    ", subsequent_indent="    ")
