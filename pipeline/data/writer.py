@@ -289,19 +289,27 @@ class OutputStore:
         return [(part_name(shard), marker)] + [(f"{d}/{part_name(shard)}", marker[d.strip("_")]) for d in SIDE_DIRS]
 
     def _damage(self, shard: int, marker: dict) -> str | None:
-        """The first of the shard's files that is missing or is not the one its marker records
-        (size, then sha256, read in blocks), as "relative path: what is wrong"; None if all match."""
+        """The first of the shard's files that is missing or is not the one its marker records, as
+        "relative path: what is wrong"; None if all match."""
         for rel, record in self._files(shard, marker):
-            digest, size = hashlib.sha256(), 0
-            try:
-                with self.fs.open(join(self.root, rel), "rb") as f:
-                    while block := f.read(1 << 22):
-                        digest.update(block)
-                        size += len(block)
-            except FileNotFoundError:
-                return f"{rel}: missing, though its commit marker exists"
-            if size != record["bytes"] or digest.hexdigest() != record["sha256"]:
-                return f"{rel}: does not match its commit marker ({'size' if size != record['bytes'] else 'sha256'})"
+            wrong = self._file_damage(rel, record)
+            if wrong is not None:
+                return wrong
+        return None
+
+    def _file_damage(self, rel: str, record: dict) -> str | None:
+        """Whether file ``rel`` (relative to the root) is missing or is not the one ``record`` (its
+        marker's entry) describes: size, then sha256, read in blocks; None if it matches."""
+        digest, size = hashlib.sha256(), 0
+        try:
+            with self.fs.open(join(self.root, rel), "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    size += len(block)
+        except FileNotFoundError:
+            return f"{rel}: missing, though its commit marker exists"
+        if size != record["bytes"] or digest.hexdigest() != record["sha256"]:
+            return f"{rel}: does not match its commit marker ({'size' if size != record['bytes'] else 'sha256'})"
         return None
 
     def _ls(self, path: str, detail: bool = False) -> list:
@@ -338,17 +346,8 @@ class OutputStore:
         if not self.succeeded() and not allow_partial:
             raise IncompleteBuild(f"{self.uri}: not a finished build (no _SUCCESS); wait for it to finish, "
                                   "or pass --allow-partial to read its committed shards only")
-        parts = []
-        for shard, marker in self.iter_markers():
-            path = join(self.root, part_name(shard))
-            try:
-                with self.fs.open(path, "rb") as f:
-                    payload = f.read()
-            except FileNotFoundError:
-                continue
-            if len(payload) == marker.get("bytes") and hashlib.sha256(payload).hexdigest() == marker.get("sha256"):
-                parts.append(path)
-        return parts
+        return [join(self.root, part_name(shard)) for shard, marker in self.iter_markers()
+                if self._file_damage(part_name(shard), marker) is None]
 
     def succeeded(self) -> bool:
         self._refresh()

@@ -61,8 +61,6 @@ def _build_parts(uri: str, storage_options: dict, allow_partial: bool, wanted) -
         markers = {join(store.root, part_name(shard)): marker for shard, marker in store.iter_markers()}
     except CorruptMarker as exc:  # names the marker; a reader cannot trust the shard it stands for
         raise InputError(str(exc)) from None
-    except (ValueError, KeyError, TypeError) as exc:  # a marker that is not the JSON commit_shard writes
-        raise InputError(f"{uri}: unreadable commit marker under _markers/ ({_one_line(exc)})") from None
     markers = {path: m for path, m in markers.items() if wanted(path)}
     skipped = sorted(int(m["shard"]) for path, m in markers.items() if path not in parts)
     listed = [p for p in store.fs.ls(store.root, detail=False) if p.rsplit("/", 1)[1].startswith("part-") and p.endswith(".parquet")]
