@@ -17,7 +17,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
-	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test,ifeval]"
+	$(PY) -m pip install -q --no-deps lm-eval==0.4.13
 	touch $(STAMP)
 
 $(TINY_MODELS)/generator/config.json: | $(STAMP)

@@ -1,4 +1,4 @@
-"""RewardActor: loads a sequence-classification reward model once and serves the Scorer protocol,
+"""RewardActor: loads a sequence-classification reward model (or a reward function) once and serves the Scorer protocol,
 stateless ``score`` and the streaming sessions (``open`` / ``extend`` / ``close``) whose KV cache
 lives here, so a session's calls must all reach the same actor (the coordinator pins them).
 
@@ -11,31 +11,38 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.engines.rewards import RewardScorer
+from pipeline.engines.rewards import FunctionScorer, RewardScorer, is_reward_function
 from pipeline.observability import ActorTimeline, CallTiming
 
 
 class RewardActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
                  batch_size: int = 32, prepack: bool = True):
+        """``model``: a sequence-classification model (dir or Hub id), or a reward function
+        ``module:function`` (pipeline.engines.rewards.FunctionScorer)."""
         torch.set_num_threads(max(1, num_threads))
-        self.scorer = RewardScorer.from_pretrained(model, device=device, dtype=dtype, batch_size=batch_size,
-                                                   prepack=prepack)
+        if is_reward_function(model):
+            self.scorer = FunctionScorer(model)
+        else:
+            self.scorer = RewardScorer.from_pretrained(model, device=device, dtype=dtype, batch_size=batch_size,
+                                                       prepack=prepack)
         self.timeline = ActorTimeline(lambda: len(self.scorer.sessions), compute="tokenizing_and_bookkeeping",
                                       open_wait="waiting_for_generator")
 
-    def score(self, prompts: list[str], responses: list[str], timing: CallTiming | None = None) -> list[float]:
+    def score(self, prompts: list[str], responses: list[str], finished: list[bool] | None = None,
+              columns: list[dict] | None = None, timing: CallTiming | None = None) -> list[float]:
         with self.timeline.call(timing):
-            return self.scorer.score(prompts, responses)
+            return self.scorer.score(prompts, responses, finished=finished, columns=columns)
 
-    def open(self, session: str, prompts: list[str], num_samples: int, timing: CallTiming | None = None) -> None:
+    def open(self, session: str, prompts: list[str], num_samples: int, columns: list[dict] | None = None,
+             timing: CallTiming | None = None) -> None:
         with self.timeline.call(timing):
-            self.scorer.open(session, prompts, num_samples)
+            self.scorer.open(session, prompts, num_samples, columns=columns)
 
-    def extend(self, session: str, rows: list[int], responses: list[str],
+    def extend(self, session: str, rows: list[int], responses: list[str], finished: list[bool] | None = None,
                timing: CallTiming | None = None) -> list[float]:
         with self.timeline.call(timing):
-            return self.scorer.extend(session, rows, responses)
+            return self.scorer.extend(session, rows, responses, finished=finished)
 
     def close(self, session: str, timing: CallTiming | None = None) -> dict:
         with self.timeline.call(timing):

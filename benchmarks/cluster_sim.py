@@ -175,15 +175,15 @@ class SimScorer:
         self.cost.sleep(self.timeline, self.cost.args.reward_ms / 1e3 + self.cost.args.reward_token_us / 1e6 * tokens)
         return scores
 
-    def score(self, prompts, responses, timing=None) -> list[float]:
+    def score(self, prompts, responses, finished=None, columns=None, timing=None) -> list[float]:
         with self.timeline.call(timing):
             return self._score(responses, sum(len(r) for r in responses) // 4 + 64 * len(responses))
 
-    def open(self, session, prompts, num_samples, timing=None) -> None:
+    def open(self, session, prompts, num_samples, columns=None, timing=None) -> None:
         with self.timeline.call(timing):
             self.sessions[session] = 0
 
-    def extend(self, session, rows, responses, timing=None) -> list[float]:
+    def extend(self, session, rows, responses, finished=None, timing=None) -> list[float]:
         with self.timeline.call(timing):
             return self._score(responses, sum(int(r.split()[3]) for r in responses))
 

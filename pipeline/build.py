@@ -33,9 +33,10 @@ from pipeline.coordinator import BatchFailed, Coordinator
 from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import FirstRows, InputError, PromptFormatter, PromptSource, Reject, validate
 from pipeline.data.storage import access_errors, check_access
-from pipeline.data.writer import OutputStore, check_location, fingerprint
+from pipeline.data.writer import ExtraColumns, OutputStore, check_location, fingerprint
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import load_tokenizer
+from pipeline.engines.rewards import is_reward_function, load_reward_function
 from pipeline.methods import method
 
 
@@ -114,6 +115,8 @@ class BuildPlan:
     started: float
     """When planning began (time.perf_counter): the start of the run's wall time and startup."""
     config_hash: str = ""
+    extra: ExtraColumns = field(default_factory=ExtraColumns)
+    """The input's other columns the output keeps beside each pair (data.extra_columns)."""
 
 
 def _model_config(key: str, path: str, kind: str):
@@ -168,17 +171,12 @@ def check_models(config: Config) -> tuple:
     the generator's, and the draft model's when it is shorter, since the draft reads the same tokens)."""
     models = config.models
     generator = _model_config("generator", models.generator, "causal")
-    _model_config("reward", models.reward, "reward")
     try:
         tokenizer = load_tokenizer(models.generator)
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"models.generator: cannot load the tokenizer of {models.generator!r} "
                           f"({str(exc).strip().splitlines()[0]})") from None
-    try:
-        load_tokenizer(models.reward)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"models.reward: cannot load the tokenizer of {models.reward!r} "
-                          f"({str(exc).strip().splitlines()[0]})") from None
+    check_reward(models.reward)
     record = method(config.strategy.name)
     contexts = [_context(generator) or int(tokenizer.model_max_length)]
     if record.uses_draft and models.draft:
@@ -186,6 +184,23 @@ def check_models(config: Config) -> tuple:
     if record.check_models is not None:
         record.check_models(config.strategy.params, models)
     return tokenizer, min(contexts)
+
+
+def check_reward(reward: str) -> None:
+    """``models.reward``: a reward function (``module:function``) imports and is callable; a reward
+    model is a one-label sequence classifier whose tokenizer loads. ConfigError, one line, otherwise."""
+    if is_reward_function(reward):
+        try:
+            load_reward_function(reward)
+        except ValueError as exc:
+            raise ConfigError(f"models.reward: {reward!r}: {exc}") from None
+        return
+    _model_config("reward", reward, "reward")
+    try:
+        load_tokenizer(reward)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"models.reward: cannot load the tokenizer of {reward!r} "
+                          f"({str(exc).strip().splitlines()[0]})") from None
 
 
 def max_prompt_tokens(config: Config, context: int) -> int:
@@ -220,19 +235,23 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
                                 config.sampling.chat_template)
 
     with access_errors(data.prompts):
-        source = PromptSource(data.prompts, data.prompt_column, data.storage_options)
+        source = PromptSource(data.prompts, data.prompt_column, data.storage_options, data.extra_columns)
     if source.skipped_note():  # the manifest lists them too (input_files_skipped)
         print(source.skipped_note(), file=sys.stderr)
     first_rows = FirstRows()
     store = None
     try:
         check_location(data.output, data.prompts)  # before the input is read: it may be our own output
-        fingerprints, valid, prompts_in = [], [], 0
-        for k, values in source.shards(data.shard_size):
-            fingerprints.append(fingerprint(values))
+        fingerprints, valid, prompts_in, extra = [], [], 0, ExtraColumns()
+        for k, values, columns in source.shard_records(data.shard_size):
+            fingerprints.append(_fingerprint(values, columns))
+            extra.add(columns)
             rows, _ = validate(values, data.prompt_column, prompts_in, first_rows)
             valid.append(len(rows))
             prompts_in += len(values)
+        if extra.left_out:
+            print(f"note: {data.prompts}: column(s) {', '.join(sorted(extra.left_out))} not kept in the output "
+                  "(the pair columns have those names)", file=sys.stderr)
         num_shards = len(fingerprints)
         store = OutputStore(data.output, data.storage_options)
         # One writer per output: the lease comes before anything in it is read or changed, and
@@ -248,7 +267,13 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
         raise
     pending = [k for k in range(num_shards) if k not in committed]
     return BuildPlan(config, store, prompts_in, num_shards, pending, sum(valid[k] for k in pending), source,
-                     fingerprints, first_rows, formatter, start, build_hash)
+                     fingerprints, first_rows, formatter, start, build_hash, extra)
+
+
+def _fingerprint(values: list, columns: list[dict]) -> str:
+    """A shard's input fingerprint: its prompts, and its other columns when it carries any (so a
+    build with no other columns keeps the fingerprints of the builds before data.extra_columns)."""
+    return fingerprint([[v, c] for v, c in zip(values, columns)] if any(columns) else values)
 
 
 def _pending_shards(plan: BuildPlan) -> Iterator[tuple[_Shard, list[tuple]]]:
@@ -256,14 +281,14 @@ def _pending_shards(plan: BuildPlan) -> Iterator[tuple[_Shard, list[tuple]]]:
     its input rejects; its prompts as (PromptInput, source row, truncated))."""
     data = plan.config.data
     pending = set(plan.pending)
-    for k, values in plan.source.shards(data.shard_size):
+    for k, values, columns in plan.source.shard_records(data.shard_size):
         if k not in pending:
             continue
-        if fingerprint(values) != plan.fingerprints[k]:
+        if _fingerprint(values, columns) != plan.fingerprints[k]:
             raise InputError(f"{data.prompts}: changed while the build ran (the rows of shard {k} are not those "
                              "planned); committed shards are kept, a rerun resumes")
         shard = _Shard(k, plan.fingerprints[k])
-        rows, rejects = validate(values, data.prompt_column, k * data.shard_size, plan.first_rows)
+        rows, rejects = validate(values, data.prompt_column, k * data.shard_size, plan.first_rows, columns)
         shard.rejects = [_reject_row(r, "input") for r in rejects]
         prompts = []
         for row in rows:
@@ -340,7 +365,7 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
         shard.rejects.sort(key=lambda r: r["source_row"])
         shard.stats.update(pairs=len(shard.pairs), rejects=len(shard.rejects))
         store.commit_shard(shard.index, shard.pairs, shard.rejects, shard.fingerprint, plan.config_hash,
-                           dict(shard.stats), shard.quarantine, config.data.output_format)
+                           dict(shard.stats), shard.quarantine, config.data.output_format, plan.extra)
         quarantined += len(shard.quarantine)
         metrics.shard_committed()
         last_commit = time.perf_counter()
@@ -395,7 +420,8 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
                                                             result.prompt.prompt_id), "pairing",
                                                      result.generated_tokens, result.bon_equivalent_tokens))
                 else:
-                    pair.update(prompt_truncated=truncated, source_row=source_row)
+                    pair.update(prompt_truncated=truncated, source_row=source_row,
+                                **plan.extra.values(result.prompt.columns))
                     shard.pairs.append(pair)
                     pairs_made += 1
                 shard.done += 1
@@ -434,7 +460,8 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
                     config_hash=plan.config_hash, shards_written=list(plan.pending),
                     shards_skipped=[k for k in range(plan.num_shards) if k not in written],
                     prompts_truncated=truncated_prompts, run_stats=run_stats, pairs_this_run=pairs_made,
-                    input_files_skipped=dict(plan.source.skipped))
+                    input_files_skipped=dict(plan.source.skipped), extra_columns=plan.extra.describe(),
+                    extra_columns_left_out=sorted(plan.extra.left_out))
     # The rate of this run only: resumed shards cost it nothing. One definition for every figure.
     metrics.set_rate(wall)
     manifest["pairs_per_minute"] = round(pairs_per_hour(pairs_made, wall) / 60, 2)

@@ -28,7 +28,10 @@ class ModelsConfig:
     generator: str = ""
     """Policy model: an HF model directory or hub id (AutoModelForCausalLM)."""
     reward: str = ""
-    """Reward model: an HF model directory or hub id (AutoModelForSequenceClassification, 1 label)."""
+    """Reward model: an HF model directory or hub id (AutoModelForSequenceClassification, 1 label),
+    or a Python reward function ``module:function`` with the signature of TRL's GRPOTrainer reward
+    functions (prompts, completions, the input's other columns and ``partial`` as keyword lists; one
+    float per completion), e.g. ``pipeline.judge:ifeval_reward`` (IFEval's instruction checkers)."""
     draft: str | None = None
     """Draft model for speculative methods (unused by best_of_n and sbon); empty: dsbd drafts with ADED."""
     dtype: str = "float32"
@@ -109,6 +112,10 @@ class DataConfig:
     min_margin: float = 0.0
     """A pair needs chosen_score - rejected_score > min_margin (and > 0), final rewards only;
     otherwise the prompt is rejected with the reason "margin below min_margin"."""
+    extra_columns: list[str] | None = None
+    """The input's other columns carried with each prompt: to a reward function (as keyword lists)
+    and into the output beside each pair. null: every other column (those whose names the output
+    already uses are left out, with a note); [] none; a list: those columns."""
     rejected: str = "complete"
     """The pair's rejected response: complete (a finished response with a final reward, for every
     strategy; speculative rejection keeps its lowest-ranked candidate running to supply one) or any
@@ -116,6 +123,8 @@ class DataConfig:
     beats truncated)."""
 
     def __post_init__(self):
+        if self.extra_columns is not None and not all(isinstance(c, str) and c for c in self.extra_columns):
+            raise ConfigError(f"data.extra_columns: expected a list of column names (or null), got {self.extra_columns!r}")
         if self.rejected not in ("complete", "any"):
             raise ConfigError(f"data.rejected: expected complete or any, got {self.rejected!r}")
         if self.min_margin < 0:

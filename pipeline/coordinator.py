@@ -165,21 +165,23 @@ class _RoundRobin:
         self._lock = threading.Lock()
         self._sessions: dict[str, Scorer] = {}  # streaming reward session -> the handle holding its cache
 
-    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+    def score(self, prompts: list[str], responses: list[str], finished: list[bool] | None = None,
+              columns: list[dict] | None = None) -> list[float]:
         with self._lock:
             scorer = next(self._cycle)
-        return scorer.score(prompts, responses)
+        return scorer.score(prompts, responses, finished=finished, columns=columns)
 
-    def open(self, session: str, prompts: list[str], num_samples: int) -> None:
+    def open(self, session: str, prompts: list[str], num_samples: int, columns: list[dict] | None = None) -> None:
         with self._lock:
             scorer = next(self._cycle)
             # Pinned like a generator batch: if this actor is replaced, the session's later calls
             # fail over (WorkerFailure, batch retried) instead of asking a new actor without the cache.
             scorer = self._sessions[session] = scorer.pinned() if hasattr(scorer, "pinned") else scorer
-        scorer.open(session, prompts, num_samples)
+        scorer.open(session, prompts, num_samples, columns=columns)
 
-    def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:
-        return self._sessions[session].extend(session, rows, responses)
+    def extend(self, session: str, rows: list[int], responses: list[str],
+               finished: list[bool] | None = None) -> list[float]:
+        return self._sessions[session].extend(session, rows, responses, finished=finished)
 
     def close(self, session: str) -> dict:
         with self._lock:

@@ -219,7 +219,7 @@ class NonFiniteScorer:
         self.finite: list[float] = []
         self.calls = 0
 
-    def score(self, prompts, responses):
+    def score(self, prompts, responses, finished=None, columns=None):
         scores = self.scorer.score(prompts, responses)
         seen = {}
         for i, p in enumerate(prompts):

@@ -56,7 +56,7 @@ class FakeScorer:
     def __init__(self, nan_for=()):
         self.nan_for = set(nan_for)
 
-    def score(self, prompts, responses):
+    def score(self, prompts, responses, finished=None, columns=None):
         out = []
         for r in responses:
             toks = [int(t) for t in r.split()]

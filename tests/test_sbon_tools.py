@@ -69,7 +69,7 @@ def test_a_response_of_exactly_tau_tokens_is_live_at_tau_in_runs_and_in_simulate
     rewards = {f"row{r}:4": partial[r] for r in range(4)} | {f"row{r}:10": final[r] for r in range(1, 4)}
 
     class Scorer:
-        def score(self, prompts, responses):
+        def score(self, prompts, responses, finished=None, columns=None):
             return [rewards[t] for t in responses]
 
     collected = PromptRewards(lengths=FixedLengthGenerator.LENGTHS, final=final, partial={4: partial})

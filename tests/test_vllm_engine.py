@@ -304,7 +304,7 @@ class SlowScorer:
     def __init__(self, seconds: float):
         self.inner, self.seconds = _scorer(), seconds
 
-    def score(self, prompts, responses):
+    def score(self, prompts, responses, finished=None, columns=None):
         time.sleep(self.seconds)
         return self.inner.score(prompts, responses)
 

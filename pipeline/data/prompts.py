@@ -18,6 +18,11 @@ Inputs of any size: ``PromptSource`` reads the prompt column a bounded piece at 
 line, a Parquet record batch, an Arrow record batch of a saved dataset) and hands it out shard by
 shard; ``FirstRows`` remembers, on disk, the first row of every prompt id, so that duplicates are
 found across the whole input while the driver holds one shard.
+
+Other columns: ``PromptSource(..., extra_columns=...)`` also reads the input's other columns (all
+of them, or the names given) with each prompt; ``records`` and ``shard_records`` hand them out as a
+dict per row (a JSONL row without a key has no entry for it). They reach a reward function and
+the output (data.extra_columns).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import re
 import sqlite3
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -56,6 +61,8 @@ class PromptRow:
     """0-based row number across the whole input, in read order."""
     prompt: str | list[dict]
     """The prompt text, or a conversation (validated by ``conversation_problem``)."""
+    columns: dict = field(default_factory=dict)
+    """The row's other columns read (PromptSource ``extra_columns``)."""
 
 
 @dataclass
@@ -158,8 +165,12 @@ class PromptSource:
     build reads it to plan, and again to run), always from the same files.
     """
 
-    def __init__(self, uri: str, column: str, storage_options: dict | None = None):
+    def __init__(self, uri: str, column: str, storage_options: dict | None = None,
+                 extra_columns: list[str] | None | bool = False):
+        """``extra_columns``: False reads the prompt column alone; None every other column too; a
+        list those columns (a name no row has: InputError, naming it)."""
         self.uri, self.column = uri, column
+        self.extra = _ExtraColumns(column, extra_columns)
         self.storage_options = storage_options or {}
         self.fs, self.files, self._arrow_files, self._table = None, [], [], None
         self.skipped: dict[str, str] = {}
@@ -171,7 +182,8 @@ class PromptSource:
             # would stay resident (and count against the driver) until the whole input was touched.
             self._arrow_files = [f["filename"] for f in dataset.cache_files]
             if not self._arrow_files:  # held in memory already (datasets' IN_MEMORY_MAX_SIZE)
-                self._table = dataset.data.table.select([column])
+                table = dataset.data.table
+                self._table = table.select([column, *self.extra.names(table.column_names)])
             return
         self.fs, self.files, self.skipped = _files(uri, self.storage_options, SUFFIXES)
         for f in self.files:
@@ -180,13 +192,18 @@ class PromptSource:
 
     def values(self) -> Iterator[Any]:
         """The column's values in input order (None where a JSONL row lacks the key)."""
+        return (value for value, _ in self.records())
+
+    def records(self) -> Iterator[tuple[Any, dict]]:
+        """(the prompt column's value, the row's other columns read) in input order."""
         for path in self._arrow_files:
-            yield from _read_arrow_stream(path, self.column)
+            yield from _read_arrow_stream(path, self.column, self.extra)
         for batch in self._table.to_batches(READ_BATCH_ROWS) if self._table is not None else ():
-            yield from batch.column(0).to_pylist()
+            yield from _batch_records(batch, self.column, self.extra.names(batch.schema.names))
         for f in self.files:
-            yield from (_read_jsonl(self.fs, f, self.column) if f.endswith((".jsonl", ".json"))
-                        else _read_parquet(self.fs, f, self.column))
+            yield from (_read_jsonl(self.fs, f, self.column, self.extra) if f.endswith((".jsonl", ".json"))
+                        else _read_parquet(self.fs, f, self.column, self.extra))
+        self.extra.check(self.uri)
 
     def skipped_note(self) -> str | None:
         """One line naming the files of a directory input that were not read; None when none was."""
@@ -197,11 +214,16 @@ class PromptSource:
     def shards(self, shard_size: int) -> Iterator[tuple[int, list[Any]]]:
         """(k, the values of rows [k * shard_size, (k + 1) * shard_size)) in order; an empty input is
         one empty shard 0 (the build commits it like any other)."""
-        values = self.values()
+        for k, values, _ in self.shard_records(shard_size):
+            yield k, values
+
+    def shard_records(self, shard_size: int) -> Iterator[tuple[int, list[Any], list[dict]]]:
+        """As ``shards``, with each row's other columns: (k, values, their columns)."""
+        records = self.records()
         for k in itertools.count():
-            chunk = list(itertools.islice(values, shard_size))
+            chunk = list(itertools.islice(records, shard_size))
             if chunk or k == 0:
-                yield k, chunk
+                yield k, [v for v, _ in chunk], [c for _, c in chunk]
             if len(chunk) < shard_size:
                 return
 
@@ -227,21 +249,54 @@ def _load_saved_dataset(uri: str, column: str, storage_options: dict):
     return ds
 
 
-def _read_arrow_stream(path: str, column: str) -> Iterator[Any]:
+class _ExtraColumns:
+    """Which other columns to read with the prompt (PromptSource ``extra_columns``), and the check
+    that every column asked for by name exists somewhere in the input."""
+
+    def __init__(self, column: str, wanted: list[str] | None | bool):
+        self.column, self.wanted = column, wanted
+        self.seen: set[str] = set()
+
+    def names(self, available: list[str]) -> list[str]:
+        if self.wanted is False:
+            return []
+        names = [n for n in available if n != self.column and (self.wanted is None or n in self.wanted)]
+        self.seen.update(names)
+        return names
+
+    def of(self, record: dict) -> dict:
+        if self.wanted is False:
+            return {}
+        return {k: record[k] for k in self.names(list(record))}
+
+    def check(self, uri: str) -> None:
+        missing = [n for n in self.wanted or () if n not in self.seen]
+        if missing:
+            raise InputError(f"{uri}: no column {missing[0]!r} (data.extra_columns)")
+
+
+def _batch_records(batch: pa.RecordBatch, column: str, extra: list[str]) -> Iterator[tuple[Any, dict]]:
+    values = batch.column(column).to_pylist()
+    others = {name: batch.column(name).to_pylist() for name in extra}
+    for i, value in enumerate(values):
+        yield value, {name: others[name][i] for name in extra}
+
+
+def _read_arrow_stream(path: str, column: str, extra: _ExtraColumns) -> Iterator[tuple[Any, dict]]:
     try:
         with pa.OSFile(path) as f:
             for batch in pa.ipc.open_stream(f):
-                yield from batch.column(column).to_pylist()
+                yield from _batch_records(batch, column, extra.names(batch.schema.names))
     except (pa.ArrowException, OSError) as exc:
         raise InputError(f"{path}: unreadable saved dataset file ({exc})") from None
 
 
-def _read_jsonl(fs, path: str, column: str) -> Iterator[Any]:
+def _read_jsonl(fs, path: str, column: str, extra: _ExtraColumns) -> Iterator[tuple[Any, dict]]:
     """A JSONL file's column, a line at a time; a ``.json`` file that holds one JSON array (of row
     objects) is read as those rows. When no row of the file has the column (a wrong
     data.prompt_column) the file fails, naming the column, as a Parquet file without it does,
     rather than every row becoming a reject; a file where only some rows lack it rejects those."""
-    seen = _ColumnSeen(column)
+    seen = _ColumnSeen(column, extra)
     try:
         with fs.open(path, "rb") as f:
             if path.endswith(".json") and _starts_with_array(f):
@@ -264,17 +319,17 @@ class _ColumnSeen:
     """Whether any object row of a JSON file has the prompt column (InputError from ``check`` when
     none does)."""
 
-    def __init__(self, column: str):
-        self.column, self.objects, self.found, self.first_keys = column, 0, False, None
+    def __init__(self, column: str, extra: _ExtraColumns):
+        self.column, self.extra, self.objects, self.found, self.first_keys = column, extra, 0, False, None
 
-    def value(self, record: Any) -> Any:
+    def value(self, record: Any) -> tuple[Any, dict]:
         if not isinstance(record, dict):
-            return _NOT_AN_OBJECT
+            return _NOT_AN_OBJECT, {}
         self.objects += 1
         if self.first_keys is None:
             self.first_keys = list(record)
         self.found = self.found or self.column in record
-        return record.get(self.column)
+        return record.get(self.column), self.extra.of(record)
 
     def check(self, path: str) -> None:
         if self.objects and not self.found:
@@ -307,7 +362,7 @@ def _json_array(f, path: str) -> list:
     return records  # a list: the text opens with "["
 
 
-def _read_parquet(fs, path: str, column: str) -> Iterator[Any]:
+def _read_parquet(fs, path: str, column: str, extra: _ExtraColumns) -> Iterator[tuple[Any, dict]]:
     """One record batch of the prompt column at a time (a row group's column chunk is the unit
     Parquet reads: the file's writer sets the peak)."""
     try:
@@ -316,8 +371,9 @@ def _read_parquet(fs, path: str, column: str) -> Iterator[Any]:
             names = parquet.schema_arrow.names
             if column not in names:
                 raise InputError(f"{path}: no column {column!r} (columns: {', '.join(names)})")
-            for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS, columns=[column]):
-                yield from batch.column(0).to_pylist()
+            others = extra.names(names)
+            for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS, columns=[column, *others]):
+                yield from _batch_records(batch, column, others)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except (pa.ArrowException, OSError) as exc:
@@ -411,11 +467,12 @@ class FirstRows:
         self._dir.cleanup()
 
 
-def validate(values: list[Any], column: str, start: int = 0,
-             first_rows: FirstRows | None = None) -> tuple[list[PromptRow], list[Reject]]:
+def validate(values: list[Any], column: str, start: int = 0, first_rows: FirstRows | None = None,
+             columns: list[dict] | None = None) -> tuple[list[PromptRow], list[Reject]]:
     """Split raw values into usable prompt rows and rejects (missing, neither a string nor a
     conversation, malformed conversation, blank, duplicate). ``values`` are rows ``start``, ``start``
-    + 1, ...; ``first_rows`` remembers the prompts of earlier calls (default: these values alone)."""
+    + 1, ...; ``first_rows`` remembers the prompts of earlier calls (default: these values alone);
+    ``columns``: each value's other columns, kept on its PromptRow."""
     rows, rejects, candidates = [], [], []
     for i, value in enumerate(values, start=start):
         problem = _problem(value, column)
@@ -428,7 +485,7 @@ def validate(values: list[Any], column: str, start: int = 0,
     first_rows = first_rows or _FirstRowsInMemory()
     for (i, value, pid), first in zip(candidates, first_rows.claim([(pid, i) for i, _, pid in candidates])):
         if first == i:
-            rows.append(PromptRow(i, value))
+            rows.append(PromptRow(i, value, columns[i - start] if columns is not None else {}))
         else:
             shown = value if isinstance(value, str) else conversation_text(value)
             rejects.append(Reject(i, f"duplicate prompt (same as row {first})", shown[:1000], pid))
@@ -503,8 +560,9 @@ class PromptFormatter:
     def _input(self, row: PromptRow, raw: str | list[dict], text: str, ids: list[int]) -> PromptInput:
         # prompt_id stays that of the input row, truncated or not.
         if isinstance(raw, str):
-            return PromptInput(prompt_id(row.prompt), text, raw, ids)
-        return PromptInput(prompt_id(row.prompt), text, conversation_text(raw), ids, messages=list(raw))
+            return PromptInput(prompt_id(row.prompt), text, raw, ids, columns=row.columns)
+        return PromptInput(prompt_id(row.prompt), text, conversation_text(raw), ids, messages=list(raw),
+                           columns=row.columns)
 
     def prepare(self, row: PromptRow) -> tuple[PromptInput | None, Reject | None, bool]:
         """Returns (prompt, None, truncated) or (None, reject, False)."""

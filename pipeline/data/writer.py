@@ -74,6 +74,53 @@ CONVERSATIONAL_PAIR_SCHEMA = pa.schema([
     field.with_type(MESSAGES) if field.name in ("prompt", "chosen", "rejected") else field for field in PAIR_SCHEMA])
 PAIR_SCHEMAS = {"standard": PAIR_SCHEMA, "conversational": CONVERSATIONAL_PAIR_SCHEMA}
 
+
+
+class ExtraColumns:
+    """The input's other columns in the output (data.extra_columns): their Arrow types, inferred at
+    plan time shard by shard and unified (struct fields merged, nulls promoted), so that every part
+    file of a build has one schema. A column whose values have no common Arrow type (a number in
+    one row, a list in another) is written as JSON text; a column whose name the pair schema
+    already uses is left out (the build notes it and the manifest lists it)."""
+
+    def __init__(self):
+        self.types: dict[str, pa.DataType] = {}
+        self.as_text: set[str] = set()
+        self.left_out: set[str] = set()
+
+    def add(self, rows: list[dict]) -> None:
+        """Fold one shard's rows (each a dict of the row's other columns) into the types."""
+        names = list(dict.fromkeys(n for row in rows for n in row))
+        for name in names:
+            if name in PAIR_SCHEMA.names:
+                self.left_out.add(name)
+            elif name not in self.as_text:
+                self._fold(name, [row.get(name) for row in rows])
+
+    def _fold(self, name: str, values: list) -> None:
+        try:
+            found = pa.array(values).type
+            if name in self.types:
+                found = pa.unify_schemas([pa.schema([(name, self.types[name])]), pa.schema([(name, found)])],
+                                         promote_options="permissive").field(name).type
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            self.as_text.add(name)
+            found = pa.string()
+        self.types[name] = found
+
+    def schema(self, base: pa.Schema) -> pa.Schema:
+        return pa.schema([*base, *(pa.field(n, t) for n, t in self.types.items())])
+
+    def values(self, columns: dict) -> dict:
+        """A pair row's extra columns, from its prompt's (PromptInput.columns)."""
+        return {n: json.dumps(columns[n], default=repr) if n in self.as_text and columns.get(n) is not None
+                else columns.get(n) for n in self.types}
+
+    def describe(self) -> dict:
+        """For the manifest: each column's type (``json text`` for the text fallback)."""
+        return {n: "json text" if n in self.as_text else str(t) for n, t in self.types.items()}
+
+
 REJECT_SCHEMA = pa.schema([
     ("source_row", pa.int64()),
     ("prompt_id", pa.string()),
@@ -387,9 +434,9 @@ class OutputStore:
 
     def commit_shard(self, shard: int, pairs: list[dict], rejects: list[dict], input_fingerprint: str,
                      config_hash: str, stats: dict | None = None, quarantine: list[dict] | None = None,
-                     output_format: str = "standard") -> dict:
-        """Write the shard's side files, its part file (pairs in TRL's ``output_format``), then its
-        marker (the commit point)."""
+                     output_format: str = "standard", extra: ExtraColumns | None = None) -> dict:
+        """Write the shard's side files, its part file (pairs in TRL's ``output_format``, then the
+        ``extra`` columns), then its marker (the commit point)."""
         name = part_name(shard)
         marker = {"shard": shard, "part": name, "input_fingerprint": input_fingerprint, "config_hash": config_hash,
                   "stats": stats or {}, "committed_at": time.time()}
@@ -398,7 +445,8 @@ class OutputStore:
             payload = _parquet_bytes(pa.Table.from_pylist(rows, schema))
             self._write_bytes(join(self.root, directory, name), payload)
             marker[key] = {"rows": len(rows), "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
-        payload = _parquet_bytes(pa.Table.from_pylist(pairs, PAIR_SCHEMAS[output_format]))
+        schema = PAIR_SCHEMAS[output_format] if extra is None else extra.schema(PAIR_SCHEMAS[output_format])
+        payload = _parquet_bytes(pa.Table.from_pylist(pairs, schema))
         self._write_bytes(join(self.root, name), payload)
         marker.update(rows=len(pairs), sha256=hashlib.sha256(payload).hexdigest(), bytes=len(payload))
         self._write_bytes(join(self.root, "_markers", marker_name(shard)), json.dumps(marker, sort_keys=True).encode())

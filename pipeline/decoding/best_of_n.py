@@ -27,10 +27,13 @@ def open_session(generator: Generator, prompts: list[PromptInput], num_samples: 
 
 
 def score_rows(scorer: Scorer, prompts: list[PromptInput], num_samples: int, rows: list[RowState]) -> list[float]:
-    """Score (raw prompt, response so far) for each row state; row ids locate the prompt."""
+    """Score (raw prompt, response so far) for each row state; row ids locate the prompt. Each row's
+    ``finished`` and its prompt's other columns go along (a reward function reads them)."""
     if not rows:
         return []
-    return scorer.score([prompts[r.row // num_samples].reward_input for r in rows], [r.text for r in rows])
+    owners = [prompts[r.row // num_samples] for r in rows]
+    return scorer.score([p.reward_input for p in owners], [r.text for r in rows],
+                        finished=[r.finished for r in rows], columns=[p.columns for p in owners])
 
 
 def assemble(prompts: list[PromptInput], num_samples: int, candidates: dict[int, Candidate],

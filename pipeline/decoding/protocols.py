@@ -37,6 +37,9 @@ class PromptInput:
     messages: list[dict] | None = None
     """The conversation ({"role", "content"} messages, system turns included) when the input row
     held one instead of a string."""
+    columns: dict = field(default_factory=dict)
+    """The input row's other columns (data.extra_columns), by name: a reward function gets them
+    (Scorer.score ``columns``) and the output keeps them beside the pair."""
 
     @property
     def reward_input(self) -> str | list[dict]:
@@ -124,9 +127,13 @@ def check_open(open_sessions, session: str, prompts: list[list[int]], num_sample
 
 
 class Scorer(Protocol):
-    def score(self, prompts: list[str | list[dict]], responses: list[str]) -> list[float]:
+    def score(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
+              columns: list[dict] | None = None) -> list[float]:
         """Reward of each (prompt, response) pair; NaN marks a failed score, never 0. A prompt is
-        a string or a conversation (PromptInput.reward_input)."""
+        a string or a conversation (PromptInput.reward_input). ``finished``: per response, whether it
+        is final (EOS or max_new_tokens) rather than partial; None: all final. ``columns``: per
+        response, its input row's other columns (PromptInput.columns). A reward model reads neither;
+        a reward function (pipeline.engines.rewards.FunctionScorer) gets both."""
 
 
 @dataclass
@@ -157,11 +164,15 @@ class StreamingScorer(Scorer, Protocol):
     candidate row, so a partial reward costs only the tokens that are new since the last call
     (pipeline.engines.rewards.RewardScorer; encoder reward models re-score in full behind it)."""
 
-    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int) -> None:
-        """Start a session whose rows are prompt index * num_samples + sample (the generator's ids)."""
+    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int,
+             columns: list[dict] | None = None) -> None:
+        """Start a session whose rows are prompt index * num_samples + sample (the generator's ids);
+        ``columns``: each prompt's other input columns (see Scorer.score)."""
 
-    def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:
-        """Reward of each listed row's (prompt, response so far); unlisted rows leave the cache."""
+    def extend(self, session: str, rows: list[int], responses: list[str],
+               finished: list[bool] | None = None) -> list[float]:
+        """Reward of each listed row's (prompt, response so far); unlisted rows leave the cache.
+        ``finished``: as in Scorer.score."""
 
     def close(self, session: str) -> dict:
         """Free the session; returns its counters (tokens_read)."""

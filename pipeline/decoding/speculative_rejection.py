@@ -143,12 +143,14 @@ class _Rewards:
         self.session = None
         if streaming and all(callable(getattr(scorer, m, None)) for m in ("open", "extend", "close")):
             self.session = f"reward-{uuid.uuid4().hex}"
-            scorer.open(self.session, [p.reward_input for p in prompts], rows_per_prompt)
+            scorer.open(self.session, [p.reward_input for p in prompts], rows_per_prompt,
+                        columns=[p.columns for p in prompts])
 
     def __call__(self, rows: list[RowState]) -> list[float]:
         if self.session is None:
             return score_rows(self.scorer, self.prompts, self.rows_per_prompt, rows)
-        return self.scorer.extend(self.session, [r.row for r in rows], [r.text for r in rows])
+        return self.scorer.extend(self.session, [r.row for r in rows], [r.text for r in rows],
+                                  finished=[r.finished for r in rows])
 
     def close(self) -> None:
         if self.session is not None:

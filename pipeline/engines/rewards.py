@@ -21,12 +21,18 @@ kept, the cached positions after it are masked out (a BPE merge across the old b
 template tail of the previous call), and only the rest is fed, at its true position ids. The
 score is read at the last token, as full re-scoring reads it, so the two agree to float
 tolerance (tests/test_rewards.py).
+
+``FunctionScorer`` serves the same protocol from a Python reward function instead of a model
+(``models.reward: module:function``), with the signature of TRL's GRPOTrainer reward functions.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import re
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -91,7 +97,9 @@ class RewardScorer:
         return encode_text(self.tokenizer, self.format(prompt, response), add_special_tokens=True)
 
     @torch.inference_mode()
-    def score(self, prompts: list[str | list[dict]], responses: list[str]) -> list[float]:
+    def score(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
+              columns: list[dict] | None = None) -> list[float]:
+        """A reward model reads the text alone: ``finished`` and ``columns`` are not used."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         # Cut from the left past the context: the response, which the score is about, stays.
@@ -113,14 +121,16 @@ class RewardScorer:
 
     # -- streaming sessions ------------------------------------------------------------------
 
-    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int) -> None:
+    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int,
+             columns: list[dict] | None = None) -> None:
         """Start a session for rows ``prompt index * num_samples + sample`` (the generator's row ids)."""
         if session in self.sessions:
             raise ValueError(f"reward session {session} is already open")
         self.sessions[session] = _StreamSession(prompts=list(prompts), num_samples=num_samples)
 
     @torch.inference_mode()
-    def extend(self, session: str, rows: list[int], responses: list[str]) -> list[float]:
+    def extend(self, session: str, rows: list[int], responses: list[str],
+               finished: list[bool] | None = None) -> list[float]:
         """Scores of (prompt of row, response so far) for each row. Rows of the session not listed
         here leave its caches. Equal to ``score`` on the same texts, to float tolerance."""
         state = self._stream(session)
@@ -266,3 +276,103 @@ class _StreamSession:
         if not 0 <= row < len(self.prompts) * self.num_samples:
             raise ValueError(f"row {row} is outside this reward session")
         return self.prompts[row // self.num_samples]
+
+
+FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def is_reward_function(spec: str) -> bool:
+    """Whether ``models.reward`` names a Python reward function (``module:function``, e.g.
+    ``pipeline.judge:ifeval_reward``) rather than a model directory or Hub id."""
+    return bool(FUNCTION_SPEC.match(spec or ""))
+
+
+def load_reward_function(spec: str) -> Callable[..., list]:
+    """The function ``module:function`` names; ValueError with one line when it cannot be had."""
+    module_name, _, name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix, in one line
+        raise ValueError(f"cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name!r} has no function {name!r}")
+    return fn
+
+
+class FunctionScorer:
+    """Scorer implementation over a reward function with the signature of TRL's GRPOTrainer reward
+    functions (TRL docs, "Using a custom reward function"): ``fn(prompts=..., completions=...,
+    **columns) -> list[float]``, one value per completion. Prompts are strings, or message lists for
+    a conversation, whose completions are then ``[{"role": "assistant", "content": text}]`` as TRL
+    passes them; each of the input row's other columns arrives as a keyword list (one value per
+    completion), and so does ``partial``: True where the response is cut short (a partial reward
+    at a speculative-rejection decision token), False where it is final. A function that ignores
+    ``partial`` scores a prefix as if it were the whole response. None (TRL's "no reward for this
+    one") and non-finite values become NaN, which the pipeline treats as a failed score.
+
+    Sessions (``open`` / ``extend`` / ``close``) mirror RewardScorer's so speculative rejection runs
+    unchanged; a function has no cache, so ``extend`` scores the listed rows' texts in full."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.fn = load_reward_function(spec)
+        self.sessions: dict[str, tuple[list, list[dict], int]] = {}
+        self.calls = 0
+        self.scored = 0
+        self.streaming = False
+
+    def score(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
+              columns: list[dict] | None = None) -> list[float]:
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        if not responses:
+            return []
+        columns = columns if columns is not None else [{}] * len(responses)
+        finished = finished if finished is not None else [True] * len(responses)
+        names = sorted({name for c in columns for name in c})
+        extra: dict[str, Any] = {name: [c.get(name) for c in columns] for name in names}
+        extra["partial"] = [not f for f in finished]
+        completions = [r if isinstance(p, str) else [{"role": "assistant", "content": r}]
+                       for p, r in zip(prompts, responses)]
+        values = self.fn(prompts=list(prompts), completions=completions, **extra)
+        self.calls += 1
+        if values is None or len(values) != len(responses):
+            got = "None" if values is None else f"{len(values)} values"
+            raise ValueError(f"reward function {self.spec} returned {got} for {len(responses)} completions")
+        self.scored += len(responses)
+        return [_finite(v) for v in values]
+
+    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int,
+             columns: list[dict] | None = None) -> None:
+        if session in self.sessions:
+            raise ValueError(f"reward session {session} is already open")
+        self.sessions[session] = (list(prompts), list(columns) if columns is not None else [{}] * len(prompts),
+                                  num_samples)
+
+    def extend(self, session: str, rows: list[int], responses: list[str],
+               finished: list[bool] | None = None) -> list[float]:
+        try:
+            prompts, columns, num_samples = self.sessions[session]
+        except KeyError:
+            raise ValueError(f"unknown reward session {session}") from None
+        if any(not 0 <= r < len(prompts) * num_samples for r in rows):
+            raise ValueError(f"a row of {rows[:5]}... is outside this reward session")
+        owner = [r // num_samples for r in rows]
+        return self.score([prompts[i] for i in owner], responses, finished, [columns[i] for i in owner])
+
+    def close(self, session: str) -> dict:
+        self.sessions.pop(session, None)
+        return {"tokens_read": 0}
+
+    def stats(self) -> dict:
+        return {"forward_passes": self.calls, "scored": self.scored, "tokens_read": 0,
+                "open_sessions": len(self.sessions)}
+
+
+def _finite(value: Any) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return v if math.isfinite(v) else math.nan
