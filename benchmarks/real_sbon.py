@@ -3,7 +3,7 @@
     python -m benchmarks.real_sbon [--config configs/real.yaml] [--device cpu|cuda] [--prompts 64]
         [--generator DIR] [--reward DIR] [--num-samples N] [--max-new-tokens T] [--decision-token TAU]
         [--rejection-rate ALPHA] [--seed 0] [--repeats 1] [--set KEY=VALUE ...] [--sbon-set KEY=VALUE ...]
-        [--output out/bench/real-sbon] [--no-judge] [--json FILE]
+        [--prompt-file FILE] [--output out/bench/real-sbon] [--no-judge] [--json FILE]
 
     # issue 13 item 5, on a GPU:
     python -m benchmarks.real_sbon --device cuda --prompts 64 --json out/bench/real-sbon-cuda.json
@@ -32,11 +32,21 @@ From each run's ``_report.json`` and pair Parquet it prints:
   where both chose the same sample index but got different text);
 - the mean reward-model score of each build's chosen response, and the share of prompts where
   sbon chose the same sample as Best-of-N;
-- the independent judge's verdict (pipeline.judge.RubricJudge on the frozen generator, the rubric
-  the reward model was trained to imitate): sbon's chosen vs Best-of-N's chosen on each prompt,
-  win rate = (wins + ties / 2) / prompts (identical texts are ties).
+- the external judge's verdict: IFEval's verifiable-instruction checkers (lm-eval's
+  instructions_registry, pipeline.judge; strict accuracy), read from each pair's
+  instruction_id_list and kwargs columns (the prompt file's, kept in the output): prompt-level and
+  instruction-level accuracy of each build's chosen and rejected responses, and pair accuracy (the
+  share of the pairs the judge tells apart where it ranks chosen above rejected). A prompt either
+  build left unpaired (e.g. a tie: every candidate scored alike, common under a checker reward) is
+  out of the comparison; both counts are printed;
+- the random-sample baseline: one response per prompt from the generator alone, sampled with the
+  builds' sampling settings and the seed of candidate 0 (pipeline.decoding.sampling.row_seed), so
+  it is one of the builds' own candidates, judged the same way, on all prompts and on the compared ones.
 
-Target (issue 13 item 5): >= 2.5x run-time speedup at normalized score >= 98.
+Targets (issue 28): Best-of-N's chosen >= 15 points of IFEval accuracy above a random sample;
+sbon within 2 points of Best-of-N at >= 2.5x less run time (HF engine); the judge ranks chosen
+above rejected in >= 85% of the pairs it tells apart. Earlier target (issue 13): >= 2.5x run-time
+speedup at normalized score >= 98.
 """
 
 from __future__ import annotations
@@ -57,8 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", default="configs/real.yaml")
     parser.add_argument("--device", default="cpu", help="models.device of both builds and the judge's device")
     parser.add_argument("--generator", help="models.generator (default: the config's)")
-    parser.add_argument("--reward", help="models.reward (default: the config's)")
-    parser.add_argument("--prompts", type=int, default=64, help="how many of the config's data.prompts (first ones)")
+    parser.add_argument("--reward", help="models.reward, a model directory or a reward function module:function "
+                        "(default: the config's)")
+    parser.add_argument("--prompts", type=int, default=64, help="how many of the prompt file's rows (first ones)")
+    parser.add_argument("--prompt-file", help="JSONL prompts (default: the config's data.prompts); IFEval's "
+                        "instruction_id_list and kwargs columns make the judge's figures")
     parser.add_argument("--num-samples", type=int, help="N (default: the config's)")
     parser.add_argument("--max-new-tokens", type=int, help="default: the config's")
     parser.add_argument("--decision-token", type=int, help="sbon's tau (default: the config's)")
@@ -71,14 +84,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="passed to the sbon build only, e.g. the memory-budget mode: --sbon-set "
                              "strategy.initial_candidates=64 --sbon-set strategy.max_live_candidates=16")
     parser.add_argument("--output", default="out/bench/real-sbon", help="the builds' outputs: OUTPUT/STRATEGY")
-    parser.add_argument("--no-judge", action="store_true", help="skip the judge's win rate")
-    parser.add_argument("--judge-batch-size", type=int, default=16)
+    parser.add_argument("--no-judge", action="store_true", help="skip the IFEval figures and the random sample")
     parser.add_argument("--json", help="write the figures here as JSON")
     return parser.parse_args(argv)
 
 
 def settings(args: argparse.Namespace) -> tuple[list[str], dict]:
     """The --set overrides both builds share, and the effective settings (from the loaded config)."""
+    from pipeline.build import sampling_params
     from pipeline.config import load_config
 
     shared = [f"models.device={args.device}"]
@@ -95,8 +108,9 @@ def settings(args: argparse.Namespace) -> tuple[list[str], dict]:
     sbon = load_config(args.config, shared + sbon_overrides(args), strategy="sbon")
     params = sbon.strategy.params
     return shared, {"config": args.config, "device": args.device, "generator": sbon.models.generator,
-                    "reward": sbon.models.reward, "prompts_file": sbon.data.prompts,
+                    "reward": sbon.models.reward, "prompts_file": args.prompt_file or sbon.data.prompts,
                     "num_samples": sbon.sampling.num_samples, "max_new_tokens": sbon.sampling.max_new_tokens,
+                    "sampling": sampling_params(sbon), "chat_template": sbon.sampling.chat_template,
                     "decision_token": params.decision_token, "rejection_rate": params.rejection_rate,
                     "seed": sbon.seed, "overrides": shared}
 
@@ -166,37 +180,51 @@ def quality(bon: dict[str, dict], sbon: dict[str, dict]) -> tuple[dict, list[str
             "sbon_chosen_reward_above_bon": above}, common
 
 
-def judge(bon: dict[str, dict], sbon: dict[str, dict], common: list[str], generator: str, device: str,
-          max_new_tokens: int, batch_size: int) -> dict:
-    """RubricJudge's verdict, sbon's chosen vs Best-of-N's chosen on each prompt."""
-    import torch
+def ifeval(pairs: dict[str, dict]) -> dict:
+    """IFEval's strict figures of one build's pairs (pipeline.judge): chosen and rejected accuracy,
+    and pair accuracy over the pairs the judge tells apart."""
+    from pipeline.judge import accuracy, check
 
-    from pipeline.judge import RubricJudge
+    chosen, rejected, apart, right = [], [], 0, 0
+    for row in pairs.values():
+        ids, kwargs = row["instruction_id_list"], row["kwargs"]
+        c = check(row["chosen"], ids, kwargs, row["raw_prompt"])
+        r = check(row["rejected"], ids, kwargs, row["raw_prompt"])
+        chosen.append(c)
+        rejected.append(r)
+        if sum(c) != sum(r):
+            apart += 1
+            right += sum(c) > sum(r)
+    return {"pairs": len(pairs), "chosen": accuracy(chosen), "rejected": accuracy(rejected),
+            "pairs_told_apart": apart, "pair_accuracy": round(right / apart, 4) if apart else math.nan}
 
-    start = time.perf_counter()
-    # As jobs.fetch_models builds it: the judge reads whole responses (its cut stays above the cap).
-    rubric = RubricJudge.from_pretrained(generator, device=device, batch_size=batch_size,
-                                         max_response_tokens=2 * max_new_tokens)
-    prompts = [bon[p]["raw_prompt"] for p in common]
-    bon_scores = rubric.score(prompts, [bon[p]["chosen"] for p in common])
-    sbon_scores = rubric.score(prompts, [sbon[p]["chosen"] for p in common])
-    wins = losses = ties = 0
-    for p, b, s in zip(common, bon_scores, sbon_scores):
-        if bon[p]["chosen"] == sbon[p]["chosen"] or s == b:
-            ties += 1
-        elif s > b:
-            wins += 1
-        else:
-            losses += 1
-    del rubric
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    n = max(1, len(common))
-    return {"prompts": len(common), "sbon_wins": wins, "sbon_losses": losses, "ties": ties,
-            "win_rate": round((wins + ties / 2) / n, 4),
-            "win_rate_without_ties": round(wins / (wins + losses), 4) if wins + losses else math.nan,
-            "mean_judge_score": {"best_of_n": round(sum(bon_scores) / n, 4), "sbon": round(sum(sbon_scores) / n, 4)},
-            "seconds": round(time.perf_counter() - start, 1)}
+
+def random_sample(used: dict, lines: list[str], device: str) -> dict[str, list[bool]]:
+    """prompt_id -> IFEval's per-instruction verdict on one response sampled from the generator
+    alone (the builds' sampling settings, candidate 0's seed: one of the builds' own candidates)."""
+    from pipeline.data.prompts import PromptFormatter, validate
+    from pipeline.decoding.sampling import row_seed
+    from pipeline.engines.hf import HFEngine
+    from pipeline.judge import check
+
+    records = [json.loads(line) for line in lines]
+    engine = HFEngine.from_pretrained(used["generator"], device=device)
+    sampling = used["sampling"]
+    formatter = PromptFormatter(engine.tokenizer, 10**9, chat_template=used["chat_template"])
+    rows, _ = validate([r["prompt"] for r in records], "prompt")
+    prompts = [formatter.prepare(row)[0] for row in rows]
+    out = engine.generate([p.token_ids for p in prompts], 1, [row_seed(used["seed"], p.prompt_id, 0) for p in prompts],
+                          sampling)
+    by_prompt = {r["prompt"]: r for r in records}
+    return {p.prompt_id: check(o.text, by_prompt[p.raw_prompt]["instruction_id_list"],
+                               by_prompt[p.raw_prompt]["kwargs"], p.raw_prompt) for p, o in zip(prompts, out)}
+
+
+def random_figures(sampled: dict[str, list[bool]], common: list[str]) -> dict:
+    from pipeline.judge import accuracy
+
+    return {"all_prompts": {"prompts": len(sampled), **accuracy(list(sampled.values()))},
+            "compared_prompts": {"prompts": len(common), **accuracy([sampled[p] for p in common if p in sampled])}}
 
 
 def environment(device: str) -> dict:
@@ -211,16 +239,21 @@ def environment(device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shared, used = settings(args)
+    from pipeline.engines.rewards import is_reward_function
+
     for key in ("generator", "reward"):
-        if not Path(used[key]).is_dir():
+        if not (key == "reward" and is_reward_function(used[key])) and not Path(used[key]).is_dir():
             print(f"error: {used[key]}: no model directory (make real-models, or --{key} DIR)", file=sys.stderr)
             return 2
     lines = [ln for ln in Path(used["prompts_file"]).read_text().splitlines() if ln.strip()][:args.prompts]
     runs, best, ratios = compare(lines, args.repeats, lambda strategy, prompts: build(strategy, args, shared, prompts))
     pairs = {s: read_pairs(Path(args.output) / s) for s in COMPARED}  # the last run of each (same seed: same pairs)
     scores, common = quality(pairs["best_of_n"], pairs["sbon"])
-    verdict = None if args.no_judge else judge(pairs["best_of_n"], pairs["sbon"], common, used["generator"],
-                                               args.device, used["max_new_tokens"], args.judge_batch_size)
+    verdict = None
+    if not args.no_judge:
+        both = {s: {p: pairs[s][p] for p in common} for s in COMPARED}
+        verdict = {"compared_prompts": len(common), **{s: ifeval(both[s]) for s in COMPARED},
+                   "random_sample": random_figures(random_sample(used, lines, args.device), common)}
 
     print(f"\n{len(lines)} prompts of {used['prompts_file']}, N={used['num_samples']}, T={used['max_new_tokens']}, "
           f"tau={used['decision_token']}, alpha={used['rejection_rate']}, seed {used['seed']}, device {args.device}"
@@ -237,12 +270,22 @@ def main(argv: list[str] | None = None) -> int:
           f"same sample with different text on {scores['same_sample_different_text']} (both 0 when sbon sampled "
           f"Best-of-N's candidates)")
     if verdict:
-        print(f"judge (RubricJudge) sbon vs Best-of-N chosen: {verdict['sbon_wins']} wins, {verdict['sbon_losses']} "
-              f"losses, {verdict['ties']} ties -> win rate {verdict['win_rate']:.3f} (ties as half; "
-              f"{verdict['win_rate_without_ties']} without ties); mean judge score Best-of-N "
-              f"{verdict['mean_judge_score']['best_of_n']:.4f}, sbon {verdict['mean_judge_score']['sbon']:.4f}")
+        print(f"IFEval (strict; lm-eval's checkers) on the {verdict['compared_prompts']} prompts both builds paired:")
+        rand = verdict["random_sample"]
+        for name, figures in (("random sample", rand["compared_prompts"]), ("Best-of-N chosen", verdict["best_of_n"]["chosen"]),
+                              ("sbon chosen", verdict["sbon"]["chosen"]), ("Best-of-N rejected", verdict["best_of_n"]["rejected"]),
+                              ("sbon rejected", verdict["sbon"]["rejected"])):
+            print(f"  {name:<20} prompt-level {100 * figures['prompt_level_strict']:.1f}, "
+                  f"instruction-level {100 * figures['instruction_level_strict']:.1f}")
+        print(f"  random sample on all {rand['all_prompts']['prompts']} prompts: prompt-level "
+              f"{100 * rand['all_prompts']['prompt_level_strict']:.1f}, instruction-level "
+              f"{100 * rand['all_prompts']['instruction_level_strict']:.1f}")
+        for s_ in COMPARED:
+            print(f"  pair accuracy {s_}: {verdict[s_]['pair_accuracy']} over the {verdict[s_]['pairs_told_apart']} "
+                  "pairs the judge tells apart (target >= 0.85)")
 
     if args.json:
+        used = {k: v for k, v in used.items() if k != "sampling"}
         result = {"settings": used, "prompts": len(lines), "repeats": args.repeats, **ratios, **scores,
                   "judge": verdict, "runs": best, "all_runs": runs, **environment(args.device)}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

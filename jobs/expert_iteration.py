@@ -138,8 +138,10 @@ def check_models(config, generator: bool = True) -> None:
 
     from pipeline.methods import method
 
+    from pipeline.build import check_reward
+
+    check_reward(config.models.reward)  # a reward model, or a reward function (module:function)
     models = [("models.generator", config.models.generator)] if generator else []
-    models.append(("models.reward", config.models.reward))
     if config.models.draft and method(config.strategy.name).uses_draft:
         models.append(("models.draft", config.models.draft))
     for key, model in models:

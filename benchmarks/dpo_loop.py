@@ -1,0 +1,130 @@
+"""The loop closes: pairs built on the train prompts, one DPO round of the generator on them, and
+the generator's own held-out IFEval accuracy before and after.
+
+    python -m benchmarks.dpo_loop [--config configs/real.yaml] [--reward pipeline.judge:ifeval_reward]
+        [--strategy best_of_n] [--train-prompts configs/prompts/ifeval-train.jsonl]
+        [--eval-prompts configs/prompts/ifeval-eval.jsonl] [--num-samples 4] [--max-new-tokens 128]
+        [--eval-max-new-tokens 192] [--epochs 1] [--batch-size 8] [--learning-rate 5e-6] [--beta 0.1]
+        [--eval-samples 4] [--output out/bench/dpo-loop] [--json FILE]
+
+1. ``jobs.build_dataset`` on the train prompts (the config's models and sampling; ``--reward`` and
+   the flags above override): TRL-format pairs, each keeping its prompt's IFEval columns;
+2. TRL's DPOTrainer on those pairs (pipeline.training.dpo.load_pairs, train_dpo), one round of
+   ``--epochs`` passes, from the generator; the policy goes to OUTPUT/policy;
+3. before and after: ``--eval-samples`` responses per held-out prompt from the generator and from
+   the policy, same sampling settings and the same seeds (pipeline.decoding.sampling.row_seed), judged
+   by IFEval's checkers (pipeline.judge, strict): prompt-level and instruction-level accuracy.
+The figures: pairs, DPO steps, each step's wall time, and the before/after accuracies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.efficiency import run_job
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/real.yaml")
+    parser.add_argument("--reward", help="models.reward: a model directory or module:function (default: the config's)")
+    parser.add_argument("--strategy", default="best_of_n")
+    parser.add_argument("--train-prompts", default="configs/prompts/ifeval-train.jsonl")
+    parser.add_argument("--eval-prompts", default="configs/prompts/ifeval-eval.jsonl")
+    parser.add_argument("--num-samples", type=int, default=4, help="N of the pair build")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="T of the pair build")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=192)
+    parser.add_argument("--eval-samples", type=int, default=4, help="responses per held-out prompt, before and after")
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--learning-rate", type=float, default=5e-6)
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to the pair build")
+    parser.add_argument("--output", default="out/bench/dpo-loop")
+    parser.add_argument("--json", help="write the figures here as JSON")
+    return parser.parse_args(argv)
+
+
+def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: int, chat_template: str) -> dict:
+    """IFEval's strict figures of ``samples`` responses per prompt of ``prompt_file`` from ``model``
+    (rows seeded as a build seeds its candidates 0 .. samples - 1)."""
+    from pipeline.data.prompts import PromptFormatter, PromptSource, validate
+    from pipeline.decoding.sampling import row_seed
+    from pipeline.engines.hf import HFEngine
+    from pipeline.judge import accuracy, check
+
+    records = list(PromptSource(prompt_file, "prompt", extra_columns=None).records())
+    engine = HFEngine.from_pretrained(model)
+    formatter = PromptFormatter(engine.tokenizer, 10**9, chat_template=chat_template)
+    rows, _ = validate([v for v, _ in records], "prompt", columns=[c for _, c in records])
+    prompts = [formatter.prepare(row)[0] for row in rows]
+    seeds = [row_seed(seed, p.prompt_id, s) for p in prompts for s in range(samples)]
+    out = engine.generate([p.token_ids for p in prompts], samples, seeds, sampling)
+    judged = [check(o.text, prompts[i // samples].columns["instruction_id_list"],
+                    prompts[i // samples].columns["kwargs"], prompts[i // samples].raw_prompt)
+              for i, o in enumerate(out)]
+    return {"prompts": len(prompts), "responses": len(judged), **accuracy(judged),
+            "mean_tokens": round(sum(len(o.token_ids) for o in out) / max(1, len(out)), 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.build import sampling_params
+    from pipeline.config import load_config
+    from pipeline.training.dpo import load_pairs, train_dpo
+
+    args = parse_args(argv)
+    out = Path(args.output)
+    sets = [f"sampling.num_samples={args.num_samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
+            *([f"models.reward={args.reward}"] if args.reward else []), *args.overrides]
+    config = load_config(args.config, sets, strategy=args.strategy)
+    figures: dict = {"config": args.config, "strategy": args.strategy, "reward": config.models.reward,
+                     "generator": config.models.generator, "pair_build": {"num_samples": args.num_samples,
+                                                                          "max_new_tokens": args.max_new_tokens}}
+    start = time.perf_counter()
+    argv_build = ["--config", args.config, "--strategy", args.strategy, "--prompts", args.train_prompts,
+                  "--output", str(out / "pairs"), "--no-progress"]
+    for override in sets:
+        argv_build += ["--set", override]
+    report = run_job(args.strategy, argv_build, out / "pairs")
+    figures["pair_build"].update(pairs=report["pairs"], seconds=round(time.perf_counter() - start, 1),
+                                 generated_tokens=report["generated_tokens"])
+    print(f"pairs: {report['pairs']} from {args.train_prompts} in {figures['pair_build']['seconds']}s", flush=True)
+
+    pairs = load_pairs(str(out / "pairs"))
+    steps = max(1, int(args.epochs * len(pairs) / args.batch_size))
+    start = time.perf_counter()
+    metrics = train_dpo(pairs, config.models.generator, str(out / "policy"), max_steps=steps,
+                        batch_size=args.batch_size, learning_rate=args.learning_rate, beta=args.beta,
+                        max_length=args.max_length, seed=config.seed, progress=False)
+    figures["dpo"] = {"steps": metrics["steps"], "batch_size": args.batch_size, "learning_rate": args.learning_rate,
+                      "beta": args.beta, "seconds": round(time.perf_counter() - start, 1),
+                      **{k: v for k, v in metrics.items() if k != "steps"}}
+    print(f"DPO: {metrics['steps']} steps in {figures['dpo']['seconds']}s, loss {metrics['train_loss']:.4f}", flush=True)
+
+    eval_sampling = dataclasses.replace(sampling_params(config), max_new_tokens=args.eval_max_new_tokens)
+    for name, model in (("before", config.models.generator), ("after", str(out / "policy"))):
+        start = time.perf_counter()
+        figures[name] = judged_samples(model, args.eval_prompts, args.eval_samples, eval_sampling, config.seed,
+                                       config.sampling.chat_template)
+        figures[name]["seconds"] = round(time.perf_counter() - start, 1)
+    for name in ("before", "after"):
+        f = figures[name]
+        print(f"held-out IFEval {name:<6} ({f['responses']} responses, {f['prompts']} prompts): prompt-level "
+              f"{100 * f['prompt_level_strict']:.1f}, instruction-level {100 * f['instruction_level_strict']:.1f}, "
+              f"mean {f['mean_tokens']} tokens")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures, indent=2, default=str))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
