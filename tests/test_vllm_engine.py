@@ -171,6 +171,38 @@ def test_a_build_with_the_vllm_backend_writes_pairs(tiny_models, tmp_path):
     assert all(p["chosen"] != p["rejected"] and p["chosen_score"] >= p["rejected_score"] for p in pairs)
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("strategy", ["best_of_n", "sbon"])
+def test_a_reward_function_scores_a_vllm_build(tiny_models, tmp_path, strategy):
+    """models.reward as a function (module:function) on the vLLM backend: the function's scores,
+    and the input's other columns reach it and the output (make test-vllm runs it on CPU)."""
+    pytest.importorskip("vllm", reason="vllm is not installed (make install-vllm, or pip install .[vllm] on a GPU)")
+    import pyarrow.parquet as pq
+
+    from jobs.build_dataset import main
+    from jobs.make_tiny_models import make_vllm_model
+    from pipeline.data.writer import OutputStore
+    from tests.conftest import GOOD_PROMPTS, write_jsonl
+
+    model = make_vllm_model(tmp_path / "vllm-model")
+    rows = [{"prompt": p, "letter": "aeiou"[i % 5]} for i, p in enumerate(GOOD_PROMPTS[:6])]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "out"
+    assert main(["--config", "configs/demo.yaml", "--strategy", strategy, "--prompts", str(prompts),
+                 "--output", str(out), "--set", f"models.generator={model}",
+                 "--set", "models.reward=tests.test_reward_function:letter_reward", "--set", "models.draft=",
+                 "--set", "models.backend=vllm", "--set", "runtime.local=true", "--num-samples", "4",
+                 "--max-new-tokens", "16", "--no-progress",
+                 *(["--set", "strategy.decision_token=4"] if strategy == "sbon" else [])]) == 0
+    pairs = [r for part in OutputStore(str(out)).committed_parts() for r in pq.read_table(part).to_pylist()]
+    assert pairs
+    for p in pairs:
+        letter = {r["prompt"]: r["letter"] for r in rows}[p["raw_prompt"]]
+        assert p["letter"] == letter
+        for side in ("chosen", "rejected"):
+            assert p[f"{side}_score"] == pytest.approx(p[side].count(letter) + len(p[side]) * 1e-3)
+
+
 def test_model_side_methods_are_refused_by_the_vllm_backend():
     with pytest.raises(ValueError, match="not the model-side method 'dsbd'"):
         fake_engine().search("dsbd", [[1, 2]], 2, [0, 1], None, None)
