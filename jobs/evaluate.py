@@ -1,33 +1,53 @@
-"""Compare decoding methods against greedy decoding, judged by the labeling reward model.
+"""Quality figures from the IFEval judge (pipeline.judge): a build's pairs, or decoding methods.
 
-    python -m jobs.evaluate --model DIR --judge DIR --prompts URI [--methods greedy,temperature,...]
+    python -m jobs.evaluate --output OUT [--prompts FILE] [--allow-partial] [--report FILE]
+    python -m jobs.evaluate --model DIR --reward DIR --prompts FILE [--methods greedy,temperature,...]
         [--max-new-tokens T] [--max-prompts P] [--num-samples N] [--search-depth D] [--search-width K]
-        [--step-size N] [--sla-temperature T] [--seed S] [--device cpu|cuda] [--dtype float32] [--output FILE]
+        [--step-size N] [--sla-temperature T] [--seed S] [--device cpu|cuda] [--dtype float32] [--report FILE]
 
---model is the policy (a Reward Transformer directory for `sla`), --judge the sequence-
-classification reward model that labeled the training pairs. Methods: greedy, temperature,
-top_p, top_k, beam, sla, sbon (default: all; sla only when the model has a trained reward
-channel). Prints win / tie / loss against greedy, the win rate (wins + ties/2, Table 1 of the SLA
-paper) and the decoding cost relative to greedy (tokens and wall time), and writes them as JSON
-to --output when given. User errors print one line on stderr and exit with code 2.
+With --output: the pairs of the build at OUT, read through its output store (committed shards
+only; an unfinished build only with --allow-partial). Each pair is judged against its
+instruction_id_list and kwargs columns (kept from the input by data.extra_columns), or, where the
+build has none, against the row of --prompts (IFEval's columns: prompt, instruction_id_list, kwargs)
+whose prompt is the pair's raw_prompt. Prints IFEval's prompt-level and instruction-level strict
+accuracy of the chosen and of the rejected responses, and pair accuracy: among the pairs the judge
+tells apart, the share where the chosen response follows more instructions.
+
+With --model: decoding methods against greedy (pipeline.evaluation) on the --prompts rows, each
+response judged by IFEval against its row's instructions; --reward is the reward model the
+methods choose candidates with (it judges nothing). --model is the policy (a Reward Transformer
+directory for `sla`). Methods: greedy, temperature, top_p, top_k, beam, sla, sbon (default: all;
+sla only when the model has a trained reward channel). Prints win / tie / loss against greedy, the
+win rate (wins + ties/2, Table 1 of the SLA paper), IFEval accuracy and the decoding cost relative
+to greedy (tokens and wall time).
+
+Either way --report FILE gets the figures as JSON. User errors print one line on stderr and exit
+with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from pipeline.data.prompts import InputError
+
+INSTRUCTION_COLUMNS = ["instruction_id_list", "kwargs"]
 
 
 def parse_args(argv):
     from pipeline.evaluation import CHOICES
 
     parser = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="policy or Reward Transformer directory")
-    parser.add_argument("--judge", required=True, help="reward model (sequence classifier) that judges")
-    parser.add_argument("--prompts", required=True, help="JSONL/Parquet/saved dataset with a prompt column")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--output", help="a build's output (directory or s3:// prefix): judge its pairs")
+    source.add_argument("--model", help="policy or Reward Transformer directory: compare decoding methods")
+    parser.add_argument("--prompts", default=None, help="JSONL/Parquet with prompt, instruction_id_list, kwargs")
+    parser.add_argument("--allow-partial", action="store_true", help="read an unfinished build's committed shards")
+    parser.add_argument("--report", default=None, help="write the figures as JSON here")
+    parser.add_argument("--reward", default=None, help="with --model: the reward model the methods choose with")
     parser.add_argument("--prompt-column", default="prompt")
     parser.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(CHOICES)}")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -40,27 +60,90 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--output", default=None, help="write the report as JSON here")
     return parser.parse_args(argv)
 
 
-def load_prompts(uri: str, column: str, tokenizer, max_new_tokens: int, limit: int | None):
-    from pipeline.data.prompts import PromptFormatter, read_raw_rows, validate
+def read_instructions(uri: str, column: str) -> dict[str, dict]:
+    """{prompt text (a conversation: its canonical JSON, as a build's raw_prompt holds it): the row's
+    instruction columns} for every row of the prompt file."""
+    from pipeline.data.prompts import PromptSource, conversation_text
 
-    rows, _ = validate(read_raw_rows(uri, column), column)
+    rows = {}
+    for prompt, columns in PromptSource(uri, column, extra_columns=INSTRUCTION_COLUMNS).records():
+        if isinstance(prompt, (str, list)):
+            rows[prompt if isinstance(prompt, str) else conversation_text(prompt)] = columns
+    return rows
+
+
+def read_pairs(output: str, allow_partial: bool) -> list[dict]:
+    """The build's pair rows, from its committed shards only (OutputStore.committed_parts)."""
+    import pyarrow.parquet as pq
+
+    from pipeline.data.writer import OutputStore
+
+    store = OutputStore(output)
+    rows = []
+    for part in store.committed_parts(allow_partial=allow_partial):
+        with store.fs.open(part, "rb") as f:
+            rows += pq.read_table(f).to_pylist()
+    return rows
+
+
+def judge_pairs(args) -> dict:
+    """The --output figures; InputError (one line) for what the user can fix."""
+    from pipeline.data.writer import CorruptMarker, IncompleteBuild
+    from pipeline.evaluation import evaluate_pairs, instructions
+
+    try:
+        rows = read_pairs(args.output, args.allow_partial)
+    except (IncompleteBuild, CorruptMarker) as exc:
+        raise InputError(str(exc)) from None
+    if not rows:
+        raise InputError(f"{args.output}: no committed pairs")
+    asked = read_instructions(args.prompts, args.prompt_column) if args.prompts else None
+    pairs = []
+    for row in rows:
+        where = f"{args.output}: pair {row.get('prompt_id')}"
+        try:
+            found = instructions(row)
+            if found is None and asked is not None:
+                if row["raw_prompt"] not in asked:
+                    raise InputError(f"{where}: its prompt {row['raw_prompt'][:60]!r} is not in {args.prompts}")
+                found = instructions(asked[row["raw_prompt"]])
+        except ValueError as exc:
+            raise InputError(f"{where}: {exc}") from None
+        if found is None:
+            raise InputError(f"{where}: no instruction_id_list/kwargs columns; pass --prompts FILE with them")
+        pairs.append({"prompt": row["raw_prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
+                      "instruction_id_list": found[0], "kwargs": found[1]})
+    try:
+        report = evaluate_pairs(pairs)
+    except ValueError as exc:  # an instruction the judge does not know, or kwargs it cannot take
+        raise InputError(f"{args.output}: {exc}") from None
+    return {"output": args.output, "prompts": args.prompts, **report}
+
+
+def load_prompts(uri: str, column: str, tokenizer, max_new_tokens: int, limit: int | None):
+    from pipeline.data.prompts import PromptFormatter, PromptSource, validate
+
+    records = list(PromptSource(uri, column, extra_columns=INSTRUCTION_COLUMNS).records())
+    rows, _ = validate([v for v, _ in records], column, columns=[c for _, c in records])
     formatter = PromptFormatter(tokenizer, tokenizer.model_max_length - max_new_tokens)
     prompts = [p for p, _, _ in map(formatter.prepare, rows) if p is not None]
     return prompts[:limit] if limit else prompts
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def compare_methods(args) -> tuple[dict, str] | int:
+    """The --model figures and their table, or exit code 2 after one line on stderr."""
     from pipeline.config import ConfigError
     from pipeline.decoding.sla import SLAParams
     from pipeline.engines.reward_transformer import has_trained_channel
     from pipeline.evaluation import CHOICES, DEFAULT_METHODS, compare, format_report
 
     try:
+        for flag in ("reward", "prompts"):
+            if getattr(args, flag) is None:
+                raise ConfigError(f"--{flag}: required with --model")
         sla_params = SLAParams(args.search_depth, args.search_width, args.step_size)
         trained = has_trained_channel(args.model)
         if args.methods:
@@ -84,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.engines.hf import HFEngine
     from pipeline.engines.rewards import RewardScorer
 
-    for flag, path in (("--model", args.model), ("--judge", args.judge)):
+    for flag, path in (("--model", args.model), ("--reward", args.reward)):
         try:
             AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as exc:
@@ -99,15 +182,48 @@ def main(argv: list[str] | None = None) -> int:
     if not prompts:
         print(f"error: {args.prompts}: no valid prompts", file=sys.stderr)
         return 2
-    judge = RewardScorer.from_pretrained(args.judge, device=args.device, dtype=args.dtype)
-    report = compare(engine, judge, prompts, methods, args.max_new_tokens, args.seed, sla_params=sla_params,
-                     sla_temperature=args.sla_temperature, num_samples=args.num_samples)
-    print(f"{len(prompts)} prompts, judged by {args.judge}, against greedy")
-    print(format_report(report))
+    reward = RewardScorer.from_pretrained(args.reward, device=args.device, dtype=args.dtype)
+    try:
+        report = compare(engine, reward, prompts, methods, args.max_new_tokens, args.seed, sla_params=sla_params,
+                         sla_temperature=args.sla_temperature, num_samples=args.num_samples)
+    except ValueError as exc:  # a prompt without instructions, or ones the judge cannot check
+        print(f"error: {args.prompts}: {exc}", file=sys.stderr)
+        return 2
+    table = f"{len(prompts)} prompts, judged by IFEval (strict), against greedy\n{format_report(report)}"
+    return {"prompts": len(prompts), "model": args.model, "reward": args.reward, "judge": "ifeval-strict",
+            "methods": report}, table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"prompts": len(prompts), "model": args.model, "judge": args.judge, "methods": report}, f, indent=2)
+        from pipeline.evaluation import format_pairs_report
+
+        try:
+            report = judge_pairs(args)
+        except InputError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        table = format_pairs_report(report)
+    else:
+        result = compare_methods(args)
+        if isinstance(result, int):
+            return result
+        report, table = result
+    print(table)
+    if args.report:
+        with open(args.report, "w") as f:
+            # NaN (no pair told apart) as null: the file stays strict JSON.
+            json.dump(_finite(report), f, indent=2)
     return 0
+
+
+def _finite(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
 
 
 if __name__ == "__main__":

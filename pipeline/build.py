@@ -249,6 +249,7 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
             rows, _ = validate(values, data.prompt_column, prompts_in, first_rows)
             valid.append(len(rows))
             prompts_in += len(values)
+        extra.finish()
         if extra.left_out:
             print(f"note: {data.prompts}: column(s) {', '.join(sorted(extra.left_out))} not kept in the output "
                   "(the pair columns have those names)", file=sys.stderr)

@@ -1,27 +1,42 @@
-"""Decoding methods compared against greedy decoding, as in Table 1 of "Streaming Looking Ahead
-with Token-level Self-reward": one response per prompt and method, all judged by the external
-reward model that labeled the training pairs.
+"""Quality figures, all from the IFEval judge (pipeline.judge: lm-eval's verifiable-instruction
+checkers, IFEval strict), never from a model this pipeline trains or runs.
 
-- win rate against greedy = (wins + ties / 2) / prompts, a tie being an equal judge score (the
-  paper's definition; identical responses tie);
+Responses and preference pairs (what jobs.evaluate reports for a build):
+
+- ``evaluate_responses``: IFEval prompt-level and instruction-level strict accuracy of one response
+  per prompt (e.g. a random sample per prompt: the policy's plain accuracy);
+- ``evaluate_pairs``: the same two figures for the chosen and for the rejected responses of
+  preference pairs, and pair accuracy = among the pairs the judge tells apart (the fractions of
+  instructions followed differ), the share where the chosen response follows more.
+
+Decoding methods compared against greedy decoding, as in Table 1 of "Streaming Looking Ahead with
+Token-level Self-reward", with IFEval in place of the paper's reward-model judge: one response per
+prompt and method, each scored by the fraction of its prompt's instructions it follows.
+
+- win rate against greedy = (wins + ties / 2) / prompts, a tie being an equal score (the paper's
+  definition; identical responses tie); each method's IFEval accuracy beside it;
 - decoding cost relative to greedy = tokens the method decoded / tokens greedy decoded, and the
   same ratio of wall time (both measured in this run, on the same model and prompts).
 
 Methods and their settings follow section 5: temperature 0.8, top-p 0.9, top-k 50, beam search
 with 4 beams (the sampling baselines), and any method of the registry (pipeline.methods), run
-through its record as a build runs it: SLA (d, k, n from SLAParams; children sampled at
-``sla_temperature``; one search per prompt) and speculative rejection (Best-of-N with early
-stopping, N = ``num_samples``, which picks its response with the judge itself, so its win rate is
-an upper reference, not a like-for-like one) by default; the others with their default parameters
-and N = ``num_samples``. A method's response is its best completed candidate by the judge.
+through its record as a build runs it, with the build's reward (``scorer``) choosing among
+candidates: SLA (d, k, n from SLAParams; children sampled at ``sla_temperature``; one search per
+prompt) and speculative rejection (Best-of-N with early stopping, N = ``num_samples``) by default;
+the others with their default parameters and N = ``num_samples``. A method's response is its best
+completed candidate by that reward; the judge sees only the text.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from pipeline.judge import accuracy, check, completion_text, prompt_text
 
 from pipeline.decoding.protocols import PromptInput
 from pipeline.decoding.sampling import SamplingParams, row_seed
@@ -38,6 +53,60 @@ CHOICES = (*SAMPLING, "beam", *REGISTRY)
 """Everything ``decode`` runs: the baselines, then every registered method."""
 DEFAULT_METHODS = ("greedy", "temperature", "top_p", "top_k", "beam", "sla", "sbon")
 """What jobs.evaluate compares when not told (Table 1's rows, plus speculative rejection)."""
+INSTRUCTION_COLUMNS = ("instruction_id_list", "kwargs")
+"""The columns (IFEval's data) that say what a prompt asks; a build keeps them beside its pairs
+when its input has them (data.extra_columns)."""
+
+
+def instructions(row: dict) -> tuple[list[str], list[dict]] | None:
+    """A row's (instruction_id_list, kwargs) as pipeline.judge.check takes them; None when the row
+    has neither. A column the build wrote as JSON text (pipeline.data.writer: values with no common
+    Arrow type) is parsed; a malformed one raises ValueError."""
+    ids, kwargs = (row.get(name) for name in INSTRUCTION_COLUMNS)
+    if ids is None and kwargs is None:
+        return None
+    try:
+        ids, kwargs = (json.loads(v) if isinstance(v, str) else v for v in (ids, kwargs))
+        return [str(i) for i in ids], [dict(k or {}) for k in kwargs]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed instruction_id_list/kwargs ({exc})") from None
+
+
+def evaluate_responses(rows) -> dict:
+    """IFEval strict accuracy of one response per prompt, rows of (response, instruction_id_list,
+    kwargs) (the response a string or an assistant message list): {"responses",
+    "prompt_level_strict", "instruction_level_strict"}."""
+    judgements = [check(completion_text(response), ids, kwargs) for response, ids, kwargs in rows]
+    return {"responses": len(judgements), **accuracy(judgements)}
+
+
+def evaluate_pairs(pairs) -> dict:
+    """IFEval on preference pairs: dicts with "chosen", "rejected", "instruction_id_list", "kwargs"
+    and optionally "prompt" (text or messages; checkers that repeat the prompt read it). Returns
+    both strict accuracies of the chosen and of the rejected responses, the number of pairs the
+    judge tells apart (their fractions of instructions followed differ) and pair accuracy, the share
+    of those where the chosen response follows more (NaN when it tells none apart)."""
+    chosen, rejected = [], []
+    for pair in pairs:
+        prompt = prompt_text(pair["prompt"]) if pair.get("prompt") is not None else None
+        for side, judged_side in (("chosen", chosen), ("rejected", rejected)):
+            judged_side.append(check(completion_text(pair[side]), pair["instruction_id_list"], pair["kwargs"], prompt))
+    fractions = [(sum(c) / len(c), sum(r) / len(r)) for c, r in zip(chosen, rejected)]
+    told_apart = [c > r for c, r in fractions if c != r]
+    return {"pairs": len(fractions), "chosen": accuracy(chosen), "rejected": accuracy(rejected),
+            "pairs_told_apart": len(told_apart),
+            "pair_accuracy": sum(told_apart) / len(told_apart) if told_apart else math.nan}
+
+
+def format_pairs_report(report: dict) -> str:
+    lines = [f"{'':<10} {'prompt-level':>13} {'instruction-level':>18}   "
+             f"(IFEval strict accuracy, {report['pairs']} pairs)"]
+    for side in ("chosen", "rejected"):
+        figures = report[side]
+        lines.append(f"{side:<10} {figures['prompt_level_strict']:>13.1%} {figures['instruction_level_strict']:>18.1%}")
+    lines.append(f"pair accuracy {report['pair_accuracy']:.1%}: chosen follows more in that share of the "
+                 f"{report['pairs_told_apart']} pairs the judge tells apart")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -48,7 +117,13 @@ class MethodRun:
     wall_seconds: float
     forward_passes: int | None = None
     """Sequential model calls (batched rows count once); None for beam search (HF generate)."""
-    scores: list[float] = field(default_factory=list)
+    followed: list[list[bool]] = field(default_factory=list)
+    """Per response, the judge's verdict on each of its prompt's instructions (IFEval strict)."""
+
+    @property
+    def scores(self) -> list[float]:
+        """Per response, the fraction of its prompt's instructions followed."""
+        return [sum(f) / len(f) for f in self.followed]
 
 
 def decode(method: str, engine, scorer, prompts: list[PromptInput], max_new_tokens: int, seed: int = 0,
@@ -72,7 +147,7 @@ def decode(method: str, engine, scorer, prompts: list[PromptInput], max_new_toke
         elif method == "sbon":
             params = SpeculativeRejectionParams(decision_token=max(1, max_new_tokens // 4), rejection_rate=0.5)
         results = record.run(prompts, engine, scorer, params, sampling, n, seed)
-        # The best completed candidate by the judge (every one failing: the first, so no prompt is lost).
+        # The best completed candidate by the reward (every one failing: the first, so no prompt is lost).
         texts = [max((c for c in r.candidates if c.completed and not c.failed), key=lambda c: c.score,
                      default=r.candidates[0]).text for r in results]
         tokens = sum(r.generated_tokens for r in results)
@@ -118,7 +193,7 @@ def summarize(run: MethodRun, baseline: MethodRun) -> dict:
     """One row of the report: ``run`` (judged) against ``baseline`` (judged, usually greedy)."""
     return {
         **win_rate(run.scores, baseline.scores),
-        "mean_score": sum(run.scores) / len(run.scores),
+        **accuracy(run.followed),
         "token_cost_vs_greedy": run.generated_tokens / max(baseline.generated_tokens, 1),
         "time_cost_vs_greedy": run.wall_seconds / max(baseline.wall_seconds, 1e-9),
         "forward_pass_cost_vs_greedy": (None if run.forward_passes is None or not baseline.forward_passes
@@ -129,16 +204,25 @@ def summarize(run: MethodRun, baseline: MethodRun) -> dict:
 
 def judged(method: str, engine, scorer, prompts: list[PromptInput], max_new_tokens: int, seed: int = 0,
            **kwargs) -> MethodRun:
-    """``decode`` plus the judge's score of every response."""
+    """``decode`` (``scorer`` is the reward its method chooses with) plus the IFEval judge's verdict
+    on every response, against the instructions in each prompt's columns (PromptInput.columns:
+    instruction_id_list and kwargs; ValueError naming the prompt when they are missing)."""
+    asked = []
+    for p in prompts:
+        found = instructions(p.columns)
+        if found is None:
+            raise ValueError(f"prompt {p.raw_prompt[:60]!r}: no instruction_id_list/kwargs columns to judge it by")
+        asked.append(found)
     run = decode(method, engine, scorer, prompts, max_new_tokens, seed, **kwargs)
-    run.scores = scorer.score([p.reward_input for p in prompts], run.texts)
+    run.followed = [check(text, ids, kw, p.raw_prompt) for text, (ids, kw), p in zip(run.texts, asked, prompts)]
     return run
 
 
 def compare(engine, scorer, prompts: list[PromptInput], methods: list[str], max_new_tokens: int, seed: int = 0,
             **kwargs) -> dict:
-    """Run greedy (the baseline) and ``methods``, judge every response with ``scorer``, and
-    report each method's win rate and cost relative to greedy."""
+    """Run greedy (the baseline) and ``methods`` (``scorer``: the reward they choose with), judge
+    every response with IFEval, and report each method's win rate, accuracy and cost relative to
+    greedy."""
     baseline = judged("greedy", engine, scorer, prompts, max_new_tokens, seed, **kwargs)
     return {m: summarize(baseline if m == "greedy" else judged(m, engine, scorer, prompts, max_new_tokens, seed,
                                                                 **kwargs), baseline)
@@ -146,11 +230,12 @@ def compare(engine, scorer, prompts: list[PromptInput], methods: list[str], max_
 
 
 def format_report(report: dict) -> str:
-    lines = [f"{'method':<12} {'win':>6} {'tie':>6} {'loss':>6} {'win rate':>9} {'tokens x':>9} {'passes x':>9} "
-             f"{'time x':>7}"]
+    lines = [f"{'method':<12} {'win':>6} {'tie':>6} {'loss':>6} {'win rate':>9} {'prompt':>7} {'instr':>7} "
+             f"{'tokens x':>9} {'passes x':>9} {'time x':>7}"]
     for name, r in report.items():
         passes = r["forward_pass_cost_vs_greedy"]
         lines.append(f"{name:<12} {r['win']:>6.1%} {r['tie']:>6.1%} {r['loss']:>6.1%} {r['win_rate']:>9.1%} "
+                     f"{r['prompt_level_strict']:>7.1%} {r['instruction_level_strict']:>7.1%} "
                      f"{r['token_cost_vs_greedy']:>9.2f} {'-' if passes is None else f'{passes:.2f}':>9} "
                      f"{r['time_cost_vs_greedy']:>7.2f}")
     return "\n".join(lines)

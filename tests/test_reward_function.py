@@ -165,3 +165,18 @@ def test_a_bad_reward_function_is_one_line_and_exit_2(tiny_models, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].count(message) == 1 and "models.reward" in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_column_of_empty_dicts_is_kept_as_json_text(tiny_models, tmp_path):
+    """IFEval's kwargs of instructions without arguments are [{}]: a struct with no fields, which
+    Parquet cannot hold; when no row gives it a field the column is written as JSON text."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a b", "letter": "a", "kwargs": [{}]},
+                                                 {"prompt": "c d", "letter": "b", "kwargs": [{}, {}]}])
+    code = main(["--config", "configs/demo.yaml", "--strategy", "best_of_n", "--prompts", str(prompts),
+                 "--output", str(tmp_path / "o"), "--set", f"models.generator={tiny_models['generator']}",
+                 "--set", "models.reward=tests.test_reward_function:letter_reward", "--set", "runtime.local=true",
+                 "--max-new-tokens", "8", "--num-samples", "3", "--no-progress"])
+    assert code == 0
+    rows = [r for part in OutputStore(str(tmp_path / "o")).committed_parts() for r in pq.read_table(part).to_pylist()]
+    assert rows and all(json.loads(r["kwargs"]) in ([{}], [{}, {}]) for r in rows)
+    assert json.loads((tmp_path / "o" / "_manifest.json").read_text())["extra_columns"]["kwargs"] == "json text"

@@ -108,6 +108,15 @@ class ExtraColumns:
             found = pa.string()
         self.types[name] = found
 
+    def finish(self) -> None:
+        """After the last ``add``: a type with an empty struct in it (every row's dict was empty, as
+        IFEval's kwargs of instructions without arguments are) cannot be written to Parquet, so
+        that column is written as JSON text too."""
+        for name, found in self.types.items():
+            if _has_empty_struct(found):
+                self.as_text.add(name)
+                self.types[name] = pa.string()
+
     def schema(self, base: pa.Schema) -> pa.Schema:
         return pa.schema([*base, *(pa.field(n, t) for n, t in self.types.items())])
 
@@ -119,6 +128,16 @@ class ExtraColumns:
     def describe(self) -> dict:
         """For the manifest: each column's type (``json text`` for the text fallback)."""
         return {n: "json text" if n in self.as_text else str(t) for n, t in self.types.items()}
+
+
+def _has_empty_struct(found: pa.DataType) -> bool:
+    if pa.types.is_struct(found):
+        return found.num_fields == 0 or any(_has_empty_struct(found.field(i).type) for i in range(found.num_fields))
+    if pa.types.is_list(found) or pa.types.is_large_list(found) or pa.types.is_fixed_size_list(found):
+        return _has_empty_struct(found.value_type)
+    if pa.types.is_map(found):
+        return _has_empty_struct(found.key_type) or _has_empty_struct(found.item_type)
+    return False
 
 
 REJECT_SCHEMA = pa.schema([
