@@ -79,3 +79,25 @@ def test_build_job_on_local_ray_with_mixed_input(cluster, tiny_models, tmp_path)
     assert manifest["pairs"] == len(GOOD_PROMPTS)
     assert manifest["prompts_rejected"] == len(MIXED_BAD_ROWS)
     assert manifest["prompts_in"] == len(MIXED_ROWS)
+
+
+def test_a_reward_function_runs_in_the_ray_reward_actors(cluster, tiny_models, tmp_path):
+    """models.reward as module:function on Ray: the function is imported and called inside the
+    reward actor (its module must import there), with each row's columns, and the output keeps them."""
+    import pyarrow.parquet as pq
+
+    from pipeline.data.writer import OutputStore
+
+    rows = [{"prompt": p, "letter": "aeiou"[i % 5]} for i, p in enumerate(GOOD_PROMPTS)]
+    prompt_file = write_jsonl(tmp_path / "p.jsonl", rows)
+    rc = main(["--config", "configs/demo.yaml", "--prompts", str(prompt_file), "--output", str(tmp_path / "out"),
+               "--set", f"models.generator={tiny_models['generator']}",
+               "--set", "models.reward=tests.test_reward_function:letter_reward",
+               "--num-samples", "4", "--max-new-tokens", "16", "--set", "strategy.decision_token=6", "--no-progress"])
+    assert rc == 0
+    pairs = [r for part in OutputStore(str(tmp_path / "out")).committed_parts() for r in pq.read_table(part).to_pylist()]
+    letters = {r["prompt"]: r["letter"] for r in rows}
+    assert pairs
+    for p in pairs:
+        assert p["letter"] == letters[p["raw_prompt"]]
+        assert p["chosen_score"] == pytest.approx(p["chosen"].count(p["letter"]) + len(p["chosen"]) * 1e-3)
