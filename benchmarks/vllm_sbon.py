@@ -34,8 +34,9 @@ Printed per run: run seconds (first batch to last commit; engine start left out)
 tokens/s; the run-time ratios against ``bon_vllm``; the normalized score (Eq. 5 of the speculative
 rejection paper, over Best-of-N on vLLM's max and min reward per prompt: both sbon runs sample
 their first tau tokens from the same seeds, and the continuous one samples exactly Best-of-N's
-candidates) and, unless ``--no-judge``, the independent judge's win rate of each sbon run's chosen
-response against Best-of-N on vLLM's (benchmarks.real_sbon.judge).
+candidates) and, unless ``--no-judge``, IFEval's strict accuracy of each run's chosen responses
+and its pair accuracy (benchmarks.real_sbon.ifeval; the prompts need IFEval's columns, e.g.
+``--set data.prompts=configs/prompts/ifeval-eval.jsonl``), over the prompts both runs paired.
 
 ``--throughput`` also times raw decoding at 128 rows x 128 tokens (EOS ignored, both cores): vLLM's
 LLM.generate in this process, then our HFEngine (benchmarks.hf_throughput) in a process of its own
@@ -58,7 +59,7 @@ import time
 from pathlib import Path
 
 from benchmarks.efficiency import run_job
-from benchmarks.real_sbon import environment, judge, quality, read_pairs
+from benchmarks.real_sbon import environment, ifeval, quality, read_pairs
 
 RUNS = {
     "bon_vllm": ("best_of_n", ["models.backend=vllm", "runtime.merged_decoding=true"]),
@@ -87,8 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="passed to every build (strategy.* ones to the sbon builds only), "
                              "e.g. --set sampling.num_samples=16 --set strategy.decision_token=64")
     parser.add_argument("--output", default="out/bench/vllm-sbon", help="the builds' outputs: OUTPUT/RUN")
-    parser.add_argument("--no-judge", action="store_true", help="skip the judge's win rates")
-    parser.add_argument("--judge-batch-size", type=int, default=16)
+    parser.add_argument("--no-judge", action="store_true", help="skip the IFEval figures")
     parser.add_argument("--throughput", action="store_true", help="also time raw decoding at 128 rows x 128 tokens")
     parser.add_argument("--hf-python", default=".venv/bin/python" if Path(".venv/bin/python").exists() else sys.executable,
                         help="--throughput's Python for the HF engine (default: the product's .venv)")
@@ -181,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     config = load_config(args.config, args.overrides, strategy="sbon")
+    from pipeline.engines.rewards import is_reward_function
+
     for path in (config.models.generator, config.models.reward):
-        if not Path(path).is_dir():
+        if not (path == config.models.reward and is_reward_function(path)) and not Path(path).is_dir():
             print(f"error: {path}: no model directory (make real-models)", file=sys.stderr)
             return 2
     lines = [ln for ln in Path(config.data.prompts).read_text().splitlines() if ln.strip()][:args.prompts]
@@ -232,11 +234,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"prompts (target >= 98; min {scores['normalized_score_min']:.2f}); same chosen sample as Best-of-N "
                   f"on {scores['same_chosen_sample']}/{scores['paired_prompts']['both']}")
             if not args.no_judge:
-                verdict = judge(bon, sbon, common, config.models.generator, config.models.device,
-                                config.sampling.max_new_tokens, args.judge_batch_size)
-                result[f"{name}_judge"] = verdict
-                print(f"   judge vs Best-of-N on vLLM: {verdict['sbon_wins']} wins, {verdict['sbon_losses']} losses, "
-                      f"{verdict['ties']} ties -> win rate {verdict['win_rate']:.3f}")
+                verdict = {"best_of_n": ifeval({p: bon[p] for p in common}),
+                           "sbon": ifeval({p: sbon[p] for p in common})}
+                result[f"{name}_ifeval"] = verdict
+                print(f"   IFEval on the {len(common)} prompts both paired (prompt-level / instruction-level / pair "
+                      f"accuracy): Best-of-N on vLLM "
+                      f"{100 * verdict['best_of_n']['chosen']['prompt_level_strict']:.1f} / "
+                      f"{100 * verdict['best_of_n']['chosen']['instruction_level_strict']:.1f} / "
+                      f"{verdict['best_of_n']['pair_accuracy']}, {name} "
+                      f"{100 * verdict['sbon']['chosen']['prompt_level_strict']:.1f} / "
+                      f"{100 * verdict['sbon']['chosen']['instruction_level_strict']:.1f} / {verdict['sbon']['pair_accuracy']}")
     if args.throughput:
         result["throughput"] = throughput(config.models.generator, args.hf_python)
     if args.json:
