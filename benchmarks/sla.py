@@ -2,33 +2,45 @@
 
     python -m benchmarks.sla [--models DIR] [--device cpu|cuda] [--train-prompts 256] [--eval-prompts 64]
         [--max-new-tokens 32] [--hidden-size 256] [--epochs 3] [--learning-rate 1e-3] [--threads 1]
-        [--prompts FILE --eval-prompts-file FILE] [--judge reward|rubric] [--no-adapter] [--dpo-steps 0]
+        [--prompts FILE [--eval-prompts-file FILE]] [--no-adapter] [--dpo-steps 0]
         [--pairs DIR] [--output benchmarks/results/sla.json]
 
 --models DIR holds DIR/generator and DIR/reward (what `python -m jobs.make_tiny_models` and
 `python -m jobs.fetch_models` write); without it, the random-weight tiny models are built in a
-temporary directory. Prompts come from the tiny models' grammar unless --prompts and
---eval-prompts-file (JSONL with a "prompt" field; the first --train-prompts / --eval-prompts rows)
-say otherwise. The recipe:
+temporary directory. Prompts, two modes:
+
+- files: --prompts FILE (JSONL with a "prompt" field; the first --train-prompts rows) for the pair
+  build, and --eval-prompts-file FILE (default configs/prompts/ifeval-eval.jsonl, the held-out
+  verifiable-instruction prompts; the first --eval-prompts rows), whose rows also carry IFEval's
+  instruction_id_list and kwargs columns;
+- without files, the tiny models' grammar (requests about products, tokens those models were
+  trained on): disjoint training and held-out requests, each held-out one followed by 1 to 3
+  instructions from IFEval's registry as jobs.make_ifeval_prompts draws them (``make_rows``).
+
+The recipe:
 
 1. pairs: our build (best_of_n, --num-samples samples at --temperature, best and worst by the
-   labeling reward model: the paper's data collection, section 5) on --train-prompts prompts;
+   labeling reward model: the paper's data collection, section 5) on the training prompts;
    --pairs DIR keeps the build in DIR and reuses it on a later run whose models (directories and
    weight files), prompts and sampling settings are the same (DIR/bench-settings.json; any
    difference rebuilds);
 2. setting 1: the Reward Transformer's channel trained with Bradley-Terry on a frozen policy;
    the adapter baseline (one linear head on the last hidden state) trained the same way;
 3. setting 2: DPO on the same pairs, then the channel on the DPO policy;
-4. on --eval-prompts held-out prompts, judged by the labeling reward model (--judge reward) or by
-   the independent rubric judge on the generator (--judge rubric, pipeline.judge.RubricJudge: the
-   real models' judge, which neither the reward model nor the channel optimizes directly): SLA vs
-   greedy (win rate = wins + ties/2) for the frozen policy and after DPO (vs the DPO model's
-   greedy, and vs the original greedy; --dpo-steps 0 skips setting 2);
+4. on the held-out prompts, every response judged by IFEval's checkers (pipeline.judge via
+   pipeline.evaluation, strict: a response scores the fraction of its prompt's instructions it
+   follows), which neither the labeling reward model nor the channel was trained on: SLA vs greedy
+   (win rate = wins + ties/2, a tie being an equal score) and both methods' IFEval prompt-level and
+   instruction-level accuracy, for the frozen policy and after DPO (vs the DPO model's greedy, and
+   vs the original greedy; --dpo-steps 0 skips setting 2). SLA searches with the channel; the
+   labeling reward model only scores its kept candidate (pipeline.decoding.model_side);
 5. SLA's decoding cost relative to greedy (tokens, sequential forward passes, wall time) next to
    the paper's log_k(N) = d estimate (Eq. 11, N = k^d explored leaves);
 6. AuTRC of the Reward Transformer vs the adapter on the held-out pairs (curves in a PNG;
-   --no-adapter skips the adapter).
+   --no-adapter skips the adapter): agreement of partial-response rewards with the labeling reward
+   model's pair labels, a figure of reward modelling, not of quality.
 
+On the random-weight tiny models the figures exercise the code and mean nothing.
 Targets (issue): SLA win rate >= 70% against greedy; Reward Transformer AuTRC > adapter's.
 """
 
@@ -45,6 +57,11 @@ import time
 from pathlib import Path
 
 import torch
+
+
+JUDGE = "IFEval strict (pipeline.judge: lm-eval's instruction checkers)"
+HELD_OUT = "configs/prompts/ifeval-eval.jsonl"
+"""The default --eval-prompts-file with --prompts: our held-out verifiable-instruction prompts."""
 
 
 def bench_prompts(train: int, evaluate: int, seed: int, train_file: str | None = None,
@@ -76,23 +93,61 @@ def fail(message: str):
     raise SystemExit(2)
 
 
+def file_rows(path: str, count: int) -> list[tuple[int, dict]]:
+    """The first ``count`` rows (line number, row) of a JSONL file that have a "prompt" string
+    (exit 2 naming the file and row)."""
+    rows = []
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if len(rows) == count:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    if not isinstance(row["prompt"], str):
+                        raise TypeError(f"prompt is a {type(row['prompt']).__name__}")
+                except (ValueError, KeyError, TypeError) as e:
+                    fail(f"{path}: row {number}: no \"prompt\" string ({e})")
+                rows.append((number, row))
+    except OSError as e:
+        fail(f"{path}: {e.strerror}")
+    if len(rows) < count:
+        fail(f"{path}: {len(rows)} prompts, {count} asked for")
+    return rows
+
+
 def file_prompts(path: str, count: int) -> list[str]:
     """The first ``count`` "prompt" strings of a JSONL file (exit 2 naming the file and row)."""
-    prompts = []
-    with open(path) as f:
-        for row, line in enumerate(f, 1):
-            if len(prompts) == count:
-                break
-            if not line.strip():
-                continue
-            try:
-                prompt = json.loads(line)["prompt"]
-            except (ValueError, KeyError, TypeError) as e:
-                fail(f"{path}: row {row}: no \"prompt\" string ({e})")
-            prompts.append(prompt)
-    if len(prompts) < count:
-        fail(f"{path}: {len(prompts)} prompts, {count} asked for")
-    return prompts
+    return [row["prompt"] for _, row in file_rows(path, count)]
+
+
+def held_out_rows(prompts: list[str], eval_file: str | None, seed: int) -> list[dict]:
+    """The held-out prompts as rows the judge reads: prompt, instruction_id_list, kwargs. From
+    ``eval_file``, its rows' own columns (the first len(prompts) rows, as bench_prompts read them;
+    exit 2 naming the row when they are missing or name what the judge cannot check); for the
+    grammar's requests, instructions drawn as jobs.make_ifeval_prompts draws them (seeded), their
+    descriptions appended to the request."""
+    from pipeline.evaluation import instructions
+    from pipeline.judge import check
+
+    if eval_file is None:
+        from jobs.make_ifeval_prompts import make_rows
+
+        return [{"prompt": r["prompt"], "instruction_id_list": r["instruction_id_list"], "kwargs": r["kwargs"]}
+                for r in make_rows(tuple(prompts), len(prompts), 0, random.Random(seed), set())]
+    rows = []
+    for number, row in file_rows(eval_file, len(prompts)):
+        try:
+            found = instructions(row)
+            if found is None:
+                raise ValueError(f"no instruction_id_list/kwargs columns to judge it by (IFEval's data, as {HELD_OUT})")
+            check("", *found, row["prompt"])  # builds every checker: an id or kwargs it cannot take raise here
+        except ValueError as e:
+            fail(f"{eval_file}: row {number}: {e}")
+        rows.append({"prompt": row["prompt"], "instruction_id_list": found[0], "kwargs": found[1]})
+    return rows
 
 
 def build_pairs(generator: str, reward: str, prompts: list[str], output: Path, args) -> dict:
@@ -146,27 +201,31 @@ def pair_build(generator: str, reward: str, prompts: list[str], work: Path, args
     return output, f"built into {output}"
 
 
-def eval_inputs(engine, prompts: list[str], max_new_tokens: int):
+def eval_inputs(engine, rows: list[dict], max_new_tokens: int):
+    """The held-out rows as PromptInputs, their instruction columns kept for the judge."""
     from pipeline.data.prompts import PromptFormatter, PromptRow
 
     formatter = PromptFormatter(engine.tokenizer, engine.max_context - max_new_tokens)
-    return [formatter.prepare(PromptRow(i, p))[0] for i, p in enumerate(prompts)]
+    return [formatter.prepare(PromptRow(i, r["prompt"], {k: r[k] for k in ("instruction_id_list", "kwargs")}))[0]
+            for i, r in enumerate(rows)]
 
 
-def sla_vs_greedy(model_dir: str, judge, prompts: list[str], args, original=None) -> tuple[dict, object]:
-    """SLA and greedy on one model, judged; with ``original`` (another model's judged greedy run)
-    also both against it. Returns the report and this model's greedy run."""
+def sla_vs_greedy(model_dir: str, reward, rows: list[dict], args, original=None) -> tuple[dict, object]:
+    """SLA and greedy on one model, each response judged by IFEval (pipeline.evaluation.judged;
+    ``reward``, the labeling reward model, scores SLA's kept candidate and judges nothing); with
+    ``original`` (another model's judged greedy run) also both against it. Returns the report and
+    this model's greedy run."""
     from pipeline.decoding.sla import SLAParams
     from pipeline.engines.hf import HFEngine
     from pipeline.evaluation import judged, summarize
 
     engine = HFEngine.from_pretrained(model_dir, device=args.device)
-    inputs = eval_inputs(engine, prompts, args.max_new_tokens)
+    inputs = eval_inputs(engine, rows, args.max_new_tokens)
     params = SLAParams(args.search_depth, args.search_width, args.step_size)
     for method in ("greedy", "sla"):  # warm-up, so neither timing pays first-call costs
-        judged(method, engine, judge, inputs[:2], args.max_new_tokens, args.seed, sla_params=params)
-    greedy = judged("greedy", engine, judge, inputs, args.max_new_tokens, args.seed)
-    sla = judged("sla", engine, judge, inputs, args.max_new_tokens, args.seed, sla_params=params,
+        judged(method, engine, reward, inputs[:2], args.max_new_tokens, args.seed, sla_params=params)
+    greedy = judged("greedy", engine, reward, inputs, args.max_new_tokens, args.seed)
+    sla = judged("sla", engine, reward, inputs, args.max_new_tokens, args.seed, sla_params=params,
                  sla_temperature=args.sla_temperature)
     report = {"greedy": summarize(greedy, greedy), "sla": summarize(sla, greedy)}
     if original is not None:
@@ -204,11 +263,10 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--prompts", default=None, help="training prompts, JSONL (default: the tiny grammar)")
-    parser.add_argument("--eval-prompts-file", default=None, help="held-out prompts, JSONL (with --prompts)")
+    parser.add_argument("--eval-prompts-file", default=None,
+                        help=f"held-out prompts with IFEval's columns, JSONL (with --prompts; default {HELD_OUT})")
     parser.add_argument("--num-samples", type=int, default=5, help="samples per prompt of the pair build")
     parser.add_argument("--temperature", type=float, default=0.8, help="temperature of the pair build")
-    parser.add_argument("--judge", choices=("reward", "rubric"), default="reward",
-                        help="reward: the labeling reward model; rubric: pipeline.judge.RubricJudge on the generator")
     parser.add_argument("--no-adapter", action="store_true", help="skip the linear-adapter baseline (AuTRC)")
     parser.add_argument("--dpo-steps", type=int, default=30, help="0 skips setting 2 (DPO)")
     parser.add_argument("--dpo-learning-rate", type=float, default=1e-4)
@@ -233,6 +291,11 @@ def run(args, work: Path) -> int:
     from pipeline.training.reward_channel import train_reward_transformer
 
     start = time.perf_counter()
+    # Prompts first: a bad file fails in a moment, not after the models are built.
+    eval_file = args.eval_prompts_file or (HELD_OUT if args.prompts else None)
+    train_prompts, eval_prompts = bench_prompts(args.train_prompts, args.eval_prompts, args.seed, args.prompts,
+                                                eval_file)
+    eval_rows = held_out_rows(eval_prompts, eval_file, args.seed)
     if args.models:
         generator, reward, source = str(Path(args.models, "generator")), str(Path(args.models, "reward")), args.models
     else:
@@ -240,8 +303,6 @@ def run(args, work: Path) -> int:
 
         paths = make_tiny_models(work / "models", seed=args.seed)
         generator, reward, source = str(paths["generator"]), str(paths["reward"]), "random tiny models (make_tiny_models)"
-    train_prompts, eval_prompts = bench_prompts(args.train_prompts, args.eval_prompts, args.seed, args.prompts,
-                                                args.eval_prompts_file)
     print(f"models: {source}; {len(train_prompts)} training prompts, {len(eval_prompts)} held-out prompts", flush=True)
 
     pair_dir, how = pair_build(generator, reward, train_prompts, work, args)
@@ -260,17 +321,9 @@ def run(args, work: Path) -> int:
         pairs, generator, str(work / "rt-dpo"), dpo=True, dpo_steps=args.dpo_steps,
         dpo_learning_rate=args.dpo_learning_rate, **train)
 
-    if args.judge == "rubric":
-        from pipeline.judge import RubricJudge
-
-        # As jobs.fetch_models builds it: the judge reads whole responses (its cut above the cap).
-        judge = RubricJudge.from_pretrained(generator, device=args.device,
-                                            max_response_tokens=max(256, args.max_new_tokens))
-        judge_name = "the independent rubric judge (RubricJudge)"
-    else:
-        judge, judge_name = RewardScorer.from_pretrained(reward, device=args.device), "the labeling reward model"
-    frozen, greedy = sla_vs_greedy(str(work / "rt"), judge, eval_prompts, args)
-    after_dpo = None if dpo is None else sla_vs_greedy(str(work / "rt-dpo"), judge, eval_prompts, args,
+    reward_scorer = RewardScorer.from_pretrained(reward, device=args.device)
+    frozen, greedy = sla_vs_greedy(str(work / "rt"), reward_scorer, eval_rows, args)
+    after_dpo = None if dpo is None else sla_vs_greedy(str(work / "rt-dpo"), reward_scorer, eval_rows, args,
                                                        original=greedy)[0]
 
     d, k = args.search_depth, args.search_width
@@ -279,14 +332,19 @@ def run(args, work: Path) -> int:
     figures = {
         "models": source,
         "train_pairs": len(pairs),
-        "eval_prompts": len(eval_prompts),
-        "judge": judge_name,
+        "eval_prompts": len(eval_rows),
+        "eval_prompts_source": eval_file or "tiny grammar + IFEval instructions (jobs.make_ifeval_prompts.make_rows)",
+        "judge": JUDGE,
         "max_new_tokens": args.max_new_tokens,
         "sla_params": {"search_depth": d, "search_width": k, "step_size": args.step_size},
         "win_rate_sla_vs_greedy_frozen": sla["win_rate"],
         "win_rate_sla_vs_greedy_after_dpo": after_dpo and after_dpo["sla"]["win_rate"],
         "win_rate_dpo_sla_vs_original_greedy": after_dpo and after_dpo["sla_vs_original_greedy"]["win_rate"],
         "win_rate_dpo_greedy_vs_original_greedy": after_dpo and after_dpo["greedy_vs_original_greedy"]["win_rate"],
+        "ifeval_accuracy": {
+            name: {method: {level: run[method][level] for level in ("prompt_level_strict", "instruction_level_strict")}
+                   for method in ("greedy", "sla")}
+            for name, run in (("frozen", frozen), ("after_dpo", after_dpo)) if run},
         "cost_vs_greedy": {
             "paper_estimate_log_k_N": math.log(n_leaves, k),
             "forward_passes": sla["forward_pass_cost_vs_greedy"],
@@ -311,14 +369,18 @@ def run(args, work: Path) -> int:
         plot_autrc(rt, adapter, out.with_suffix(".png"))
 
     c = figures["cost_vs_greedy"]
-    print(f"SLA (d={d}, k={k}, n={args.step_size}) vs greedy, judged by {judge_name} "
-          f"on {len(eval_prompts)} held-out prompts:")
+    print(f"SLA (d={d}, k={k}, n={args.step_size}) vs greedy, judged by {JUDGE} on {len(eval_rows)} held-out prompts:")
     print(f"  frozen policy:  win rate {sla['win_rate']:.1%} (win {sla['win']:.1%} tie {sla['tie']:.1%} "
           f"loss {sla['loss']:.1%})   target >= 70%: {'met' if sla['win_rate'] >= 0.7 else 'NOT met'}")
     if after_dpo:
         print(f"  after DPO:      win rate {after_dpo['sla']['win_rate']:.1%} vs DPO greedy; "
               f"{figures['win_rate_dpo_sla_vs_original_greedy']:.1%} vs original greedy "
               f"(DPO greedy vs original greedy: {figures['win_rate_dpo_greedy_vs_original_greedy']:.1%})")
+    for name, run in (("frozen", frozen), ("after DPO", after_dpo)):
+        if run:
+            print(f"  IFEval strict accuracy ({name}), prompt / instruction level: "
+                  + "; ".join(f"{m} {run[m]['prompt_level_strict']:.1%} / {run[m]['instruction_level_strict']:.1%}"
+                              for m in ("greedy", "sla")))
     print(f"  cost vs greedy: forward passes x{c['forward_passes']:.2f}, wall time x{c['wall_time']:.2f}, "
           f"tokens x{c['tokens']:.2f}; paper's estimate log_k(N) = {c['paper_estimate_log_k_N']:.2f}")
     if adapter:

@@ -266,9 +266,9 @@ def rubric_score(relevance: float, log_p_end: float, repeated: float, words: int
 
 class RubricJudge:
     """NOT an independent judge: the generator's own network plus a rubric (below), so a policy
-    trained or searched against it can game it. It is used in no published quality figure (those
-    come from IFEval's checkers, above); it remains only for jobs.fetch_models, jobs.bench_models
-    and the benchmarks that still import it.
+    trained or searched against it can game it. It is used in no quality figure (those come from
+    IFEval's checkers, above); its last user is tests/test_fetch_models.py, and it goes when that
+    test moves off it.
 
     A Scorer (pipeline.decoding.protocols.Scorer: ``score(prompts, responses)``) over a frozen
     causal LM and its tokenizer (it needs a chat template for the completeness term; without one the

@@ -24,6 +24,19 @@ def args(tiny_models, prompts, output, *extra, rounds=2, dpo=True):
             "--set", "strategy.decision_token=4", "--set", "strategy.step_size=4", *extra]
 
 
+def instruction_prompts(tmp_path: Path) -> Path:
+    """Four prompts with IFEval's columns (the evaluate job judges by them): the first asks for at
+    least 500 words, which no response of a few tokens follows."""
+    rows = [("Write a review of the lamp.", "length_constraints:number_words",
+             {"num_words": 500, "relation": "at least"}),
+            ("Explain why the battery lasts so long.", "length_constraints:number_words",
+             {"num_words": 500, "relation": "less than"}),
+            ("Describe how the blender works.", "punctuation:no_comma", {}),
+            ("Tell me if the camera is good.", "change_case:english_lowercase", {})]
+    return write_jsonl(tmp_path / "ifeval.jsonl", [{"prompt": p, "instruction_id_list": [i], "kwargs": [k]}
+                                                   for p, i, k in rows])
+
+
 def schedule(out: Path) -> tuple[Path, dict]:
     """The current schedule's directory and record."""
     progress = json.loads((out / "progress.json").read_text())
@@ -67,15 +80,20 @@ def test_two_rounds_then_resume(tiny_models, tmp_path, capsys):
     assert {p: t for p, t in before.items() if "round-00" in str(p)} == {p: t for p, t in files(out).items()
                                                                          if "round-00" in str(p)}
 
-    # The evaluate job on round 1's model: every method against greedy, judged by the labeler.
+    # The evaluate job on round 1's model: every method against greedy, each response judged by IFEval
+    # against its prompt's instructions (one each). Eight new tokens never make 500 words, so no method
+    # follows the first prompt: an accuracy above 3/4 would mean its instruction went unchecked.
     report = tmp_path / "eval.json"
-    assert evaluate_main(["--model", str(sdir / "round-01" / "model"), "--judge", str(tiny_models["reward"]),
-                          "--prompts", str(prompts), "--max-new-tokens", "8", "--num-samples", "2", "--step-size", "4",
-                          "--output", str(report)]) == 0
-    methods = json.loads(report.read_text())["methods"]
+    assert evaluate_main(["--model", str(sdir / "round-01" / "model"), "--reward", str(tiny_models["reward"]),
+                          "--prompts", str(instruction_prompts(tmp_path)), "--max-new-tokens", "8",
+                          "--num-samples", "2", "--step-size", "4", "--report", str(report)]) == 0
+    figures = json.loads(report.read_text())
+    assert figures["judge"] == "ifeval-strict" and figures["prompts"] == 4
+    methods = figures["methods"]
     assert list(methods) == ["greedy", "temperature", "top_p", "top_k", "beam", "sla", "sbon"]
     assert methods["greedy"]["win_rate"] == 0.5 and methods["greedy"]["tie"] == 1.0
     assert all(0 <= m["win_rate"] <= 1 and abs(m["win"] + m["tie"] + m["loss"] - 1) < 1e-9 for m in methods.values())
+    assert all(m["prompt_level_strict"] <= 3 / 4 and m["instruction_level_strict"] <= 3 / 4 for m in methods.values())
     assert methods["sla"]["token_cost_vs_greedy"] > 1
 
 
@@ -113,7 +131,7 @@ def test_a_changed_input_or_config_is_new_work_never_skipped(tiny_models, tmp_pa
     assert main(args(tiny_models, prompts, out, "--set", f"models.reward={tmp_path / 'nope'}", rounds=1,
                      dpo=False)) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: models.reward: cannot load") and err.count("\n") == 1
+    assert err == f"error: models.reward: {str(tmp_path / 'nope')!r}: no such model directory\n"
     assert (files(out), (out / "progress.json").read_text()) == before
 
 
@@ -133,12 +151,12 @@ def test_user_errors_are_one_line(tiny_models, tmp_path, capsys):
 
 
 def test_evaluate_refuses_sla_without_channel(tiny_models, tmp_path, capsys):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": GOOD_PROMPTS[0]}])
-    assert evaluate_main(["--model", str(tiny_models["generator"]), "--judge", str(tiny_models["reward"]),
+    prompts = instruction_prompts(tmp_path)
+    assert evaluate_main(["--model", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
                           "--prompts", str(prompts), "--methods", "greedy,sla"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --model:") and "trained reward channel" in err
-    assert evaluate_main(["--model", str(tmp_path / "nope"), "--judge", str(tiny_models["reward"]),
+    assert evaluate_main(["--model", str(tmp_path / "nope"), "--reward", str(tiny_models["reward"]),
                           "--prompts", str(prompts), "--methods", "greedy"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --model: cannot load") and err.count("\n") == 1
