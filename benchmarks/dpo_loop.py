@@ -93,9 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     for override in sets:
         argv_build += ["--set", override]
     report = run_job(args.strategy, argv_build, out / "pairs")
-    figures["pair_build"].update(pairs=report["pairs"], seconds=round(time.perf_counter() - start, 1),
-                                 generated_tokens=report["generated_tokens"])
-    print(f"pairs: {report['pairs']} from {args.train_prompts} in {figures['pair_build']['seconds']}s", flush=True)
+    manifest = json.loads((out / "pairs" / "_manifest.json").read_text())
+    # A rerun resumes a finished build (this run then makes no pairs): the manifest counts them all.
+    figures["pair_build"].update(pairs=manifest["pairs"], prompts=manifest["prompts_in"],
+                                 generated_tokens=manifest["generated_tokens"],
+                                 seconds_this_run=round(time.perf_counter() - start, 1),
+                                 pairs_this_run=report["pairs"])
+    print(f"pairs: {manifest['pairs']} from {manifest['prompts_in']} prompts of {args.train_prompts} "
+          f"({report['pairs']} made in this run's {figures['pair_build']['seconds_this_run']}s)", flush=True)
 
     pairs = load_pairs(str(out / "pairs"))
     steps = max(1, int(args.epochs * len(pairs) / args.batch_size))
