@@ -196,7 +196,7 @@ class RewardScorer:
         its rows' tokens) once and fans the cache out to the rows, as the generator's prefill does."""
         heads: dict[int, list[int]] = {}
         for ids, p in zip(token_ids, prompts):
-            head = ids[:-1] if p not in heads else heads[p][:_common_prefix(heads[p], ids)]
+            head = ids[:-1] if p not in heads else heads[p][:common_prefix(heads[p], ids)]
             heads[p] = head[:len(ids) - 1]  # leave every row at least one token to score
         if sum(prompts.count(p) > 1 for p in heads) == 0:
             return  # nothing shared
@@ -213,7 +213,7 @@ class RewardScorer:
         """Feed each row's tokens after its common prefix with the cache; score at the last token."""
         kept = []
         for cached, ids in zip(group.ids, token_ids):
-            common = _common_prefix(cached, ids)
+            common = common_prefix(cached, ids)
             kept.append(common - 1 if common == len(ids) else common)  # nothing new: re-read the last token
         group.batch.truncate(kept)  # cached tokens past the common prefix no longer count
         chunks = [ids[k:] for ids, k in zip(token_ids, kept)]
@@ -243,7 +243,8 @@ class RewardScorer:
         return bool(torch.allclose(full.float(), inc.float(), atol=tolerance, rtol=tolerance))
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

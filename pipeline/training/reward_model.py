@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.decoding.sampling import SamplingParams, row_seed
+from pipeline.engines.rewards import common_prefix
 
 LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -365,7 +366,7 @@ def reward_texts(tokenizer, samples: list[Sample], taus: list[int]) -> list[Prom
     for group in groups.values():
         head = group.texts[0].token_ids[:-1]
         for t in group.texts[1:]:
-            head = head[:min(_common_prefix(head, t.token_ids), len(t.token_ids) - 1)]
+            head = head[:min(common_prefix(head, t.token_ids), len(t.token_ids) - 1)]
         group.head = head
     return list(groups.values())
 
@@ -436,7 +437,7 @@ def bottom_states(model: SplitRewardModel, groups: list[PromptTexts], pad_id: in
                 continue
             rows = [row_of[group.texts[k].sample] for k in kind]
             ids = [group.texts[k].token_ids for k in kind]
-            keep = [min(_common_prefix(i, group.texts[finals[r]].token_ids), len(i) - 1) for i, r in zip(ids, rows)]
+            keep = [min(common_prefix(i, group.texts[finals[r]].token_ids), len(i) - 1) for i, r in zip(ids, rows)]
             rest = [i[n:] for i, n in zip(ids, keep)]
             cached = final_kv[0][0].shape[2]
             width = max(map(len, rest))
@@ -749,14 +750,6 @@ def best_of_n_accuracy(samples: list[Sample], judgements: list[Judgement], rewar
                "best_of_n_by_judge": pick(lambda m: max(m, key=lambda i: judgements[i].fraction)),
                "worst_of_n_by_judge": pick(lambda m: min(m, key=lambda i: judgements[i].fraction))}
     return {name: {k: _round(v) for k, v in f.items()} for name, f in figures.items()}
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _round(value: float) -> float | None:
