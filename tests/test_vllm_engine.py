@@ -390,7 +390,7 @@ def test_ignore_eos_on_real_vllm_decodes_past_every_eos(tmp_path):
     try:
         prompts = [PromptInput(f"p{i}", "x", "x", engine.tokenizer(f"Review product {i}.").input_ids) for i in range(2)]
         sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
-        scorer = SimpleNamespace(score=lambda prompts_, texts: [float(len(t)) for t in texts])
+        scorer = SimpleNamespace(score=lambda prompts_, texts, **_: [float(len(t)) for t in texts])
         free = best_of_n(prompts, engine, scorer, BestOfNParams(), sampling, 8, seed=7)
         counts: dict[int, int] = {}
         for c in (c for r in free for c in r.candidates):
