@@ -24,6 +24,52 @@ __all__ = ["Config", "ConfigError", "config_from_dict", "load_config"]
 
 
 @dataclass
+class HFLoadConfig:
+    """How the HF backend loads every model (generator, reward model, draft): passed to
+    ``from_pretrained`` of the model and its tokenizer."""
+
+    revision: str | dict | None = None
+    """A branch, tag or commit of the Hub repos: one for every model, or a mapping by role
+    ({generator: ..., reward: ..., draft: ...}; a role left out loads the default branch)."""
+    attn_implementation: str | None = None
+    """eager, sdpa, flash_attention_2, ... (null: transformers' default for the model)."""
+    trust_remote_code: bool = False
+    """Run the model repo's own Python code (needed by some architectures). Never on unless set."""
+    kwargs: dict = field(default_factory=dict)
+    """Any other ``from_pretrained`` keyword (e.g. {low_cpu_mem_usage: true}); the keys above win."""
+
+    ROLES = ("generator", "reward", "draft")
+
+    def __post_init__(self):
+        if isinstance(self.revision, dict):
+            unknown = sorted(set(self.revision) - set(self.ROLES))
+            if unknown:
+                raise ConfigError(f"models.hf.revision.{unknown[0]}: unknown role (known: {', '.join(self.ROLES)})")
+            for role, rev in self.revision.items():
+                if not isinstance(rev, str) or not rev:
+                    raise ConfigError(f"models.hf.revision.{role}: expected a branch, tag or commit, got {rev!r}")
+        reserved = sorted({"revision", "attn_implementation", "trust_remote_code", "dtype", "torch_dtype"}
+                          & set(self.kwargs))
+        if reserved:
+            raise ConfigError(f"models.hf.kwargs.{reserved[0]}: set it as models.hf.{reserved[0]} "
+                              f"(dtype: models.dtype), not in kwargs")
+
+    def revision_of(self, role: str) -> str | None:
+        return self.revision.get(role) if isinstance(self.revision, dict) else self.revision
+
+    def load_kwargs(self, role: str) -> dict:
+        """``from_pretrained`` keywords for the model of ``role`` (generator, reward or draft)."""
+        out = dict(self.kwargs)
+        if self.revision_of(role):
+            out["revision"] = self.revision_of(role)
+        if self.attn_implementation:
+            out["attn_implementation"] = self.attn_implementation
+        if self.trust_remote_code:
+            out["trust_remote_code"] = True
+        return out
+
+
+@dataclass
 class ModelsConfig:
     generator: str = ""
     """Policy model: an HF model directory or hub id (AutoModelForCausalLM)."""
@@ -35,12 +81,27 @@ class ModelsConfig:
     draft: str | None = None
     """Draft model for speculative methods (unused by best_of_n and sbon); empty: dsbd drafts with ADED."""
     dtype: str = "float32"
-    """Torch dtype for all models: float32, bfloat16 or float16."""
+    """Torch dtype for all models: float32, bfloat16, float16, or auto (the dtype the checkpoint
+    was saved in, from its config)."""
     device: str = "cpu"
     """Torch device inside each actor: cpu, cuda, cuda:0, ..."""
     backend: str = "hf"
     """Generator backend: hf (every strategy) or vllm (the strategies whose record lists it: best_of_n
     and sbon; `make install-vllm` on CPU, `pip install .[vllm]` on GPU)."""
+    reward_backend: str = "hf"
+    """Reward-model backend: hf, or vllm (vLLM's pooling runner with prefix caching, for a
+    sequence-classification reward model; any generator backend). A reward function
+    (``module:function``) runs in the reward actor whatever this says."""
+    hf: HFLoadConfig = field(default_factory=HFLoadConfig)
+    """HF backend loading settings (revision, attn_implementation, trust_remote_code, kwargs)."""
+    vllm: dict = field(default_factory=dict)
+    """Keyword arguments for the generator's ``vllm.LLM`` (backend vllm): tensor_parallel_size,
+    pipeline_parallel_size, max_model_len, gpu_memory_utilization, max_num_seqs, enforce_eager,
+    quantization, revision, trust_remote_code, ... any ``vllm.EngineArgs`` field (checked at plan time
+    where vLLM is installed). Each generator actor asks Ray for tensor_parallel_size x
+    pipeline_parallel_size GPUs (at least runtime.generator.num_gpus) on cuda."""
+    reward_vllm: dict = field(default_factory=dict)
+    """The same for the reward model's ``vllm.LLM`` (reward_backend vllm)."""
     cpu_prepack: bool = True
     """CPU, float32, HF models (generator, reward, draft): each linear layer's weight is reordered once
     at load for oneDNN (pipeline.engines.hf.PackedLinear): passes over a few rows (speculative and tree
@@ -52,10 +113,25 @@ class ModelsConfig:
     > 0 turns it on (pipeline.decoding.speculative.SpeculativeDecoding). Output distribution unchanged."""
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"models.dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.backend not in ("hf", "vllm"):
-            raise ConfigError(f"models.backend: expected hf or vllm, got {self.backend!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ConfigError(f"models.dtype: expected float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        for key in ("backend", "reward_backend"):
+            if getattr(self, key) not in ("hf", "vllm"):
+                raise ConfigError(f"models.{key}: expected hf or vllm, got {getattr(self, key)!r}")
+        for key in ("vllm", "reward_vllm"):
+            for name, value in getattr(self, key).items():
+                if name in ("model", "tokenizer", "runner", "task", "convert"):
+                    raise ConfigError(f"models.{key}.{name}: set by the pipeline (models.generator / models.reward "
+                                      f"and the role), not here")
+                if name in ("tensor_parallel_size", "pipeline_parallel_size") and (
+                        not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                    raise ConfigError(f"models.{key}.{name}: expected an integer >= 1, got {value!r}")
+
+    def engine_gpus(self, role: str) -> int:
+        """GPUs one vLLM engine of ``role`` (generator or reward) spans: tensor_parallel_size x
+        pipeline_parallel_size of its settings (1 without them)."""
+        settings = self.vllm if role == "generator" else self.reward_vllm
+        return int(settings.get("tensor_parallel_size", 1)) * int(settings.get("pipeline_parallel_size", 1))
 
 
 @dataclass
