@@ -17,9 +17,10 @@ from pipeline.engines.draft import HFDrafter
 
 class DraftActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
-                 prepack: bool = True):
+                 prepack: bool = True, load: dict | None = None):
+        """``load``: the draft's ``from_pretrained`` keywords (models.hf)."""
         torch.set_num_threads(max(1, num_threads))
-        self.drafter = HFDrafter.from_pretrained(model, device=device, dtype=dtype, prepack=prepack)
+        self.drafter = HFDrafter.from_pretrained(model, device=device, dtype=dtype, prepack=prepack, load=load)
 
     def draft(self, contexts: list[list[int]], prefix_logp: list[float], width: int, depth: int,
               sampling: SamplingParams, seed: int) -> list[DraftLayer]:

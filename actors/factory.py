@@ -135,6 +135,38 @@ def ray_runtime_env(storage_options: dict | None = None) -> dict:
     return {"env_vars": env} if env else {}
 
 
+def engine_settings(config: Config, role: str) -> dict | None:
+    """``vllm.LLM`` keywords of ``role``'s engine (generator: models.vllm; reward: models.reward_vllm),
+    None where that role does not run on vLLM. An engine that spans several GPUs inside one Ray actor
+    gets ``distributed_executor_backend: mp`` unless the config names one: vLLM's Ray executor would
+    ask Ray for GPUs the actor already holds and wait for them forever."""
+    m = config.models
+    backend = m.backend if role == "generator" else m.reward_backend
+    if backend != "vllm":
+        return None
+    settings = dict(m.vllm if role == "generator" else m.reward_vllm)
+    if m.engine_gpus(role) > 1:
+        settings.setdefault("distributed_executor_backend", "mp")
+    return settings
+
+
+def uses_gpu(config: Config, role: str) -> bool:
+    """Whether ``role``'s actors (generator, reward, draft) run their model on a GPU: models.device
+    cuda, or (vLLM, which picks its own device) GPUs reserved for them."""
+    resources = getattr(config.runtime, role)
+    return config.models.device.startswith("cuda") or resources.num_gpus > 0
+
+
+def actor_resources(config: Config, role: str) -> ActorResources:
+    """What one ``role`` actor asks Ray for: runtime.<role>, with at least the GPUs its vLLM engine
+    spans (tensor_parallel_size x pipeline_parallel_size) when it runs on vLLM on a GPU."""
+    resources = getattr(config.runtime, role)
+    if engine_settings(config, role) is None or not uses_gpu(config, role):
+        return resources
+    return ActorResources(num_cpus=resources.num_cpus,
+                          num_gpus=max(resources.num_gpus, config.models.engine_gpus(role)))
+
+
 @dataclass
 class _ActorPlan:
     """How each actor kind is started: the same classes and arguments in-process and on Ray."""
@@ -146,6 +178,10 @@ class _ActorPlan:
     reward_cls: type
     """RewardActor, wrapped by the fault plan when it names rewards."""
     reward_args: tuple
+    reward_kwargs: dict
+    generator_resources: ActorResources
+    """What each generator actor asks Ray for (actor_resources: GPUs for its vLLM engine's parallelism)."""
+    reward_resources: ActorResources
     draft_actor_args: tuple | None
     """DraftActor arguments when the draft model runs in its own actors (runtime.draft_placement
     actor, on Ray); None when it runs inside each generator, or when there is none."""
@@ -165,11 +201,18 @@ def _plan_actors(config: Config) -> _ActorPlan:
         generator_args=(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus))),
         generator_kwargs={"draft": None if draft_actors else draft, "backend": m.backend,
                           "merged_decoding": rt.merged_decoding, "prepack": m.cpu_prepack,
-                          "speculative": m.speculative if m.speculative.enabled else None},
+                          "speculative": m.speculative if m.speculative.enabled else None,
+                          "load": m.hf.load_kwargs("generator"), "draft_load": m.hf.load_kwargs("draft"),
+                          "vllm": engine_settings(config, "generator")},
         reward_cls=with_faults(RewardActor, "reward", faults),
         reward_args=(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size,
                      m.cpu_prepack),
-        draft_actor_args=(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus)), m.cpu_prepack)
+        reward_kwargs={"load": m.hf.load_kwargs("reward"), "backend": m.reward_backend,
+                       "vllm": engine_settings(config, "reward")},
+        generator_resources=actor_resources(config, "generator"),
+        reward_resources=actor_resources(config, "reward"),
+        draft_actor_args=(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus)), m.cpu_prepack,
+                          m.hf.load_kwargs("draft"))
         if draft_actors else None)
 
 
@@ -186,7 +229,7 @@ def _start_local(plan: _ActorPlan, rt: RuntimeConfig) -> Workers:
     """In the driver's process, each worker serialized (one call at a time, as an actor would be),
     except a generator with merged decoding, which takes the coordinator's threads at once."""
     gens = [plan.generator_cls(*plan.generator_args, **plan.generator_kwargs) for _ in range(rt.generator_actors)]
-    rewards = [plan.reward_cls(*plan.reward_args) for _ in range(rt.reward_actors)]
+    rewards = [plan.reward_cls(*plan.reward_args, **plan.reward_kwargs) for _ in range(rt.reward_actors)]
     merged = plan.generator_kwargs["merged_decoding"]
     return Workers([TimedHandle(g if merged else Serialized(g)) for g in gens],
                    [TimedHandle(Serialized(r)) for r in rewards],
@@ -207,11 +250,12 @@ def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
 
     rt = config.runtime
     _attach_ray()
-    place = _RayPlacement(ray_runtime_env(config.data.storage_options), _reserve_placement_group(rt, plan.draft_actor_args is not None))
+    place = _RayPlacement(ray_runtime_env(config.data.storage_options), _reserve_placement_group(rt, plan))
     drafts: dict[int, Any] = {}  # generator index -> its current DraftActor (placement "actor")
     gens = [RemoteProxy(spawn=_generator_spawner(plan, rt, place, i, drafts), name=f"generator {i}",
                         timeout_s=rt.call_timeout_s) for i in range(rt.generator_actors)]
-    rewards = [RemoteProxy(spawn=place.spawner(plan.reward_cls, plan.reward_args, rt.reward, rt.generator_actors + i),
+    rewards = [RemoteProxy(spawn=place.spawner(plan.reward_cls, plan.reward_args, plan.reward_resources,
+                                               rt.generator_actors + i, plan.reward_kwargs),
                            name=f"reward {i}", timeout_s=rt.call_timeout_s) for i in range(rt.reward_actors)]
     proxies = gens + rewards
     # Surface model-loading errors now, not on the first call.
@@ -246,7 +290,7 @@ def _attach_ray() -> None:
     ray.init(address="local", _node_ip_address="127.0.0.1")
 
 
-def _reserve_placement_group(rt: RuntimeConfig, draft_actors: bool):
+def _reserve_placement_group(rt: RuntimeConfig, plan: _ActorPlan):
     """runtime.placement_strategy's group, ready before any actor starts: one bundle per generator,
     reward and draft actor, in that order. None without a placement strategy."""
     if not rt.placement_strategy:
@@ -254,8 +298,8 @@ def _reserve_placement_group(rt: RuntimeConfig, draft_actors: bool):
     import ray
     from ray.util.placement_group import placement_group
 
-    resources = [rt.generator] * rt.generator_actors + [rt.reward] * rt.reward_actors
-    if draft_actors:
+    resources = [plan.generator_resources] * rt.generator_actors + [plan.reward_resources] * rt.reward_actors
+    if plan.draft_actor_args is not None:
         resources += [rt.draft] * rt.generator_actors
     bundles = [{"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})} for r in resources]
     group = placement_group(bundles, strategy=rt.placement_strategy)
@@ -297,8 +341,8 @@ def _generator_spawner(plan: _ActorPlan, rt: RuntimeConfig, place: _RayPlacement
     """Generator i's spawn; with draft actors, each spawn starts a fresh DraftActor first (``drafts``)."""
     # Merged decoding: the actor takes each batch in flight's calls at once (a threaded actor).
     concurrency = rt.batches_in_flight if plan.generator_kwargs["merged_decoding"] else 1
-    spawn = place.spawner(plan.generator_cls, plan.generator_args, rt.generator, i, plan.generator_kwargs,
-                          max_concurrency=concurrency)
+    spawn = place.spawner(plan.generator_cls, plan.generator_args, plan.generator_resources, i,
+                          plan.generator_kwargs, max_concurrency=concurrency)
     if plan.draft_actor_args is None:
         return spawn
     from actors.draft import DraftActor

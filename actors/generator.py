@@ -26,7 +26,8 @@ from pipeline.observability import ActorTimeline, CallTiming
 class GeneratorActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
                  draft: str | None = None, draft_actor=None, backend: str = "hf", merged_decoding: bool = False,
-                 speculative=None, prepack: bool = True):
+                 speculative=None, prepack: bool = True, load: dict | None = None,
+                 draft_load: dict | None = None, vllm: dict | None = None):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
         (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``: "hf"
@@ -38,16 +39,19 @@ class GeneratorActor:
         ``LLM.generate``). ``speculative`` (models.speculative, a
         pipeline.decoding.speculative.SpeculativeDecoding): speculative decoding inside either engine.
         ``prepack`` (models.cpu_prepack): the HF models' linears prepacked for oneDNN on CPU
-        (pipeline.engines.hf.for_inference)."""
+        (pipeline.engines.hf.for_inference). ``load`` / ``draft_load``: ``from_pretrained`` keywords of the
+        generator and the draft (models.hf: revision, attn_implementation, trust_remote_code, ...);
+        ``vllm``: ``vllm.LLM`` keywords (models.vllm) with backend "vllm"."""
         torch.set_num_threads(max(1, num_threads))
         if backend == "vllm":
             from pipeline.engines.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine.from_pretrained(model, dtype=dtype, num_threads=max(1, num_threads),
-                                                     continuous=merged_decoding, speculative=speculative)
+                                                     continuous=merged_decoding, speculative=speculative,
+                                                     **(vllm or {}))
         else:
             self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype, merged=merged_decoding,
-                                                   speculative=speculative, prepack=prepack)
+                                                   speculative=speculative, prepack=prepack, load=load)
         if draft_actor is not None:
             from actors.remote import RemoteProxy
 
@@ -55,7 +59,8 @@ class GeneratorActor:
         elif draft:
             from pipeline.engines.draft import HFDrafter
 
-            self.engine.drafter = HFDrafter.from_pretrained(draft, device=device, dtype=dtype, prepack=prepack)
+            self.engine.drafter = HFDrafter.from_pretrained(draft, device=device, dtype=dtype, prepack=prepack,
+                                                            load=draft_load)
         merged = getattr(self.engine, "merged", False)
         self._one_at_a_time = contextlib.nullcontext() if merged else threading.Lock()
         self.timeline = ActorTimeline(lambda: len(self.engine.sessions), compute="sampling_and_bookkeeping",

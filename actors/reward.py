@@ -17,15 +17,23 @@ from pipeline.observability import ActorTimeline, CallTiming
 
 class RewardActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
-                 batch_size: int = 32, prepack: bool = True):
+                 batch_size: int = 32, prepack: bool = True, load: dict | None = None, backend: str = "hf",
+                 vllm: dict | None = None):
         """``model``: a sequence-classification model (dir or Hub id), or a reward function
-        ``module:function`` (pipeline.engines.rewards.FunctionScorer)."""
+        ``module:function`` (pipeline.engines.rewards.FunctionScorer). ``load``: the model's
+        ``from_pretrained`` keywords (models.hf); ``backend`` (models.reward_backend) "vllm": the model
+        runs on vLLM's pooling runner with ``vllm`` (models.reward_vllm) as ``vllm.LLM`` keywords."""
         torch.set_num_threads(max(1, num_threads))
         if is_reward_function(model):
             self.scorer = FunctionScorer(model)
+        elif backend == "vllm":
+            from pipeline.engines.vllm_reward import VLLMRewardScorer
+
+            self.scorer = VLLMRewardScorer.from_pretrained(model, dtype=dtype, num_threads=max(1, num_threads),
+                                                           batch_size=batch_size, **(vllm or {}))
         else:
             self.scorer = RewardScorer.from_pretrained(model, device=device, dtype=dtype, batch_size=batch_size,
-                                                       prepack=prepack)
+                                                       prepack=prepack, load=load)
         self.timeline = ActorTimeline(lambda: len(self.scorer.sessions), compute="tokenizing_and_bookkeeping",
                                       open_wait="waiting_for_generator")
 

@@ -16,7 +16,10 @@ on disk whether the run resumed or not), the run report is written, and _SUCCESS
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -35,7 +38,7 @@ from pipeline.data.prompts import FirstRows, InputError, PromptFormatter, Prompt
 from pipeline.data.storage import access_errors, check_access
 from pipeline.data.writer import ExtraColumns, OutputStore, check_location, fingerprint
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.engines.hf import load_tokenizer
+from pipeline.engines.hf import TOKENIZER_KEYS, load_tokenizer
 from pipeline.engines.rewards import is_reward_function, load_reward_function
 from pipeline.methods import method
 
@@ -119,14 +122,15 @@ class BuildPlan:
     """The input's other columns the output keeps beside each pair (data.extra_columns)."""
 
 
-def _model_config(key: str, path: str, kind: str):
+def _model_config(key: str, path: str, kind: str, load: dict | None = None):
     """The AutoConfig of ``models.<key>``, refused (ConfigError, one line) when it cannot be read or
     is not the ``kind`` of model the role loads: "causal" (AutoModelForCausalLM) or "reward"
     (AutoModelForSequenceClassification with one label). Reading config.json is cheap, so every
     model is checked here, at plan time, rather than when an actor loads its weights after the
     cluster has started. Only what loading would surely refuse or silently get wrong is refused:
     a model type the Auto class cannot load, or a checkpoint saved with another kind of head (its
-    weights would load under a random head)."""
+    weights would load under a random head). ``load``: models.hf's keywords for this model, of which
+    the config takes the revision and trust_remote_code."""
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
@@ -135,7 +139,7 @@ def _model_config(key: str, path: str, kind: str):
     if "://" not in path and (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
         raise ConfigError(f"models.{key}: {path!r}: no such model directory")
     try:
-        model_config = AutoConfig.from_pretrained(path)
+        model_config = AutoConfig.from_pretrained(path, **{k: v for k, v in (load or {}).items() if k in TOKENIZER_KEYS})
     except (OSError, ValueError) as exc:
         raise ConfigError(f"models.{key}: cannot load {path!r} ({str(exc).strip().splitlines()[0]})") from None
     model_type = getattr(model_config, "model_type", "")
@@ -170,34 +174,96 @@ def check_models(config: Config) -> tuple:
     channel). Returns (the generator's tokenizer, the context every prompt plus response must fit:
     the generator's, and the draft model's when it is shorter, since the draft reads the same tokens)."""
     models = config.models
-    generator = _model_config("generator", models.generator, "causal")
+    check_engines(config)
+    load = models.hf.load_kwargs
+    generator = _model_config("generator", models.generator, "causal", load("generator"))
     try:
-        tokenizer = load_tokenizer(models.generator)
+        tokenizer = load_tokenizer(models.generator, load("generator"))
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"models.generator: cannot load the tokenizer of {models.generator!r} "
                           f"({str(exc).strip().splitlines()[0]})") from None
-    check_reward(models.reward)
+    check_reward(models.reward, load("reward"))
     record = method(config.strategy.name)
     contexts = [_context(generator) or int(tokenizer.model_max_length)]
     if record.uses_draft and models.draft:
-        contexts.append(_context(_model_config("draft", models.draft, "causal")) or contexts[0])
+        contexts.append(_context(_model_config("draft", models.draft, "causal", load("draft"))) or contexts[0])
     if record.check_models is not None:
         record.check_models(config.strategy.params, models)
     return tokenizer, min(contexts)
 
 
-def check_reward(reward: str) -> None:
+def check_engines(config: Config) -> None:
+    """Plan time: the device and engine settings can be had and are ones the engines take.
+
+    - models.device cuda: in-process (runtime.local) this process must see a GPU; on Ray each actor
+      that loads a model on the HF backend must ask for GPUs (runtime.<role>.num_gpus > 0), since
+      Ray hides every GPU from an actor that asked for none. A vLLM engine asks for its own
+      (actors.factory.actor_resources).
+    - models.vllm / models.reward_vllm: every key a ``vllm.EngineArgs`` field (where vLLM is installed
+      on the driver; on a driver without it the actor reports a bad key when it starts);
+    - models.hf.attn_implementation: one transformers knows (or a Hub kernel, ``org/repo``)."""
+    import torch
+
+    models, rt = config.models, config.runtime
+    if models.device.startswith("cuda"):
+        if rt.local and not torch.cuda.is_available():
+            raise ConfigError(f"models.device: {models.device}, but this process sees no GPU (torch.cuda.is_available() "
+                              "is false); use models.device cpu, or run on a GPU machine")
+        roles = [("generator", models.backend)]
+        if not is_reward_function(models.reward):
+            roles.append(("reward", models.reward_backend))
+        if method(config.strategy.name).uses_draft and models.draft and rt.draft_placement == "actor":
+            roles.append(("draft", "hf"))
+        for role, backend in roles:
+            if not rt.local and backend == "hf" and getattr(rt, role).num_gpus <= 0:
+                raise ConfigError(f"models.device: {models.device}, but runtime.{role}.num_gpus is 0: Ray gives an "
+                                  f"actor that asks for no GPU none; set runtime.{role}.num_gpus (e.g. 1, or 0.5 to share)")
+    for key, backend in (("vllm", models.backend), ("reward_vllm", models.reward_backend)):
+        settings = getattr(models, key)
+        if settings and backend != "vllm":
+            print(f"note: models.{key} is set but the {'generator' if key == 'vllm' else 'reward model'} runs on "
+                  f"backend {backend}; it is not used", file=sys.stderr)
+        if settings and backend == "vllm":
+            known = _vllm_engine_keys()
+            for name in settings:
+                if known is not None and name not in known:
+                    close = difflib.get_close_matches(name, known, n=1)
+                    hint = f" (did you mean {close[0]}?)" if close else ""
+                    raise ConfigError(f"models.{key}.{name}: not a vLLM engine argument{hint}")
+    attn = models.hf.attn_implementation
+    if attn and "/" not in attn:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+        if attn not in known and attn.split("|")[-1] not in known:
+            raise ConfigError(f"models.hf.attn_implementation: {attn!r}: expected one of {', '.join(known)} "
+                              "(or a Hub kernel org/repo)")
+
+
+def _vllm_engine_keys() -> set[str] | None:
+    """The keyword arguments ``vllm.LLM`` takes (its own and ``EngineArgs``' fields); None where vLLM
+    is not installed here."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return ({f.name for f in dataclasses.fields(vllm.EngineArgs)}
+            | set(inspect.signature(vllm.LLM.__init__).parameters) - {"self", "kwargs"})
+
+
+def check_reward(reward: str, load: dict | None = None) -> None:
     """``models.reward``: a reward function (``module:function``) imports and is callable; a reward
-    model is a one-label sequence classifier whose tokenizer loads. ConfigError, one line, otherwise."""
+    model is a one-label sequence classifier whose tokenizer loads. ConfigError, one line, otherwise.
+    ``load``: models.hf's keywords for the reward model."""
     if is_reward_function(reward):
         try:
             load_reward_function(reward)
         except ValueError as exc:
             raise ConfigError(f"models.reward: {reward!r}: {exc}") from None
         return
-    _model_config("reward", reward, "reward")
+    _model_config("reward", reward, "reward", load)
     try:
-        load_tokenizer(reward)
+        load_tokenizer(reward, load)
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"models.reward: cannot load the tokenizer of {reward!r} "
                           f"({str(exc).strip().splitlines()[0]})") from None

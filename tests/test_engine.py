@@ -269,5 +269,5 @@ def test_models_cpu_prepack_reaches_every_actor(tiny_models, tmp_path):
             "runtime": {"local": True}})
         plan = _plan_actors(config)
         generator = plan.generator_cls(*plan.generator_args, **plan.generator_kwargs)
-        reward = plan.reward_cls(*plan.reward_args)
+        reward = plan.reward_cls(*plan.reward_args, **plan.reward_kwargs)
         assert packed(generator.engine.model) == packed(reward.scorer.model) == (setting and can_prepack("cpu", "float32"))

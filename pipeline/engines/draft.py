@@ -18,7 +18,7 @@ from pipeline.decoding.dsbd import beam_distribution
 from pipeline.decoding.protocols import DraftLayer
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import inverse_cdf
-from pipeline.engines.hf import DTYPES, for_inference
+from pipeline.engines.hf import for_inference, load_pretrained
 from pipeline.engines.rows import RowBatch, RowSnapshot
 
 
@@ -40,8 +40,9 @@ class HFDrafter:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
-                        prepack: bool = True) -> HFDrafter:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+                        prepack: bool = True, load: dict | None = None) -> HFDrafter:
+        """Any HF causal LM sharing the generator's tokenizer; ``load``: models.hf's keywords."""
+        model = load_pretrained(AutoModelForCausalLM, name_or_path, dtype, load)
         return cls(for_inference(model, device, dtype, prepack), device)
 
     def _remember(self, rows: RowBatch, logq: torch.Tensor, seqs: list[tuple[int, ...]]) -> None:

@@ -64,6 +64,20 @@ from pipeline.decoding.tree import TokenTree
 from pipeline.engines.rows import RowBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_KEYS = ("revision", "trust_remote_code")
+"""The loading settings (models.hf, ``HFLoadConfig.load_kwargs``) a tokenizer takes too."""
+
+
+def torch_dtype(name: str) -> torch.dtype | str:
+    """models.dtype as ``from_pretrained`` takes it: a torch dtype, or "auto" (the checkpoint's own)."""
+    return "auto" if name == "auto" else DTYPES[name]
+
+
+def load_pretrained(auto_cls, name_or_path: str, dtype: str = "float32", load: dict | None = None):
+    """``auto_cls.from_pretrained`` (AutoModelForCausalLM, AutoModelForSequenceClassification) with
+    models.dtype and models.hf's keywords for this model (``HFLoadConfig.load_kwargs(role)``:
+    revision, attn_implementation, trust_remote_code, ...)."""
+    return auto_cls.from_pretrained(name_or_path, dtype=torch_dtype(dtype), **(load or {}))
 
 
 class PackedLinear(torch.nn.Module):
@@ -91,7 +105,8 @@ class PackedLinear(torch.nn.Module):
 
 
 def can_prepack(device: str | torch.device, dtype: str) -> bool:
-    """Prepacked linears apply: float32 on CPU with oneDNN built in."""
+    """Prepacked linears apply: float32 on CPU with oneDNN built in. ``dtype`` "auto": the caller
+    passes the loaded model's (``for_inference`` does)."""
     return torch.device(device).type == "cpu" and dtype == "float32" and torch.backends.mkldnn.is_available()
 
 
@@ -100,6 +115,8 @@ def for_inference(model, device: str | torch.device = "cpu", dtype: str = "float
     where ``can_prepack``, every ``nn.Linear`` in it becomes a PackedLinear (a tied output head too:
     its packed copy is separate, the embedding keeps the shared weight)."""
     model = model.to(device).eval()
+    if dtype == "auto":  # the checkpoint's dtype, now loaded
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if prepack and can_prepack(device, dtype):
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
@@ -108,9 +125,11 @@ def for_inference(model, device: str | torch.device = "cpu", dtype: str = "float
     return model
 
 
-def load_tokenizer(name_or_path: str):
-    """Any HF tokenizer directory or hub id; a missing pad token falls back to EOS."""
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+def load_tokenizer(name_or_path: str, load: dict | None = None):
+    """Any HF tokenizer directory or hub id; a missing pad token falls back to EOS. ``load``: the
+    model's loading keywords (models.hf), of which the tokenizer takes TOKENIZER_KEYS."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **{k: v for k, v in (load or {}).items()
+                                                                if k in TOKENIZER_KEYS})
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -203,17 +222,17 @@ class HFEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
                         merged: bool = False, speculative: SpeculativeDecoding | None = None,
-                        prepack: bool = True) -> HFEngine:
+                        prepack: bool = True, load: dict | None = None) -> HFEngine:
         """Any HF causal LM; a Reward Transformer directory (pipeline.engines.reward_transformer)
         loads with its reward channel, which model-side methods such as SLA read. ``prepack``: see
-        ``for_inference``."""
+        ``for_inference``. ``load``: ``from_pretrained`` keywords (models.hf, ``load_pretrained``)."""
         from pipeline.engines.reward_transformer import RewardTransformer, has_reward_channel
 
-        tokenizer = load_tokenizer(name_or_path)
+        tokenizer = load_tokenizer(name_or_path, load)
         if has_reward_channel(name_or_path):
-            model = RewardTransformer.from_pretrained(name_or_path, dtype=DTYPES[dtype], device=device)
+            model = RewardTransformer.from_pretrained(name_or_path, dtype=torch_dtype(dtype), device=device, load=load)
         else:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+            model = load_pretrained(AutoModelForCausalLM, name_or_path, dtype, load)
         return cls(for_inference(model, device, dtype, prepack), tokenizer, device, merged=merged,
                    speculative=speculative)
 

@@ -160,10 +160,12 @@ class RewardTransformer(nn.Module):
         return cls(policy, channel.to(device=param.device, dtype=param.dtype))
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        hidden_size: int = 256, kind: str = "channel") -> RewardTransformer:
-        """A Reward Transformer directory, or any HF causal LM with a fresh channel."""
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    def from_pretrained(cls, path: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+                        hidden_size: int = 256, kind: str = "channel", load: dict | None = None) -> RewardTransformer:
+        """A Reward Transformer directory, or any HF causal LM with a fresh channel. ``dtype`` "auto":
+        the checkpoint's; ``load``: other ``from_pretrained`` keywords (models.hf)."""
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **(load or {})).to(device)
+        dtype = next(policy.parameters()).dtype
         if not has_reward_channel(path):
             return cls.wrap(policy, hidden_size=hidden_size, kind=kind)
         raw = json.loads((Path(path) / CHANNEL_CONFIG).read_text())

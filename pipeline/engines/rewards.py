@@ -38,7 +38,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from pipeline.data.prompts import encode_chat, encode_text
-from pipeline.engines.hf import DTYPES, for_inference, load_tokenizer
+from pipeline.engines.hf import for_inference, load_pretrained, load_tokenizer
 from pipeline.engines.rows import RowBatch, timed_forward
 
 
@@ -67,10 +67,10 @@ class RewardScorer:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
-                        batch_size: int = 32, prepack: bool = True) -> RewardScorer:
-        """``prepack``: see pipeline.engines.hf.for_inference."""
-        tokenizer = load_tokenizer(name_or_path)
-        model = AutoModelForSequenceClassification.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+                        batch_size: int = 32, prepack: bool = True, load: dict | None = None) -> RewardScorer:
+        """``prepack``: see pipeline.engines.hf.for_inference; ``load``: models.hf's keywords."""
+        tokenizer = load_tokenizer(name_or_path, load)
+        model = load_pretrained(AutoModelForSequenceClassification, name_or_path, dtype, load)
         return cls(for_inference(model, device, dtype, prepack), tokenizer, device, batch_size)
 
     def format(self, prompt: str | list[dict], response: str) -> str:
