@@ -17,7 +17,7 @@ from actors.faults import parse_faults, with_faults
 from pipeline.config import ActorResources, Config, RuntimeConfig
 from pipeline.coordinator import Serialized
 
-from actors.remote import CONCURRENCY_GROUPS, RemoteProxy, with_call_clock
+from actors.remote import CONCURRENCY_GROUPS, RemoteProxy, SecretEnv, with_call_clock
 from pipeline.methods import method
 from pipeline.observability import TIMED_CALLS, CallLedger
 
@@ -30,6 +30,14 @@ AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION")
 # vLLM settings that hold on every node alike (not VLLM_HOST_IP, core lists and such): the KV cache
 # size in GiB of each engine on vLLM's CPU backend, instead of a fraction of the node's memory.
 VLLM_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+# Hugging Face and cache settings that are not secret: where models and datasets are cached, offline
+# modes, the Hub endpoint, download tuning. Every HF_* variable but the tokens counts (HF_HUB_*,
+# HF_XET_*, ...), and these others besides.
+HF_ENV = ("HUGGINGFACE_HUB_CACHE", "HUGGINGFACE_ASSETS_CACHE", "TRANSFORMERS_CACHE", "TRANSFORMERS_OFFLINE",
+          "TORCH_HOME", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+# Hugging Face tokens: a gated model (Llama) needs one on every node that loads it. They reach a Ray
+# actor as a constructor argument (actors.remote.SecretEnv), never through its runtime_env.
+HF_SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # storage_options keys (s3fs) that are not secret, and the AWS variable that carries each to a worker.
 STORAGE_ENV = {"endpoint_url": "AWS_ENDPOINT_URL"}
 
@@ -124,11 +132,25 @@ def _draft_model(config: Config) -> str | None:
     return config.models.draft or None
 
 
+def hf_env() -> dict[str, str]:
+    """The driver's Hugging Face and cache settings that are not secret (every ``HF_*`` variable but
+    HF_SECRET_ENV, and HF_ENV)."""
+    return {k: v for k, v in os.environ.items()
+            if (k.startswith("HF_") and k not in HF_SECRET_ENV) or k in HF_ENV}
+
+
+def secret_env() -> SecretEnv:
+    """The driver's Hugging Face tokens (HF_SECRET_ENV), for the actors (actors.remote.SecretEnv)."""
+    return SecretEnv({k: os.environ[k] for k in HF_SECRET_ENV if os.environ.get(k)})
+
+
 def ray_runtime_env(storage_options: dict | None = None) -> dict:
     """Environment the Ray workers get: the driver's non-secret AWS settings (AWS_ENV) and
-    ``data.storage_options``' endpoint (which wins), and the driver's VLLM_ENV. Never a key, secret
-    or token: see AWS_ENV."""
+    ``data.storage_options``' endpoint (which wins), its Hugging Face and cache settings (hf_env:
+    HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT, ...) and its VLLM_ENV. Never a key, secret or token: see
+    AWS_ENV; the Hugging Face token goes as an actor argument (secret_env)."""
     env = {k: os.environ[k] for k in AWS_ENV + VLLM_ENV if k in os.environ}
+    env.update(hf_env())
     for key, var in STORAGE_ENV.items():
         if (storage_options or {}).get(key):
             env[var] = str(storage_options[key])
@@ -250,7 +272,8 @@ def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
 
     rt = config.runtime
     _attach_ray()
-    place = _RayPlacement(ray_runtime_env(config.data.storage_options), _reserve_placement_group(rt, plan))
+    place = _RayPlacement(ray_runtime_env(config.data.storage_options), _reserve_placement_group(rt, plan),
+                          secret_env())
     drafts: dict[int, Any] = {}  # generator index -> its current DraftActor (placement "actor")
     gens = [RemoteProxy(spawn=_generator_spawner(plan, rt, place, i, drafts), name=f"generator {i}",
                         timeout_s=rt.call_timeout_s) for i in range(rt.generator_actors)]
@@ -313,6 +336,8 @@ class _RayPlacement:
 
     runtime_env: dict
     group: Any = None
+    secrets: SecretEnv | None = None
+    """The driver's Hugging Face token, given to every actor (secret_env); None: none."""
 
     def spawner(self, cls: type, args: tuple, resources: ActorResources, bundle: int,
                 kwargs: dict | None = None, max_concurrency: int = 1) -> Callable[..., Any]:
@@ -333,7 +358,8 @@ class _RayPlacement:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.group,
                                                                               placement_group_bundle_index=bundle)
         remote_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(with_call_clock(cls)).options(**options)
-        return lambda **extra: remote_cls.remote(*args, **(kwargs or {}), **extra)
+        secrets = {"secret_env": self.secrets} if self.secrets else {}
+        return lambda **extra: remote_cls.remote(*args, **(kwargs or {}), **secrets, **extra)
 
 
 def _generator_spawner(plan: _ActorPlan, rt: RuntimeConfig, place: _RayPlacement, i: int,

@@ -43,10 +43,36 @@ QUEUED_POLL_FRACTION = 0.25
 just after it was asked is thus killed at most this fraction of the timeout late."""
 
 
+class SecretEnv:
+    """Environment variables that are secrets (the driver's HF_TOKEN), carried to a Ray actor as a
+    constructor argument and put in the actor's process environment before the model loads.
+
+    Not through the actor's runtime_env: Ray keeps that in its state API and writes it in plain text to
+    runtime_env_agent.log. An actor's arguments are in neither, nor in any Ray log; and this object's
+    repr shows the names only, so no traceback or log line that prints it shows a value. A variable
+    the actor's node already sets (its own Kubernetes Secret, say) keeps the node's value."""
+
+    def __init__(self, values: dict[str, str]):
+        self._values = dict(values)
+
+    def __bool__(self) -> bool:
+        return bool(self._values)
+
+    def __repr__(self) -> str:
+        return f"SecretEnv({', '.join(sorted(self._values))}: [redacted])"
+
+    def install(self) -> None:
+        import os
+
+        for name, value in self._values.items():
+            os.environ.setdefault(name, value)
+
+
 def with_call_clock(cls: type) -> type:
     """A subclass of actor class ``cls`` whose public methods record their start under the calling
     Ray task's id, and which answers ``calls_running`` (see the module docstring). Wrap it outermost
-    (around actors.faults.with_faults): a fault that hangs a call hangs a started call."""
+    (around actors.faults.with_faults): a fault that hangs a call hangs a started call. Its
+    constructor also takes ``secret_env`` (SecretEnv), installed before ``cls`` loads anything."""
 
     def wrap(method):
         @functools.wraps(method)
@@ -64,9 +90,11 @@ def with_call_clock(cls: type) -> type:
 
         return call
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, secret_env: SecretEnv | None = None, **kwargs):
         self._call_started: dict[str | None, float] = {}
         self._clock_lock = threading.Lock()
+        if secret_env is not None:
+            secret_env.install()
         cls.__init__(self, *args, **kwargs)
 
     def calls_running(self, task_ids: list[str]) -> dict[str, float]:

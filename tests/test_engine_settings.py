@@ -1,0 +1,226 @@
+"""Engine settings from config (issue 30, items 1 and 3): models.hf reaches every HF model load,
+models.vllm / reward_vllm reach vLLM and size each actor's GPU request, plan-time checks refuse a
+device or a setting the actors cannot have, and the workers get the driver's Hugging Face settings
+(the token as an actor argument, never in a runtime_env)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config
+from tests.conftest import GOOD_PROMPTS, write_jsonl
+
+
+def config(tiny_models, *overrides):
+    """The demo config on the tiny models; an override ``strategy.name=X`` switches the strategy."""
+    strategy = next((o.split("=", 1)[1] for o in overrides if o.startswith("strategy.name=")), None)
+    return load_config("configs/demo.yaml", [f"models.generator={tiny_models['generator']}",
+                                             f"models.reward={tiny_models['reward']}",
+                                             *(o for o in overrides if not o.startswith("strategy.name="))],
+                       strategy=strategy)
+
+
+# -- models.hf --------------------------------------------------------------------------------
+
+def test_hf_settings_become_from_pretrained_keywords_per_role():
+    hf = load_config(None, ["models.hf={revision: {generator: v1, reward: abc123}, attn_implementation: eager, "
+                            "trust_remote_code: true, kwargs: {low_cpu_mem_usage: true}}"]).models.hf
+    assert hf.load_kwargs("generator") == {"revision": "v1", "attn_implementation": "eager", "trust_remote_code": True,
+                                           "low_cpu_mem_usage": True}
+    assert hf.load_kwargs("reward")["revision"] == "abc123"
+    assert "revision" not in hf.load_kwargs("draft")  # a role left out loads the default branch
+    assert load_config(None, ["models.hf.revision=main"]).models.hf.load_kwargs("draft")["revision"] == "main"
+    assert load_config(None, []).models.hf.load_kwargs("generator") == {}  # trust_remote_code never on by default
+
+
+@pytest.mark.parametrize("override, key", [
+    ("models.hf.revision={policy: v1}", "models.hf.revision.policy"),
+    ("models.hf.kwargs={trust_remote_code: true}", "models.hf.kwargs.trust_remote_code"),
+    ("models.hf.kwargs={torch_dtype: float16}", "models.hf.kwargs.torch_dtype"),
+    ("models.hf.attn=eager", "models.hf.attn"),
+    ("models.dtype=fp8", "models.dtype"),
+    ("models.reward_backend=tgi", "models.reward_backend"),
+    ("models.vllm={model: x}", "models.vllm.model"),
+    ("models.vllm={tensor_parallel_size: 0}", "models.vllm.tensor_parallel_size"),
+    ("models.reward_vllm={pipeline_parallel_size: two}", "models.reward_vllm.pipeline_parallel_size"),
+])
+def test_bad_engine_settings_are_one_line_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    assert key in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_hf_settings_reach_every_model_an_actor_loads(tiny_models):
+    """attn_implementation and dtype auto, through the factory's actor plan, in the generator, its
+    colocated draft and the reward model."""
+    from actors.factory import _plan_actors
+
+    cfg = config(tiny_models, "models.hf.attn_implementation=eager", "models.dtype=auto", "strategy.name=dsbd",
+                 f"models.draft={tiny_models['draft']}", "runtime.local=true")
+    plan = _plan_actors(cfg)
+    generator = plan.generator_cls(*plan.generator_args, **plan.generator_kwargs)
+    reward = plan.reward_cls(*plan.reward_args, **plan.reward_kwargs)
+    models = [generator.engine.model, generator.engine.drafter.model, reward.scorer.model]
+    assert [m.config._attn_implementation for m in models] == ["eager"] * 3
+    assert [next(m.parameters()).dtype for m in models] == [torch.float32] * 3  # the checkpoints' own
+
+
+def test_a_revision_that_does_not_exist_is_refused_at_plan_time(tiny_models, tmp_path):
+    """A local directory has no revisions, so transformers ignores one; a Hub id (here: offline, not
+    cached) with any revision cannot be read and is refused before a worker starts."""
+    from pipeline.build import plan_build
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = config(tiny_models, f"data.prompts={prompts}", f"data.output={tmp_path / 'out'}",
+                 "models.generator=nobody-here/no-such-model", "models.hf.revision={generator: v9}")
+    with pytest.raises(ConfigError, match="models.generator: cannot load 'nobody-here/no-such-model'"):
+        plan_build(cfg)
+
+
+# -- GPUs and the device ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, generator_gpus, reward_gpus", [
+    ([], 0, 0),  # cpu: nothing asked
+    (["models.device=cuda", "runtime.generator.num_gpus=1", "runtime.reward.num_gpus=0.5"], 1, 0.5),
+    (["models.backend=vllm", "strategy.name=sbon", "models.device=cuda", "models.vllm={tensor_parallel_size: 4}"], 4, 0),
+    (["models.backend=vllm", "models.device=cuda", "models.vllm={tensor_parallel_size: 2, pipeline_parallel_size: 2}",
+      "runtime.generator.num_gpus=8"], 8, 0),  # the config asks for more: kept
+    (["models.reward_backend=vllm", "models.device=cuda", "runtime.generator.num_gpus=1",
+      "models.reward_vllm={tensor_parallel_size: 2}"], 1, 2),
+    (["models.backend=vllm", "models.vllm={tensor_parallel_size: 2}"], 0, 0),  # vLLM on CPU: no GPU
+])
+def test_each_actor_asks_ray_for_the_gpus_its_engine_spans(tiny_models, overrides, generator_gpus, reward_gpus):
+    from actors.factory import actor_resources, engine_settings
+
+    cfg = config(tiny_models, *overrides)
+    assert actor_resources(cfg, "generator").num_gpus == generator_gpus
+    assert actor_resources(cfg, "reward").num_gpus == reward_gpus
+    settings = engine_settings(cfg, "generator")
+    if cfg.models.backend == "vllm" and cfg.models.engine_gpus("generator") > 1:
+        assert settings["distributed_executor_backend"] == "mp"  # never Ray's executor inside a Ray actor
+    assert engine_settings(cfg, "reward") is None or cfg.models.reward_backend == "vllm"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["models.device=cuda"], "runtime.generator.num_gpus is 0"),
+    (["models.device=cuda", "runtime.generator.num_gpus=1"], "runtime.reward.num_gpus is 0"),
+    (["models.device=cuda:1", "runtime.generator.num_gpus=1", "runtime.reward.num_gpus=1", "strategy.name=dsbd",
+      "runtime.draft_placement=actor", "models.draft=DRAFT"], "runtime.draft.num_gpus is 0"),
+    (["models.hf.attn_implementation=flash_attention_9"], "models.hf.attn_implementation: 'flash_attention_9'"),
+])
+def test_plan_time_refuses_a_device_or_setting_the_actors_cannot_have(tiny_models, overrides, message):
+    from pipeline.build import check_engines
+
+    overrides = [o.replace("DRAFT", str(tiny_models["draft"])) for o in overrides]
+    with pytest.raises(ConfigError) as exc:
+        check_engines(config(tiny_models, *overrides))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_plan_time_refuses_cuda_in_process_without_a_gpu(tiny_models):
+    from pipeline.build import check_engines
+
+    with pytest.raises(ConfigError, match="sees no GPU"):
+        check_engines(config(tiny_models, "models.device=cuda", "runtime.local=true"))
+
+
+def test_a_reward_function_needs_no_gpu_and_hub_kernels_pass(tiny_models):
+    from pipeline.build import check_engines
+
+    check_engines(config(tiny_models, "models.device=cuda", "runtime.generator.num_gpus=1",
+                         "models.reward=pipeline.judge:ifeval_reward",
+                         "models.hf.attn_implementation=kernels-community/flash-attn"))
+
+
+def test_vllm_settings_are_checked_against_vllms_engine_arguments_where_vllm_is_installed(tiny_models, capsys):
+    from pipeline.build import _vllm_engine_keys, check_engines
+
+    if _vllm_engine_keys() is None:  # the driver has no vLLM: the actor reports a bad key when it starts
+        check_engines(config(tiny_models, "models.backend=vllm", "models.vllm={max_model_lenn: 4096}"))
+        return
+    with pytest.raises(ConfigError, match=r"models.vllm.max_model_lenn: not a vLLM engine argument \(did you mean "
+                                          r"max_model_len\?\)"):
+        check_engines(config(tiny_models, "models.backend=vllm", "models.vllm={max_model_lenn: 4096}"))
+    check_engines(config(tiny_models, "models.backend=vllm", "models.vllm={max_model_len: 4096, enforce_eager: true, "
+                                      "gpu_memory_utilization: 0.8, max_num_seqs: 64, quantization: fp8}"))
+
+
+def test_vllm_settings_for_an_hf_engine_are_noted_as_unused(tiny_models, capsys):
+    from pipeline.build import check_engines
+
+    check_engines(config(tiny_models, "models.reward_vllm={max_model_len: 512}"))
+    assert "models.reward_vllm is set but the reward model runs on backend hf" in capsys.readouterr().err
+
+
+# -- the workers' environment ---------------------------------------------------------------------
+
+HF_SECRET = "hf_FAKEtokenNOTREAL0123456789"
+
+
+def test_runtime_env_carries_hugging_face_settings_but_never_the_token(monkeypatch):
+    from actors.factory import ray_runtime_env, secret_env
+
+    monkeypatch.setenv("HF_HOME", "/models/hf")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("TRANSFORMERS_CACHE", "/models/tf")
+    monkeypatch.setenv("HF_TOKEN", HF_SECRET)
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", HF_SECRET)
+    env = ray_runtime_env()["env_vars"]
+    assert {k: env[k] for k in ("HF_HOME", "HF_HUB_OFFLINE", "HF_ENDPOINT", "TRANSFORMERS_CACHE")} == {
+        "HF_HOME": "/models/hf", "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9",
+        "TRANSFORMERS_CACHE": "/models/tf"}
+    assert HF_SECRET not in json.dumps(env)
+    secrets = secret_env()
+    assert HF_SECRET not in repr(secrets) and HF_SECRET not in str(secrets) and "HF_TOKEN" in repr(secrets)
+
+
+def test_secret_env_keeps_a_value_the_node_already_has(monkeypatch):
+    from actors.remote import SecretEnv
+
+    monkeypatch.setenv("HF_TOKEN", "the-node's-own")
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    SecretEnv({"HF_TOKEN": HF_SECRET, "HUGGING_FACE_HUB_TOKEN": HF_SECRET}).install()
+    assert os.environ["HF_TOKEN"] == "the-node's-own" and os.environ["HUGGING_FACE_HUB_TOKEN"] == HF_SECRET
+
+
+@pytest.mark.integration
+def test_ray_workers_get_the_token_and_hf_settings_but_no_ray_file_holds_the_token(cluster, tiny_models, tmp_path,
+                                                                                 monkeypatch):
+    """The cluster starts before the driver's environment holds the token (as a cluster started by
+    `ray start` or KubeRay does), so only our argument can bring it. Then: the actors' process
+    environment has it; no file of the Ray session (logs, runtime_env_agent.log, where each actor's
+    runtime_env is written) does; HF_* settings reach them through the runtime_env."""
+    import ray
+
+    from actors import start_workers
+
+    monkeypatch.setenv("HF_TOKEN", HF_SECRET)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    workers = start_workers(config(tiny_models))
+    try:
+        for handle in workers.handles:
+            seen = ray.get(handle.__ray_call__.remote(
+                lambda self: (os.environ.get("HF_TOKEN"), os.environ.get("HF_HUB_DISABLE_TELEMETRY"))))
+            assert seen == (HF_SECRET, "1")
+    finally:
+        workers.shutdown()
+    session = ray._private.worker._global_node.get_session_dir_path()
+    from pathlib import Path
+
+    leaked = [str(p) for p in Path(session).rglob("*") if p.is_file() and not p.is_symlink()
+              and _holds(p, HF_SECRET.encode())]
+    assert leaked == []
+
+
+def _holds(path, needle: bytes) -> bool:
+    try:
+        return needle in path.read_bytes()
+    except OSError:
+        return False
