@@ -1,0 +1,109 @@
+"""What every job's command line shares: one parser style (every flag with its default), the flags
+every job takes (``--log-level``, ``--no-progress``), ``--help-config`` for the jobs that read a
+config, the strategy list, and logging.
+
+Flag names are one per meaning across the jobs: --config, --prompts, --prompt-column, --output (where
+a job writes), --pairs (a build's output read as input), --generator, --reward, --num-samples,
+--max-new-tokens, --seed, --device, --dtype, --set, --log-level, --no-progress.
+
+Logging goes to stderr. INFO lines are the message alone ("note: ..." where a note), WARNING and ERROR
+lines start "warning: " and "error: " (one line each: the user errors of every job). Where stderr
+is not a terminal (``ray job submit``, CI, a log file) a build logs one line per committed shard in
+place of its progress bars (pipeline.observability.ShardLog).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description and epilog as written; every flag's default after its help."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, [], "", argparse.SUPPRESS) or "%(default)" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def job_parser(prog: str, doc: str | None, epilog: str | None = None) -> argparse.ArgumentParser:
+    """A job's parser: ``prog`` as users type it (the console script), the module docstring's first
+    paragraph as the description, and the flags every job takes."""
+    description = (doc or "").strip().split("\n\n")[0]
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LEVELS,
+                        help="log messages at this level and above on stderr")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (where stderr is not a terminal there are none anyway: a log "
+                             "line per step instead)")
+    return parser
+
+
+def add_help_config(parser: argparse.ArgumentParser) -> None:
+    """``--help-config``: print every config key with its type, default and docstring (generated from
+    the config dataclasses, pipeline.config.key_docs) and exit."""
+
+    class HelpConfig(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            from pipeline.config import format_key_docs, key_docs
+
+            print(format_key_docs(key_docs()))
+            parser.exit(0)
+
+    parser.add_argument("--help-config", nargs=0, action=HelpConfig,
+                        help="print every config key with its type, default and description, and exit")
+
+
+def strategies_text() -> str:
+    """The strategies of the method registry, one per line: name, aliases, backends, summary."""
+    from pipeline.methods import METHODS
+
+    lines = ["strategies (strategy.name / --strategy):"]
+    for record in METHODS.values():
+        aliases = f" (alias {', '.join(record.aliases)})" if record.aliases else ""
+        backends = ", ".join(sorted(record.backends))
+        lines.append(f"  {record.name:<10} {record.summary}{aliases}; backends: {backends}")
+    return "\n".join(lines)
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to whatever ``sys.stderr`` is at each record (pytest's capture, a
+    redirected stream), not the one it was created with."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+class _Formatter(logging.Formatter):
+    PREFIX = {logging.DEBUG: "debug: ", logging.WARNING: "warning: ", logging.ERROR: "error: ",
+              logging.CRITICAL: "error: "}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.PREFIX.get(record.levelno, "") + super().format(record)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """Log records of every logger at ``level`` and above to stderr (one handler, installed once;
+    a later call changes the level). Third-party libraries stay at WARNING unless DEBUG is asked."""
+    root = logging.getLogger()
+    handler = next((h for h in root.handlers if isinstance(h, _Stderr)), None)
+    if handler is None:
+        handler = _Stderr()
+        handler.setFormatter(_Formatter("%(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.WARNING if level != "DEBUG" else logging.DEBUG)
+    for ours in ("pipeline", "actors", "jobs", "benchmarks"):
+        logging.getLogger(ours).setLevel(level)
