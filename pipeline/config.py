@@ -36,7 +36,8 @@ class HFLoadConfig:
     trust_remote_code: bool = False
     """Run the model repo's own Python code (needed by some architectures). Never on unless set."""
     kwargs: dict = field(default_factory=dict)
-    """Any other ``from_pretrained`` keyword (e.g. {low_cpu_mem_usage: true}); the keys above win."""
+    """Any other ``from_pretrained`` keyword (e.g. {low_cpu_mem_usage: true}); not one of the keys
+    above, nor dtype (models.dtype)."""
 
     ROLES = ("generator", "reward", "draft")
 
@@ -167,7 +168,17 @@ class SamplingConfig:
 @dataclass
 class DataConfig:
     prompts: str = ""
-    """Prompt input: JSONL, Parquet (file, directory or glob) or a saved HF dataset; local or s3://."""
+    """Prompt input: JSONL, Parquet (file, directory or glob) or a ``save_to_disk`` directory (a
+    Dataset's, or a DatasetDict's: see split), local or s3://; or a Hugging Face Hub dataset,
+    hf://datasets/ORG/NAME (streamed with datasets.load_dataset; see split, subset, revision)."""
+    split: str = "train"
+    """Split to read: of a Hub dataset, or of a saved DatasetDict directory. Other inputs have no
+    splits and take only the default."""
+    subset: str | None = None
+    """A Hub dataset's subset (its config name: load_dataset's ``name``); null: its default."""
+    revision: str | None = None
+    """A Hub dataset's branch, tag or commit; null: its default branch. The commit read is recorded
+    with the build (PromptSource.provenance)."""
     output: str = ""
     """Output directory or s3:// prefix for part-NNNNN.parquet, _manifest.json and _rejects/."""
     prompt_column: str = "prompt"
@@ -199,6 +210,13 @@ class DataConfig:
     beats truncated)."""
 
     def __post_init__(self):
+        if not self.split:
+            raise ConfigError("data.split: must name a split (e.g. train)")
+        for key in ("subset", "revision"):
+            # With no data.prompts here (a job that takes its input elsewhere), PromptSource checks.
+            if getattr(self, key) is not None and self.prompts and not self.prompts.startswith("hf://datasets/"):
+                raise ConfigError(f"data.{key}: applies to a Hub dataset (data.prompts hf://datasets/ORG/NAME) "
+                                  f"only, not to {self.prompts}")
         if self.extra_columns is not None and not all(isinstance(c, str) and c for c in self.extra_columns):
             raise ConfigError(f"data.extra_columns: expected a list of column names (or null), got {self.extra_columns!r}")
         if self.rejected not in ("complete", "any"):
@@ -511,3 +529,110 @@ def load_config(path: str | None, overrides: list[str] = (), strategy: str | Non
     for item in overrides:
         apply_override(raw, item)
     return config_from_dict(raw)
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One config key as ``--help-config`` shows it."""
+
+    key: str
+    """Dotted path, as in YAML and ``--set`` (strategy parameters: strategy.<name>)."""
+    type: str
+    default: Any
+    doc: str
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of dataclass ``cls`` (and its bases), by field name:
+    Python keeps no attribute docstrings at run time, so they are read from the class's source."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _type_name(hint) -> str:
+    if hint is Any:
+        return "any"
+    args = typing.get_args(hint)
+    if args:
+        origin = typing.get_origin(hint)
+        if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+            return " | ".join("null" if a is type(None) else _type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    return {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "dict": "mapping",
+            "list": "list"}.get(getattr(hint, "__name__", str(hint)), getattr(hint, "__name__", str(hint)))
+
+
+def key_docs(cls=None, prefix: str = "") -> list[KeyDoc]:
+    """Every config key under dataclass ``cls`` (default: the whole Config, then each strategy's
+    parameters under strategy.*), with type, default and docstring, in declaration order: what
+    ``--help-config`` prints. Generated from the dataclasses, so it never drifts from them."""
+    out: list[KeyDoc] = []
+    top = cls is None
+    cls = cls or Config
+    hints, docs, instance = typing.get_type_hints(cls), field_docs(cls), cls() if cls is not StrategyConfig else None
+    for f in dataclasses.fields(cls):
+        hint, key = hints[f.name], f"{prefix}{f.name}"
+        if cls is StrategyConfig and f.name == "params":
+            continue
+        if dataclasses.is_dataclass(hint):
+            out += key_docs(hint, key + ".")
+            continue
+        default = getattr(instance, f.name) if instance is not None else f.default
+        out.append(KeyDoc(key, _type_name(hint), default, docs.get(f.name, "")))
+    if top:
+        for record in METHODS.values():
+            params = key_docs(record.params, "strategy.")
+            names = " / ".join((record.name, *record.aliases))
+            out += [dataclasses.replace(p, doc=f"[{names}] {p.doc}") for p in params]
+    return out
+
+
+def format_key_docs(docs: list[KeyDoc], width: int = 100) -> str:
+    """``--help-config``'s text: per key a line ``key (type, default: X)`` and its docstring, indented."""
+    import textwrap
+
+    lines = []
+    for d in docs:
+        default = json_default(d.default)
+        lines.append(f"{d.key} ({d.type}, default: {default})")
+        for paragraph in _paragraphs(d.doc or "(undocumented)"):
+            lines += textwrap.wrap(paragraph, width, initial_indent="    ", subsequent_indent="      "
+                                   if paragraph.startswith("- ") else "    ")
+    return "\n".join(lines)
+
+
+def _paragraphs(doc: str) -> list[str]:
+    """A docstring's paragraphs (blank-line separated; a line starting "- " begins a list item), each
+    joined into one line for rewrapping."""
+    out: list[str] = []
+    for block in doc.split("\n\n"):
+        for line in block.splitlines():
+            if line.lstrip().startswith("- ") or not out or out[-1] == "":
+                out.append(line.strip())
+            else:
+                out[-1] += " " + line.strip()
+        out.append("")
+    return out[:-1]
+
+
+def json_default(value) -> str:
+    """A default as YAML would spell it (null, true, [], {}, 1.0, text)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("...").strip()
