@@ -95,15 +95,23 @@ class _Formatter(logging.Formatter):
         return self.PREFIX.get(record.levelno, "") + super().format(record)
 
 
+OURS = ("pipeline", "actors", "jobs", "benchmarks", "__main__")
+
+
 def setup_logging(level: str = "INFO") -> None:
-    """Log records of every logger at ``level`` and above to stderr (one handler, installed once;
-    a later call changes the level). Third-party libraries stay at WARNING unless DEBUG is asked."""
+    """Log records of our packages at ``level`` and above to stderr (one handler, installed once; a
+    later call changes the level). Other libraries' records pass at WARNING and above only (a
+    library that sets its own logger to INFO, such as werkzeug's request log, stays quiet), all of
+    them at DEBUG."""
     root = logging.getLogger()
     handler = next((h for h in root.handlers if isinstance(h, _Stderr)), None)
     if handler is None:
         handler = _Stderr()
         handler.setFormatter(_Formatter("%(message)s"))
         root.addHandler(handler)
-    root.setLevel(logging.WARNING if level != "DEBUG" else logging.DEBUG)
-    for ours in ("pipeline", "actors", "jobs", "benchmarks"):
+    debug = level == "DEBUG"
+    handler.filters = [lambda record: debug or record.levelno >= logging.WARNING
+                       or record.name.split(".")[0] in OURS]
+    root.setLevel(logging.DEBUG if debug else logging.WARNING)
+    for ours in OURS:
         logging.getLogger(ours).setLevel(level)

@@ -8,8 +8,8 @@ falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ from pipeline.decoding.speculative import SpeculativeDecoding
 from pipeline.errors import ConfigError
 from pipeline.methods import METHODS, method
 
+log = logging.getLogger(__name__)
 __all__ = ["Config", "ConfigError", "config_from_dict", "load_config"]
 
 
@@ -525,7 +526,7 @@ def load_config(path: str | None, overrides: list[str] = (), strategy: str | Non
     if strategy is not None:
         dropped = switch_strategy(raw, strategy)
         if dropped:
-            print(f"note: strategy {strategy!r} does not take {', '.join(dropped)}; ignored", file=sys.stderr)
+            log.info(f"note: strategy {strategy!r} does not take {', '.join(dropped)}; ignored")
     for item in overrides:
         apply_override(raw, item)
     return config_from_dict(raw)

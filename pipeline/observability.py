@@ -1,5 +1,5 @@
-"""What a running build shows: progress bars on the terminal, Ray metrics on the dashboard, and
-where the actors' time went.
+"""What a running build shows: progress bars on the terminal (a log line per committed shard where
+stderr is not one), Ray metrics on the dashboard, and where the actors' time went.
 
 Metrics (ray.util.metrics, exported by every Ray node's metrics agent to Prometheus / the Ray
 dashboard) are recorded when the driver is connected to Ray; ``totals`` keeps the same numbers in
@@ -13,6 +13,7 @@ and the run report's ``actor_time``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, deque
@@ -23,6 +24,8 @@ from typing import Any, Callable, Iterator
 from tqdm.auto import tqdm
 
 from pipeline.engines.rows import ForwardClock, forward_clock
+
+log = logging.getLogger(__name__)
 
 COUNTERS = {
     "bon_pairs": "Preference pairs produced",
@@ -82,6 +85,40 @@ class BuildMetrics:
 
     def shard_committed(self) -> None:
         self._inc("bon_shards_committed")
+
+
+class ShardLog:
+    """A log line per committed shard (INFO where there are no progress bars: stderr not a terminal,
+    as under ``ray job submit``, or --no-progress; DEBUG beside the bars): the shard's pairs and
+    rejects, the run's prompts and pairs so far, its pair rate and an ETA from the prompt rate."""
+
+    def __init__(self, shards: int, prompts: int, bars: bool):
+        self.shards, self.prompts = shards, prompts
+        self.level = logging.DEBUG if bars else logging.INFO
+        self.committed = self.prompts_done = self.pairs = 0
+        self.started = time.perf_counter()
+
+    def prompt_done(self, paired: bool) -> None:
+        self.prompts_done += 1
+        self.pairs += int(paired)
+
+    def shard_committed(self, shard: int, pairs: int, rejects: int) -> str:
+        """Log (and return) the line for shard ``shard``."""
+        self.committed += 1
+        elapsed = time.perf_counter() - self.started
+        rate = self.pairs / elapsed * 60 if elapsed > 0 else 0.0
+        left = self.prompts - self.prompts_done
+        eta = _clock(elapsed / self.prompts_done * left) if self.prompts_done and left > 0 else "0:00:00"
+        line = (f"shard {shard} committed ({self.committed}/{self.shards} this run): {pairs} pairs, {rejects} "
+                f"rejected | {self.prompts_done}/{self.prompts} prompts, {self.pairs} pairs, {rate:.1f} pairs/min, "
+                f"elapsed {_clock(elapsed)}, ETA {eta}")
+        log.log(self.level, "%s", line)
+        return line
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class ProgressBars:

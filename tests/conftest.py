@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from jobs.cli import setup_logging
 from jobs.make_tiny_models import make_tiny_models
+
+# Logging as every job sets it up (jobs.cli): the library's notes and warnings reach stderr, where
+# tests that call it directly (not through a job's main) read them.
+setup_logging("INFO")
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,13 @@
 """Prompt sources, validation, stable prompt ids, sharding and prompt formatting.
 
 Sources: JSONL (``.jsonl``, or ``.json``: one object per line, or one JSON array of objects),
-Parquet (a file, a directory of files, or a glob) or a dataset saved with ``datasets.save_to_disk``;
-local paths or s3:// URIs through fsspec/s3fs. A directory input reads its files of those formats
-and names each file it skips, with the reason (hidden, side file, other format).
+Parquet (a file, a directory of files, or a glob) or a directory written by ``save_to_disk`` (a
+Dataset's, or a DatasetDict's: its split ``data.split``); local paths or s3:// URIs through
+fsspec/s3fs. A directory input reads its files of those formats and names each file it skips, with
+the reason (hidden, side file, other format). A Hugging Face Hub dataset is named
+``hf://datasets/ORG/NAME`` (the form of HF's own fsspec paths; a local path is always a path, even
+"org/name"), with ``data.subset`` (its config name), ``data.split`` and ``data.revision``: it is read
+with ``datasets.load_dataset(..., streaming=True)`` (see ``_open_hub_dataset`` for why streaming).
 
 A prompt is a string or a conversation in TRL's conversational format: a list of
 {"role": "system" | "user" | "assistant", "content": str} messages ending with a user turn (the
@@ -15,9 +19,9 @@ well-formed conversation, blank, or a duplicate of an earlier prompt is never sk
 becomes a Reject with its reason and its input row number.
 
 Inputs of any size: ``PromptSource`` reads the prompt column a bounded piece at a time (a JSONL
-line, a Parquet record batch, an Arrow record batch of a saved dataset) and hands it out shard by
-shard; ``FirstRows`` remembers, on disk, the first row of every prompt id, so that duplicates are
-found across the whole input while the driver holds one shard.
+line, a Parquet record batch, an Arrow record batch of a saved dataset, a batch of a streamed Hub
+dataset) and hands it out shard by shard; ``FirstRows`` remembers, on disk, the first row of every
+prompt id, so that duplicates are found across the whole input while the driver holds one shard.
 
 Other columns: ``PromptSource(..., extra_columns=...)`` also reads the input's other columns (all
 of them, or the names given) with each prompt; ``records`` and ``shard_records`` hand them out as a
@@ -35,6 +39,7 @@ import re
 import sqlite3
 import tempfile
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -147,9 +152,156 @@ def _skipped_text(skipped: dict[str, str], most: int = 5) -> str:
     return ", ".join(shown) + (f" and {len(skipped) - most} more" if len(skipped) > most else "")
 
 
-def _is_saved_dataset(uri: str, storage_options: dict) -> bool:
+HUB_DATASETS = "hf://datasets/"
+"""Prefix of a Hugging Face Hub dataset as data.prompts: hf://datasets/ORG/NAME."""
+
+
+def hub_dataset_id(uri: str) -> str | None:
+    """ORG/NAME (or a legacy NAME) of ``hf://datasets/ORG/NAME``; None for every other input,
+    including a file inside a Hub repo (hf://datasets/ORG/NAME/data/x.parquet, read as a file through
+    fsspec like an s3:// one). A local path is never taken for a Hub id."""
+    if not uri.startswith(HUB_DATASETS):
+        return None
+    repo = uri[len(HUB_DATASETS):].strip("/")
+    parts = repo.split("/")
+    if len(parts) > 2:
+        return None
+    if not all(parts):
+        raise InputError(f"data.prompts: {uri}: no dataset id (expected hf://datasets/ORG/NAME)")
+    if "@" in repo:
+        raise InputError(f"data.prompts: {uri}: give the revision as data.revision, not after @")
+    return repo
+
+
+def _saved_dataset_dir(uri: str, storage_options: dict, split: str) -> tuple[Any, str, str | None] | None:
+    """(filesystem, the directory of the saved Dataset to read, its split name or None) when ``uri``
+    is a ``save_to_disk`` directory: a Dataset's (state.json) or a DatasetDict's (dataset_dict.json:
+    its split ``split``, InputError naming data.split when it has none such); None for other inputs."""
     fs, path = filesystem(uri, storage_options)
-    return fs.isdir(path) and (fs.exists(join(path, "dataset_info.json")) or fs.exists(join(path, "state.json")))
+    if not fs.isdir(path):
+        return None
+    if fs.exists(join(path, "dataset_dict.json")):
+        try:
+            splits = json.loads(fs.cat_file(join(path, "dataset_dict.json")))["splits"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"{join(uri, 'dataset_dict.json')}: unreadable saved DatasetDict ({exc})") from None
+        if split not in splits:
+            raise InputError(f"data.split: {uri} has no split {split!r} (splits: {', '.join(splits)})")
+        return fs, join(path, split), split
+    if fs.exists(join(path, "state.json")) or fs.exists(join(path, "dataset_info.json")):
+        return fs, path, None
+    return None
+
+
+def _saved_dataset_files(fs, path: str, uri: str, column: str) -> tuple[list[str], dict]:
+    """(the Arrow files of the saved Dataset at ``path``, in row order; its state.json), after
+    checking that it has the prompt column (the first file's schema, or dataset_info.json's
+    features when it has no file). The files are read through fsspec as Arrow streams, one record
+    batch at a time, locally and on s3:// alike: ``load_from_disk`` would copy a remote dataset
+    whole to a local temporary directory first, and its memory map would keep the pages it touched
+    resident."""
+    state_path = join(path, "state.json")
+    try:
+        state = json.loads(fs.cat_file(state_path))
+        files = [join(path, f["filename"]) for f in state["_data_files"]]
+    except FileNotFoundError:
+        raise InputError(f"{uri}: unreadable saved dataset (no {state_path})") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{state_path}: unreadable saved dataset state ({type(exc).__name__}: {exc})") from None
+    try:
+        if files:
+            with fs.open(files[0], "rb") as f:
+                names = pa.ipc.open_stream(f).schema.names
+        else:
+            names = list(json.loads(fs.cat_file(join(path, "dataset_info.json"))).get("features") or {})
+    except FileNotFoundError as exc:
+        raise InputError(f"{uri}: unreadable saved dataset (missing {exc.filename or exc})") from None
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise InputError(f"{files[0] if files else path}: unreadable saved dataset file ({exc})") from None
+    if column not in names:
+        raise InputError(_no_column(uri, column, names))
+    return files, state
+
+
+def _open_hub_dataset(uri: str, dataset_id: str, subset: str | None, split: str, revision: str | None,
+                      column: str) -> tuple[Any, dict]:
+    """(the split as a datasets.IterableDataset, its provenance) of a Hub dataset, or InputError
+    naming the key at fault (data.prompts: no such dataset; data.subset, data.split, data.revision,
+    data.prompt_column: none such in it).
+
+    This is ``datasets.load_dataset(dataset_id, name=subset, split=split, revision=revision,
+    streaming=True)`` in its two steps (``load_dataset_builder``, then ``as_streaming_dataset``), so
+    that the builder's hash, the commit its data files are pinned to, is recorded: both reads of a
+    build (plan, run) read that commit, and a resume at another one fails its shard fingerprints
+    rather than mixing two versions. Offline (HF_HUB_OFFLINE=1), datasets reads its own cache of a
+    dataset loaded before (HF_DATASETS_CACHE), whatever the revision asks for: the commit recorded
+    is then the cached copy's, and a commit id in data.revision that differs from it is refused.
+
+    Why streaming: it reads a batch at a time, so the driver's memory stays flat and nothing of the
+    dataset is copied to its disk (a non-streaming load downloads every file of the split and
+    writes an Arrow copy before the first row is read, on what is often a small head node); the
+    rows come in the same order on every read, which is all the shard fingerprints need. The cost:
+    each read goes to the Hub again (planning, the run, a resume)."""
+    import datasets
+
+    try:
+        with _datasets_errors_only():
+            builder = datasets.load_dataset_builder(dataset_id, name=subset, revision=revision)
+    except Exception as exc:  # noqa: BLE001 - a dataset that cannot be opened is a user input error
+        raise InputError(_hub_error(uri, exc)) from None
+    commit = builder.hash
+    if revision and _is_commit(revision) and _is_commit(commit) and commit != revision:
+        raise InputError(f"data.revision: {uri}: commit {revision} asked for, but the copy found is commit "
+                         f"{commit} (offline: only the cached copy can be read)")
+    splits = list(builder.info.splits or ())
+    if splits and split not in splits:
+        raise InputError(f"data.split: {uri} has no split {split!r} (splits: {', '.join(splits)})")
+    try:
+        with _datasets_errors_only():
+            dataset = builder.as_streaming_dataset(split=split)
+    except (ValueError, KeyError) as exc:
+        raise InputError(f"data.split: {uri}: cannot read split {split!r} ({_first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - files that cannot be listed or reached
+        raise InputError(_hub_error(uri, exc)) from None
+    if dataset.features is not None and column not in dataset.features:
+        raise InputError(_no_column(uri, column, list(dataset.features)))
+    provenance = {"kind": "hub", "dataset": dataset_id, "subset": builder.config.name, "split": split,
+                  "revision": revision, "commit": commit}
+    return dataset, provenance
+
+
+@contextmanager
+def _datasets_errors_only():
+    """datasets' own warnings off while a Hub dataset opens (offline: "Using the latest cached
+    version ..."): a user error stays one line, and what was read is in the provenance."""
+    from datasets.utils import logging as datasets_logging
+
+    level = datasets_logging.get_verbosity()
+    datasets_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(level)
+
+
+def _is_commit(revision: str | None) -> bool:
+    return bool(revision) and re.fullmatch(r"[0-9a-f]{40}", revision) is not None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _hub_error(uri: str, exc: BaseException) -> str:
+    """The one-line message for a Hub dataset that cannot be opened, naming the key at fault."""
+    text = _first_line(exc)
+    key = ("data.revision" if "revision" in text.lower() else "data.subset" if "config" in text.lower()
+           else "data.prompts")
+    return f"{key}: {uri}: {text} ({type(exc).__name__})"
+
+
+def _no_column(uri: str, column: str, names: list[str]) -> str:
+    return f"data.prompt_column: {uri}: no column {column!r} (columns: {', '.join(names)})"
 
 
 READ_BATCH_ROWS = 4096
@@ -159,32 +311,53 @@ READ_BATCH_ROWS = 4096
 class PromptSource:
     """The prompt column of an input, in input order, read a bounded piece at a time.
 
-    Opening it checks what can be checked without reading the rows (the files exist, the saved
-    dataset loads and has the column); reading raises InputError naming the file (and the line of
-    a JSONL file) where the input turns out to be unreadable. It can be read more than once (the
-    build reads it to plan, and again to run), always from the same files.
+    Opening it checks what can be checked without reading the rows (the files exist; the saved
+    dataset or the Hub dataset, its split and subset exist and have the column); reading raises
+    InputError naming the file (and the line of a JSONL file) where the input turns out to be
+    unreadable. It can be read more than once (the build reads it to plan, and again to run),
+    always from the same files (of a Hub dataset: at the same commit).
     """
 
     def __init__(self, uri: str, column: str, storage_options: dict | None = None,
-                 extra_columns: list[str] | None | bool = False):
+                 extra_columns: list[str] | None | bool = False, *, split: str = "train",
+                 subset: str | None = None, revision: str | None = None):
         """``extra_columns``: False reads the prompt column alone; None every other column too; a
-        list those columns (a name no row has: InputError, naming it)."""
+        list those columns (a name no row has: InputError, naming it). ``split``: the split of a
+        Hub dataset or a saved DatasetDict (an input without splits takes only the default,
+        "train"); ``subset`` and ``revision``: a Hub dataset's config name and branch, tag or commit
+        (data.split, data.subset, data.revision)."""
         self.uri, self.column = uri, column
         self.extra = _ExtraColumns(column, extra_columns)
         self.storage_options = storage_options or {}
-        self.fs, self.files, self._arrow_files, self._table = None, [], [], None
+        self.fs, self.files, self._arrow_files, self._hub = None, [], [], None
         self.skipped: dict[str, str] = {}
         """Files of a directory input that are not read, by path inside it, with the reason
         (skip_reason); the build records them in its manifest."""
-        if _is_saved_dataset(uri, self.storage_options):
-            dataset = _load_saved_dataset(uri, column, self.storage_options)
-            # Its files are read as streams rather than through the dataset's memory map, whose pages
-            # would stay resident (and count against the driver) until the whole input was touched.
-            self._arrow_files = [f["filename"] for f in dataset.cache_files]
-            if not self._arrow_files:  # held in memory already (datasets' IN_MEMORY_MAX_SIZE)
-                table = dataset.data.table
-                self._table = table.select([column, *self.extra.names(table.column_names)])
+        self.provenance: dict = {"kind": "files", "uri": uri}
+        """What was read, for the manifest: kind (files, saved_dataset or hub) and uri; a saved
+        dataset's split and datasets fingerprint; a Hub dataset's id, subset, split, the revision
+        asked for and the commit read."""
+        dataset_id = hub_dataset_id(uri)
+        if dataset_id is not None:
+            self._hub, self.provenance = _open_hub_dataset(uri, dataset_id, subset, split, revision, column)
             return
+        for key, value in (("subset", subset), ("revision", revision)):
+            if value is not None:
+                raise InputError(f"data.{key}: applies to a Hub dataset ({HUB_DATASETS}ORG/NAME) only, "
+                                 f"not to {uri}")
+        saved = _saved_dataset_dir(uri, self.storage_options, split)
+        if saved is not None:
+            self.fs, path, split_dir = saved
+            self._arrow_files, state = _saved_dataset_files(self.fs, path, uri, column)
+            if split_dir is None and split not in ("train", state.get("_split")):
+                raise InputError(f"data.split: {uri} is a saved Dataset, not a DatasetDict: it has no split "
+                                 f"{split!r} (leave data.split at train)")
+            self.provenance = {"kind": "saved_dataset", "uri": uri, "split": split_dir,
+                               "fingerprint": state.get("_fingerprint")}
+            return
+        if split != "train":
+            raise InputError(f"data.split: {uri} has no splits (JSONL or Parquet); data.split applies to a "
+                             f"saved DatasetDict or a Hub dataset (leave it at train)")
         self.fs, self.files, self.skipped = _files(uri, self.storage_options, SUFFIXES)
         for f in self.files:
             if not f.endswith(SUFFIXES):
@@ -196,10 +369,10 @@ class PromptSource:
 
     def records(self) -> Iterator[tuple[Any, dict]]:
         """(the prompt column's value, the row's other columns read) in input order."""
+        if self._hub is not None:
+            yield from _read_hub(self._hub, self.uri, self.column, self.extra)
         for path in self._arrow_files:
-            yield from _read_arrow_stream(path, self.column, self.extra)
-        for batch in self._table.to_batches(READ_BATCH_ROWS) if self._table is not None else ():
-            yield from _batch_records(batch, self.column, self.extra.names(batch.schema.names))
+            yield from _read_arrow_stream(self.fs, path, self.column, self.extra)
         for f in self.files:
             yield from (_read_jsonl(self.fs, f, self.column, self.extra) if f.endswith((".jsonl", ".json"))
                         else _read_parquet(self.fs, f, self.column, self.extra))
@@ -232,21 +405,6 @@ def read_raw_rows(uri: str, column: str, storage_options: dict | None = None) ->
     """The prompt column's values in input order (None where a JSONL row lacks the key), all at
     once: for inputs that fit in memory (evaluation prompts); the build reads a PromptSource."""
     return list(PromptSource(uri, column, storage_options).values())
-
-
-def _load_saved_dataset(uri: str, column: str, storage_options: dict):
-    """A ``save_to_disk`` dataset (datasets copies a remote one to a local temporary directory)."""
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(uri, storage_options=storage_options or None)
-    except Exception as exc:  # noqa: BLE001 - any load failure is a user input error
-        raise InputError(f"{uri}: unreadable saved dataset ({type(exc).__name__}: {exc})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        raise InputError(f"{uri}: holds splits {list(ds)}; point --prompts at one split's directory")
-    if column not in ds.column_names:
-        raise InputError(f"{uri}: no column {column!r} (columns: {', '.join(ds.column_names)})")
-    return ds
 
 
 class _ExtraColumns:
@@ -282,13 +440,32 @@ def _batch_records(batch: pa.RecordBatch, column: str, extra: list[str]) -> Iter
         yield value, {name: others[name][i] for name in extra}
 
 
-def _read_arrow_stream(path: str, column: str, extra: _ExtraColumns) -> Iterator[tuple[Any, dict]]:
+def _read_arrow_stream(fs, path: str, column: str, extra: _ExtraColumns) -> Iterator[tuple[Any, dict]]:
+    """A saved dataset's Arrow file (an Arrow IPC stream), one record batch at a time."""
     try:
-        with pa.OSFile(path) as f:
+        with fs.open(path, "rb") as f:
             for batch in pa.ipc.open_stream(f):
                 yield from _batch_records(batch, column, extra.names(batch.schema.names))
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file (listed in the saved dataset's state.json)") from None
     except (pa.ArrowException, OSError) as exc:
         raise InputError(f"{path}: unreadable saved dataset file ({exc})") from None
+
+
+def _read_hub(dataset, uri: str, column: str, extra: _ExtraColumns) -> Iterator[tuple[Any, dict]]:
+    """A streamed Hub dataset split (``_open_hub_dataset``), READ_BATCH_ROWS rows at a time, as
+    Arrow: the values are those of the files, as a Parquet or saved-dataset input gives them (no
+    feature decoding). A split whose features datasets could not tell before reading is checked for
+    the column on its first batch."""
+    try:
+        for table in dataset.with_format("arrow").iter(batch_size=READ_BATCH_ROWS):
+            if column not in table.column_names:
+                raise InputError(_no_column(uri, column, table.column_names))
+            others = extra.names(table.column_names)
+            for batch in table.select([column, *others]).to_batches():
+                yield from _batch_records(batch, column, others)
+    except (pa.ArrowException, OSError) as exc:  # ConnectionError is an OSError
+        raise InputError(f"{uri}: reading the Hub dataset failed ({type(exc).__name__}: {_first_line(exc)})") from None
 
 
 def _read_jsonl(fs, path: str, column: str, extra: _ExtraColumns) -> Iterator[tuple[Any, dict]]:
