@@ -42,6 +42,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine, PackedLinear, for_inference
 from pipeline.decoding.trigram import TrigramMatrix
 from pipeline.engines.adapters import TreeTarget
+from benchmarks import pyplot
 
 
 def fine_tune(engine: HFEngine, sequences: list[list[int]], steps: int, seed: int = 0) -> float:
@@ -199,10 +200,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(summary, f, indent=2)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for r in rows[1:]:

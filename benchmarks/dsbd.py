@@ -64,6 +64,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import speculative_decode
 from pipeline.engines.draft import HFDrafter
 from pipeline.engines.adapters import TreeSession
+from benchmarks import pyplot
 
 GRIDS = {"quick": {"W_S": [2, 3, 4], "gamma": [2, 3], "t": [0.7, 0.9]},
          "paper": {"W_S": [2, 3, 4, 5, 6], "gamma": [2, 3], "t": [0.7, 0.9]},
@@ -184,10 +185,7 @@ def pareto(points: list[dict]) -> list[dict]:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     beam = [dict(r, name=n) for n, r in results.items() if n.startswith("beam") or n == "multinomial"]

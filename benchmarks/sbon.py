@@ -48,6 +48,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
 from pipeline.engines.hf import DTYPES, HFEngine, load_tokenizer
 from pipeline.engines.rewards import RewardScorer
+from benchmarks import pyplot
 
 # Random-init Llama pairs for --synthetic: speed is measurable, quality is not.
 SYNTHETIC = {
@@ -310,10 +311,7 @@ def main(argv=None) -> int:
 
 def plot(points, path: str) -> None:
     """One panel per N: speedup vs normalized score, each point labelled with its method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ns = sorted({n for n, _ in points})
     fig, axes = plt.subplots(1, len(ns), figsize=(5.5 * len(ns), 4.5), squeeze=False)

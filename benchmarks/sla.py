@@ -57,6 +57,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchmarks import pyplot
 
 
 JUDGE = "IFEval strict (pipeline.judge: lm-eval's instruction checkers)"
@@ -235,10 +236,7 @@ def sla_vs_greedy(model_dir: str, reward, rows: list[dict], args, original=None)
 
 
 def plot_autrc(rt: dict, adapter: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(rt["autrc_fractions"], rt["autrc_curve"], label=f"Reward Transformer (AuTRC {rt['autrc']:.3f})")

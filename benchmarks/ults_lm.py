@@ -37,6 +37,7 @@ from pipeline.decoding.ults import (DirichletPrior, EmpiricalPrior, ULTSParams, 
                                     fit_level_beliefs, ults_search)
 from pipeline.engines.hf import HFEngine, for_inference
 from pipeline.engines.adapters import PathCacheExpander
+from benchmarks import pyplot
 
 
 def main(argv=None) -> int:
@@ -117,10 +118,7 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
         json.dump({"model": args.model or "tiny generator (fine-tuned)", "device": args.device,
                    "prompts": args.prompts, "new_tokens": depth, "results": results}, f, indent=2)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for kind, marker in (("beam", "o-"), ("ults-dirichlet", "s-"), ("ults-empirical", "^-")):

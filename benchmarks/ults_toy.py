@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pipeline.decoding.ults import DirichletPrior, ULTSParams, beam_search, fit_level_beliefs, ults_search
+from benchmarks import pyplot
 
 BRANCHING, DEPTH = 8, 5
 
@@ -109,10 +110,7 @@ def dominates(result: dict) -> bool:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.4), squeeze=False)
     for ax, res in zip(axes[0], results):

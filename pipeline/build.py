@@ -21,6 +21,7 @@ import difflib
 import hashlib
 import inspect
 import json
+import logging
 import math
 import os
 import sys
@@ -34,13 +35,16 @@ from transformers import AutoConfig
 from pipeline.config import Config, ConfigError
 from pipeline.coordinator import BatchFailed, Coordinator
 from pipeline.data.pairs import select_pair
-from pipeline.data.prompts import FirstRows, InputError, PromptFormatter, PromptSource, Reject, validate
+from pipeline.data.prompts import (FirstRows, InputError, PromptFormatter, PromptSource, Reject, hub_dataset_id,
+                                   validate)
 from pipeline.data.storage import access_errors, check_access
 from pipeline.data.writer import ExtraColumns, OutputStore, check_location, fingerprint
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import TOKENIZER_KEYS, load_tokenizer
 from pipeline.engines.rewards import is_reward_function, load_reward_function
 from pipeline.methods import method
+
+log = logging.getLogger(__name__)
 
 
 class ShardFailed(RuntimeError):
@@ -70,13 +74,15 @@ def _reject_row(r: Reject, stage: str, generated: int = 0, bon: int = 0) -> dict
 
 def config_hash(config: Config) -> str:
     """Hash of everything that decides the output's content. Left out: where input and output live
-    (the input's content is fingerprinted per shard), storage credentials, the device (a build may
-    resume on other hardware), and runtime (actor counts, timeouts, fault plans: they change how fast
-    rows are made, not which)."""
+    (the input's content is fingerprinted per shard: a Hub dataset's split, subset and revision too),
+    storage credentials, the device and the vLLM engines' settings (a build may resume on other
+    hardware), and runtime (actor counts, timeouts, fault plans: they change how fast rows are made,
+    not which)."""
     content = config.to_dict()
     content.pop("runtime")
-    content["models"].pop("device")
-    for key in ("prompts", "output", "storage_options"):
+    for key in ("device", "vllm", "reward_vllm"):
+        content["models"].pop(key)
+    for key in ("prompts", "output", "storage_options", "split", "subset", "revision"):
         content["data"].pop(key)
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()
 
@@ -221,8 +227,8 @@ def check_engines(config: Config) -> None:
     for key, backend in (("vllm", models.backend), ("reward_vllm", models.reward_backend)):
         settings = getattr(models, key)
         if settings and backend != "vllm":
-            print(f"note: models.{key} is set but the {'generator' if key == 'vllm' else 'reward model'} runs on "
-                  f"backend {backend}; it is not used", file=sys.stderr)
+            log.info(f"note: models.{key} is set but the {'generator' if key == 'vllm' else 'reward model'} runs on "
+                     f"backend {backend}; it is not used")
         if settings and backend == "vllm":
             known = _vllm_engine_keys()
             for name in settings:
@@ -295,15 +301,17 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
     data = config.data
     build_hash = config_hash(config)
     for uri in (data.prompts, data.output):  # s3:// without (valid) credentials: one line, naming the URI
-        check_access(uri, data.storage_options)
+        if hub_dataset_id(uri) is None:  # a Hub dataset is opened by datasets (PromptSource), not fsspec
+            check_access(uri, data.storage_options)
     tokenizer, context = check_models(config)
     formatter = PromptFormatter(tokenizer, max_prompt_tokens(config, context), data.overlength,
                                 config.sampling.chat_template)
 
     with access_errors(data.prompts):
-        source = PromptSource(data.prompts, data.prompt_column, data.storage_options, data.extra_columns)
+        source = PromptSource(data.prompts, data.prompt_column, data.storage_options, data.extra_columns,
+                              split=data.split, subset=data.subset, revision=data.revision)
     if source.skipped_note():  # the manifest lists them too (input_files_skipped)
-        print(source.skipped_note(), file=sys.stderr)
+        log.info("%s", source.skipped_note())
     first_rows = FirstRows()
     store = None
     try:
@@ -317,8 +325,8 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
             prompts_in += len(values)
         extra.finish()
         if extra.left_out:
-            print(f"note: {data.prompts}: column(s) {', '.join(sorted(extra.left_out))} not kept in the output "
-                  "(the pair columns have those names)", file=sys.stderr)
+            log.info(f"note: {data.prompts}: column(s) {', '.join(sorted(extra.left_out))} not kept in the output "
+                  "(the pair columns have those names)")
         num_shards = len(fingerprints)
         store = OutputStore(data.output, data.storage_options)
         # One writer per output: the lease comes before anything in it is read or changed, and
@@ -414,11 +422,13 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
 
 
 def _run(plan: BuildPlan, workers, progress: bool) -> dict:
-    from pipeline.observability import BuildMetrics, ProgressBars, pairs_per_hour, round_seconds
+    from pipeline.observability import BuildMetrics, ProgressBars, ShardLog, pairs_per_hour, round_seconds
 
     config, store, runtime = plan.config, plan.store, plan.config.runtime
     metrics = BuildMetrics(started=plan.started)
+    progress = progress and sys.stderr.isatty()  # elsewhere (ray job submit, CI, a file): a log line per shard
     bars = ProgressBars(plan.rows_to_run, config.strategy.name, enabled=progress)
+    shard_log = ShardLog(len(plan.pending), plan.rows_to_run, bars=progress)
     origin: dict[str, tuple[_Shard, int, bool]] = {}
     """prompt_id -> (shard, source_row, truncated), for the prompts of the windows being run."""
     # Startup (planning, cluster, actors, model loads) ends here: the workers are up, and the first
@@ -435,6 +445,7 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
                            dict(shard.stats), shard.quarantine, config.data.output_format, plan.extra)
         quarantined += len(shard.quarantine)
         metrics.shard_committed()
+        shard_log.shard_committed(shard.index, len(shard.pairs), len(shard.rejects))
         last_commit = time.perf_counter()
 
     def sync_restarts() -> None:
@@ -444,8 +455,8 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
     def on_retry(failure: BatchFailed) -> None:
         shards = sorted({origin[pid][0].index for pid in failure.prompt_ids})
         sync_restarts()
-        print(f"warning: {failure.cause}; actor replaced (or already), shard(s) {shards} batch resubmitted "
-              f"(attempt {failure.attempts + 1} of {runtime.max_attempts})", file=sys.stderr)
+        log.warning(f"{failure.cause}; actor replaced (or already), shard(s) {shards} batch resubmitted "
+                    f"(attempt {failure.attempts + 1} of {runtime.max_attempts})")
 
     def start(window: list[tuple[_Shard, list[tuple]]]) -> list:
         """The window's prompts, in input order; its shards with nothing to run commit now."""
@@ -496,6 +507,7 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
                 bon_tokens += result.bon_equivalent_tokens
                 metrics.prompt_done(pair is not None, result.generated_tokens, result.bon_equivalent_tokens)
                 bars.update(pair is not None, result.bon_equivalent_tokens - result.generated_tokens)
+                shard_log.prompt_done(pair is not None)
                 if shard.done == shard.expected:
                     commit(shard)
                 if ahead is None and done >= len(prompts) - in_flight:
@@ -527,7 +539,7 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
                     config_hash=plan.config_hash, shards_written=list(plan.pending),
                     shards_skipped=[k for k in range(plan.num_shards) if k not in written],
                     prompts_truncated=truncated_prompts, run_stats=run_stats, pairs_this_run=pairs_made,
-                    input_files_skipped=dict(plan.source.skipped), extra_columns=plan.extra.describe(),
+                    input=plan.source.provenance, input_files_skipped=dict(plan.source.skipped), extra_columns=plan.extra.describe(),
                     extra_columns_left_out=sorted(plan.extra.left_out))
     # The rate of this run only: resumed shards cost it nothing. One definition for every figure.
     metrics.set_rate(wall)
@@ -549,6 +561,10 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
         "metrics": dict(metrics.totals),
     }
     manifest["report"] = "_report.json"
+    from pipeline.data.card import provenance, write_card
+    manifest["provenance"] = provenance(config)  # once per build, here on the driver
+    # README.md, the dataset card that datasets.load_dataset(OUT) reads (None: a user's README is in the way).
+    manifest["dataset_card"] = "README.md" if write_card(store, manifest) else None
     store.write_manifest(manifest)
     store.write_json("_report.json", report)
     store.write_success({"shards": plan.num_shards, "pairs": manifest["pairs"], "config_hash": plan.config_hash})

@@ -201,7 +201,7 @@ def test_aded_build_strategy_in_process_with_a_built_trigram_matrix(tiny_models,
                      "--max-new-tokens", "12", "--num-samples", "3", "--strategy", strategy, *extra,
                      "--no-progress"]) == 0
         manifest = json.loads((output / "_manifest.json").read_text())
-        rows = pq.read_table(output / "part-00000.parquet").to_pylist()
+        rows = pq.read_table(output / "train-00000.parquet").to_pylist()
         return manifest, sorted((r["prompt_id"], r["chosen"], r["rejected"]) for r in rows)
 
     manifest, pairs = build("aded", tmp_path / "out", "--set", "strategy.iterations=30",

@@ -31,7 +31,7 @@ def mixed_build(tiny_models, tmp_path_factory):
 
 def test_one_pair_per_good_prompt_and_every_bad_row_rejected(mixed_build):
     out, _ = mixed_build
-    pairs = datasets.load_dataset("parquet", data_files=str(out / "part-*.parquet"), split="train")
+    pairs = datasets.load_dataset("parquet", data_files=str(out / "train-*.parquet"), split="train")
     assert sorted(pairs["raw_prompt"]) == sorted(GOOD_PROMPTS)
     assert len(set(pairs["prompt_id"])) == len(GOOD_PROMPTS)
     assert sorted(pairs["source_row"]) == [0, 2, 4, 6, 9, 11]
@@ -44,7 +44,7 @@ def test_one_pair_per_good_prompt_and_every_bad_row_rejected(mixed_build):
 
 def test_output_contract_columns_and_manifest(mixed_build):
     out, _ = mixed_build
-    table = pq.read_table(out / "part-00000.parquet")
+    table = pq.read_table(out / "train-00000.parquet")
     types = {f.name: str(f.type) for f in table.schema}
     for col, typ in {"prompt_id": "string", "prompt": "string", "chosen": "string", "rejected": "string",
                      "chosen_score": "double", "rejected_score": "double", "strategy": "string",
@@ -84,11 +84,11 @@ def test_speculative_rejection_generates_fewer_tokens_than_a_real_best_of_n_buil
 
 def test_rerun_skips_committed_shards(mixed_build, tiny_models):
     out, prompts = mixed_build
-    before = (out / "part-00001.parquet").stat().st_mtime_ns
+    before = (out / "train-00001.parquet").stat().st_mtime_ns
     assert main(build_args(tiny_models, prompts, out)) == 0
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["shards_skipped"] == [0, 1, 2] and manifest["pairs"] == len(GOOD_PROMPTS)
-    assert (out / "part-00001.parquet").stat().st_mtime_ns == before
+    assert (out / "train-00001.parquet").stat().st_mtime_ns == before
     report = json.loads((out / "_report.json").read_text())
     assert (report["pairs"], report["shards_skipped"], report["tokens_per_pair"]) == (0, 3, None)
 
@@ -125,7 +125,7 @@ def test_cli_bad_input_exits_2_with_one_line(tiny_models, tmp_path, content, nee
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
-    assert not (tmp_path / "o" / "part-00000.parquet").exists()
+    assert not (tmp_path / "o" / "train-00000.parquet").exists()
 
 
 def test_cli_config_errors_exit_2(tiny_models, tmp_path):
@@ -173,7 +173,7 @@ def test_rerun_with_another_config_is_refused_unless_overwrite(mixed_build, tiny
 def test_rerun_redoes_shards_without_marker_and_ignores_temp_files(mixed_build, tiny_models, tmp_path):
     out, prompts = mixed_build
     out = copy_output(out, tmp_path / "out")
-    reference = pq.read_table(out / "part-00001.parquet")
+    reference = pq.read_table(out / "train-00001.parquet")
     (out / "_markers" / "part-00001.json").unlink()  # data written, marker not: a run killed in between
     (out / "_SUCCESS").unlink()
     (out / ".tmp-0123-part-00002.parquet").write_bytes(b"PAR1 half-written")
@@ -182,7 +182,7 @@ def test_rerun_redoes_shards_without_marker_and_ignores_temp_files(mixed_build, 
     assert manifest["shards_written"] == [1] and manifest["shards_skipped"] == [0, 2]
     # Same seeds, same rows. Scores may differ in the last float bits: the reward model batches the
     # redone shard's rows with different company (padding) than the first run did.
-    redone = pq.read_table(out / "part-00001.parquet").to_pylist()
+    redone = pq.read_table(out / "train-00001.parquet").to_pylist()
     want = reference.to_pylist()
     score_keys = ("chosen_score", "rejected_score")
     assert [{k: v for k, v in r.items() if k not in score_keys} for r in redone] == \
@@ -190,7 +190,7 @@ def test_rerun_redoes_shards_without_marker_and_ignores_temp_files(mixed_build, 
     for key in score_keys:
         assert [r[key] for r in redone] == pytest.approx([r[key] for r in want], abs=1e-5)
     assert (out / "_SUCCESS").exists() and not list(out.rglob(".tmp-*"))
-    ids = datasets.load_dataset("parquet", data_files=str(out / "part-*.parquet"), split="train")["prompt_id"]
+    ids = datasets.load_dataset("parquet", data_files=str(out / "train-*.parquet"), split="train")["prompt_id"]
     assert len(ids) == len(set(ids)) == len(GOOD_PROMPTS)
 
 
@@ -257,7 +257,7 @@ def test_non_finite_rewards_are_quarantined_and_left_out_of_statistics(tiny_mode
     assert stats["count"] == len(flaky.finite) == 5
     assert stats["mean"] == pytest.approx(sum(flaky.finite) / 5)
     assert stats["min"] == min(flaky.finite) and stats["max"] == max(flaky.finite)
-    pairs = pq.read_table(tmp_path / "out" / "part-00000.parquet").to_pylist()
+    pairs = pq.read_table(tmp_path / "out" / "train-00000.parquet").to_pylist()
     assert [p["raw_prompt"] for p in pairs] == [GOOD_PROMPTS[0], GOOD_PROMPTS[2]]
     assert all(math.isfinite(p["chosen_score"]) and math.isfinite(p["rejected_score"]) for p in pairs)
     assert [p["failed_candidates"] for p in pairs] == [2, 1]

@@ -5,7 +5,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.writer import OutputConflict, OutputStore, fingerprint, marker_name, part_name
+from pipeline.data.writer import OutputConflict, OutputStore, fingerprint, marker_name, part_name, side_name
 
 REJECT = {"source_row": 1, "prompt_id": None, "reason": "blank prompt", "value": "' '", "stage": "input",
           "generated_tokens": 0, "bon_equivalent_tokens": 0}
@@ -18,13 +18,13 @@ def test_commit_writes_data_then_marker_and_nothing_else(tmp_path):
     marker = store.commit_shard(0, [PAIR], [REJECT], fingerprint(["p", " "]), "cfg", {"pairs": 1})
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
         "_markers/part-00000.json", "_quarantine/part-00000.parquet", "_rejects/part-00000.parquet",
-        "part-00000.parquet"]
+        "train-00000.parquet"]
     on_disk = json.loads((tmp_path / "_markers" / marker_name(0)).read_text())
     assert on_disk == json.loads(json.dumps(marker))
     assert on_disk["rows"] == 1 and on_disk["rejects"]["rows"] == 1 and on_disk["quarantine"]["rows"] == 0
     assert on_disk["bytes"] == (tmp_path / part_name(0)).stat().st_size and len(on_disk["sha256"]) == 64
     assert store.committed({0: (fingerprint(["p", " "]), "cfg")}) == {0}
-    assert pq.ParquetFile(tmp_path / "_quarantine" / part_name(0)).metadata.num_row_groups == 0
+    assert pq.ParquetFile(tmp_path / "_quarantine" / side_name(0)).metadata.num_row_groups == 0
 
 
 def test_data_without_marker_is_redone_and_temp_files_are_ignored(tmp_path):
@@ -72,7 +72,7 @@ def test_verify_checks_every_marker_against_its_files(tmp_path):
     assert [k for k, _ in store.verify(1)] == [0]  # markers past num_shards are not this build's
     with pytest.raises(RuntimeError, match="shard 2: no commit marker"):
         list(store.verify(3))
-    (tmp_path / "_rejects" / part_name(1)).write_bytes(b"PAR1")
+    (tmp_path / "_rejects" / side_name(1)).write_bytes(b"PAR1")
     with pytest.raises(RuntimeError, match=r"shard 1: _rejects/part-00001.parquet does not match"):
         list(store.verify(2))
 

@@ -83,7 +83,7 @@ def build(space: dict, config) -> dict:
 
 def check_output(output: Path, config, manifest: dict) -> None:
     """Every input row is a pair or a reject, exactly once; the pair invariants hold."""
-    pairs = [r for p in sorted(output.glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    pairs = [r for p in sorted(output.glob("train-*.parquet")) for r in pq.read_table(p).to_pylist()]
     rejects = [r for p in sorted((output / "_rejects").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
     rows = sorted([p["source_row"] for p in pairs] + [r["source_row"] for r in rejects])
     assert rows == list(range(len(MIXED_ROWS))), "every input row exactly once, as a pair or a reject"

@@ -101,7 +101,7 @@ def builds(tiny_models, tmp_path_factory):
 
 def test_conversational_output_is_trl_conversational_format(builds):
     out = builds["conversational"]
-    table = pq.read_table(out / "part-00000.parquet")
+    table = pq.read_table(out / "train-00000.parquet")
     from pipeline.data.writer import MESSAGES
 
     assert all(table.schema.field(c).type.equals(MESSAGES) for c in ("prompt", "chosen", "rejected"))
@@ -122,7 +122,7 @@ def test_conversational_output_is_trl_conversational_format(builds):
 
 
 def test_standard_output_keeps_strings_with_the_conversation_templated(builds, engine):
-    rows = pq.read_table(builds["standard"] / "part-00000.parquet").to_pylist()
+    rows = pq.read_table(builds["standard"] / "train-00000.parquet").to_pylist()
     by_id = {r["prompt_id"]: r for r in rows}
     row = by_id[prompt_id(CONVERSATIONS[0])]
     assert isinstance(row["prompt"], str) and isinstance(row["chosen"], str)

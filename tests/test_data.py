@@ -123,7 +123,7 @@ def test_empty_shards_do_not_break_load_dataset(tmp_path):
            "rejected_score": 0.0, "strategy": "sbon", "num_candidates": 2, "generated_tokens": 3}
     store.commit_shard(0, [], [], "fp0", "cfg")
     store.commit_shard(1, [row], [], "fp1", "cfg")
-    ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "part-*.parquet"), split="train")
+    ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "train-*.parquet"), split="train")
     assert ds["chosen"] == ["a"]
 
 

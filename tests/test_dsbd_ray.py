@@ -57,7 +57,7 @@ def build(tiny_models, prompt_file, out, *extra):
                "--set", f"models.reward={tiny_models['reward']}", "--set", f"models.draft={tiny_models['draft']}",
                "--num-samples", "2", "--max-new-tokens", "8", "--no-progress", *extra])
     assert rc == 0
-    rows = pq.read_table(sorted(out.glob("part-*.parquet"))).to_pylist()
+    rows = pq.read_table(sorted(out.glob("train-*.parquet"))).to_pylist()
     return json.loads((out / "_manifest.json").read_text()), sorted(rows, key=lambda r: r["prompt_id"])
 
 

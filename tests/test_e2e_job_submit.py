@@ -110,7 +110,7 @@ def test_ray_job_submit_build(head, tiny_models, tmp_path):
                             text=True, timeout=60)
     assert f"job '{job_id}' succeeded" in (status.stdout + status.stderr).lower()  # status SUCCEEDED
     assert "pairs/minute" in proc.stdout + proc.stderr
-    pairs = datasets.load_dataset("parquet", data_files=str(out / "part-*.parquet"), split="train")
+    pairs = datasets.load_dataset("parquet", data_files=str(out / "train-*.parquet"), split="train")
     assert sorted(pairs["raw_prompt"]) == sorted(GOOD_PROMPTS)
     assert {"prompt", "chosen", "rejected"} <= set(pairs.column_names)
     manifest = json.loads((out / "_manifest.json").read_text())
@@ -155,7 +155,7 @@ def test_ray_job_stop_then_resubmit_resumes(head, tiny_models, tmp_path):
     assert "stopped" in (status.stdout + status.stderr).lower()
     committed = sorted(p.name for p in (out / "_markers").glob("part-*.json"))
     assert 1 <= len(committed) < 6 and not (out / "_SUCCESS").exists()
-    parts = sorted(out.glob("part-*.parquet"))  # whatever is visible is whole: every committed shard, readable
+    parts = sorted(out.glob("train-*.parquet"))  # whatever is visible is whole: every committed shard, readable
     assert len(parts) >= len(committed)
     assert all({"prompt", "chosen", "rejected"} <= set(pq.read_table(part).column_names) for part in parts)
 
@@ -164,6 +164,6 @@ def test_ray_job_stop_then_resubmit_resumes(head, tiny_models, tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     manifest = json.loads((out / "_manifest.json").read_text())
     assert len(manifest["shards_skipped"]) >= len(committed) and manifest["shards_written"]
-    ids = datasets.load_dataset("parquet", data_files=str(out / "part-*.parquet"), split="train")["prompt_id"]
+    ids = datasets.load_dataset("parquet", data_files=str(out / "train-*.parquet"), split="train")["prompt_id"]
     assert sorted(ids) == sorted(prompt_id(p) for p in texts)
     assert (out / "_SUCCESS").exists()

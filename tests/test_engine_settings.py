@@ -138,17 +138,28 @@ def test_a_reward_function_needs_no_gpu_and_hub_kernels_pass(tiny_models):
                          "models.hf.attn_implementation=kernels-community/flash-attn"))
 
 
-def test_vllm_settings_are_checked_against_vllms_engine_arguments_where_vllm_is_installed(tiny_models, capsys):
+def test_vllm_settings_are_left_to_the_actor_where_the_driver_has_no_vllm(tiny_models):
     from pipeline.build import _vllm_engine_keys, check_engines
 
-    if _vllm_engine_keys() is None:  # the driver has no vLLM: the actor reports a bad key when it starts
-        check_engines(config(tiny_models, "models.backend=vllm", "models.vllm={max_model_lenn: 4096}"))
-        return
+    if _vllm_engine_keys() is not None:
+        pytest.skip("vLLM is installed here: test_vllm_settings_are_checked_against_vllms_engine_arguments runs")
+    check_engines(config(tiny_models, "models.backend=vllm", "models.vllm={max_model_lenn: 4096}"))
+
+
+@pytest.mark.vllm
+def test_vllm_settings_are_checked_against_vllms_engine_arguments(tiny_models):
+    from pipeline.build import _vllm_engine_keys, check_engines
+
+    if _vllm_engine_keys() is None:
+        pytest.skip("vllm is not installed (make install-vllm)")
     with pytest.raises(ConfigError, match=r"models.vllm.max_model_lenn: not a vLLM engine argument \(did you mean "
                                           r"max_model_len\?\)"):
         check_engines(config(tiny_models, "models.backend=vllm", "models.vllm={max_model_lenn: 4096}"))
+    with pytest.raises(ConfigError, match=r"models.reward_vllm.runnerr"):
+        check_engines(config(tiny_models, "models.reward_backend=vllm", "models.reward_vllm={runnerr: pooling}"))
     check_engines(config(tiny_models, "models.backend=vllm", "models.vllm={max_model_len: 4096, enforce_eager: true, "
-                                      "gpu_memory_utilization: 0.8, max_num_seqs: 64, quantization: fp8}"))
+                                      "gpu_memory_utilization: 0.8, max_num_seqs: 64, quantization: fp8, "
+                                      "tensor_parallel_size: 2}"))
 
 
 def test_vllm_settings_for_an_hf_engine_are_noted_as_unused(tiny_models, capsys):

@@ -92,9 +92,9 @@ def write_build(root, with_instructions: bool, finished: bool = True, shards: in
 def test_job_judges_a_builds_pairs(tmp_path, capsys):
     out = tmp_path / "build"
     write_build(out, with_instructions=True)
-    (out / "part-00007.parquet").write_bytes((out / "part-00000.parquet").read_bytes())  # no marker: not read
+    (out / "train-00007.parquet").write_bytes((out / "train-00000.parquet").read_bytes())  # no marker: not read
     report_file = tmp_path / "report.json"
-    assert main(["--output", str(out), "--report", str(report_file)]) == 0
+    assert main(["--pairs", str(out), "--report", str(report_file)]) == 0
     printed = capsys.readouterr().out
     assert "chosen" in printed and "66.7%" in printed and "pair accuracy 66.7%" in printed
     report = json.loads(report_file.read_text())
@@ -110,24 +110,24 @@ def test_job_joins_instructions_from_the_prompt_file(tmp_path, capsys):
              enumerate(PAIRS)]
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     report_file = tmp_path / "report.json"
-    assert main(["--output", str(out), "--prompts", str(prompts), "--report", str(report_file)]) == 0
+    assert main(["--pairs", str(out), "--prompts", str(prompts), "--report", str(report_file)]) == 0
     assert json.loads(report_file.read_text())["pair_accuracy"] == 2 / 3
     capsys.readouterr()
 
     # A pair whose prompt the file lacks: one line naming it, exit 2.
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines[:3]))
-    assert main(["--output", str(out), "--prompts", str(prompts)]) == 2
+    assert main(["--pairs", str(out), "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {out}: pair id3: its prompt 'Name a fruit") and str(prompts) in err
     assert err.count("\n") == 1
     # No instruction columns and no prompt file.
-    assert main(["--output", str(out)]) == 2
+    assert main(["--pairs", str(out)]) == 2
     err = capsys.readouterr().err
     assert "no instruction_id_list/kwargs columns; pass --prompts" in err and err.count("\n") == 1
     # A prompt file without the columns, or none at all.
     (tmp_path / "plain.jsonl").write_text(json.dumps({"prompt": PAIRS[0][0]}) + "\n")
     for path in (tmp_path / "plain.jsonl", tmp_path / "missing.jsonl"):
-        assert main(["--output", str(out), "--prompts", str(path)]) == 2
+        assert main(["--pairs", str(out), "--prompts", str(path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and str(path) in err and err.count("\n") == 1
 
@@ -135,15 +135,15 @@ def test_job_joins_instructions_from_the_prompt_file(tmp_path, capsys):
 def test_job_reads_committed_shards_only(tmp_path, capsys):
     out = tmp_path / "build"
     write_build(out, with_instructions=True, finished=False)
-    assert main(["--output", str(out)]) == 2
+    assert main(["--pairs", str(out)]) == 2
     err = capsys.readouterr().err
     assert "not a finished build" in err and err.count("\n") == 1
     (out / "_markers" / "part-00001.json").unlink()  # shard 1 not committed: its two pairs are not read
     report_file = tmp_path / "report.json"
-    assert main(["--output", str(out), "--allow-partial", "--report", str(report_file)]) == 0
+    assert main(["--pairs", str(out), "--allow-partial", "--report", str(report_file)]) == 0
     report = json.loads(report_file.read_text())
     assert report["pairs"] == 2 and report["pairs_told_apart"] == 2 and report["pair_accuracy"] == 0.5
-    assert main(["--output", str(tmp_path / "nothing")]) == 2
+    assert main(["--pairs", str(tmp_path / "nothing")]) == 2
 
 
 def test_job_unknown_instruction_is_one_line(tmp_path, capsys):
@@ -155,7 +155,7 @@ def test_job_unknown_instruction_is_one_line(tmp_path, capsys):
     extra.add([{"instruction_id_list": row["instruction_id_list"], "kwargs": row["kwargs"]}])
     store.commit_shard(0, [row], [], "fp", "cfg", extra=extra)
     store.write_success({})
-    assert main(["--output", str(out)]) == 2
+    assert main(["--pairs", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {out}: instruction 'keywords:nosuch': unknown") and err.count("\n") == 1
 
@@ -165,7 +165,7 @@ def test_job_compares_methods_judged_by_ifeval(tiny_models, tmp_path, capsys):
     lines = [{"prompt": p, "instruction_id_list": ids, "kwargs": kw} for p, (ids, kw), _, _ in PAIRS[:2]]
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     report_file = tmp_path / "methods.json"
-    assert main(["--model", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
+    assert main(["--generator", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
                  "--prompts", str(prompts), "--methods", "greedy,temperature,sbon", "--max-new-tokens", "6",
                  "--num-samples", "2", "--report", str(report_file)]) == 0
     report = json.loads(report_file.read_text())
@@ -175,12 +175,12 @@ def test_job_compares_methods_judged_by_ifeval(tiny_models, tmp_path, capsys):
     assert "IFEval" in capsys.readouterr().out
     # Prompts without instructions cannot be judged: one line, exit 2.
     prompts.write_text(json.dumps({"prompt": "Say hi."}) + "\n")
-    assert main(["--model", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
+    assert main(["--generator", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
                  "--prompts", str(prompts), "--methods", "greedy"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # beside load progress bars
     assert len(errors) == 1 and errors[0].startswith(f"error: {prompts}: no column 'instruction_id_list'")
-    assert main(["--model", str(tiny_models["generator"]), "--prompts", str(prompts)]) == 2
-    assert capsys.readouterr().err == "error: --reward: required with --model\n"
+    assert main(["--generator", str(tiny_models["generator"]), "--prompts", str(prompts)]) == 2
+    assert capsys.readouterr().err == "error: --reward: required with --generator\n"
 
 
 def test_a_build_rewarded_by_ifeval_then_judged(tiny_models, tmp_path, capsys):
@@ -212,11 +212,11 @@ def test_a_build_rewarded_by_ifeval_then_judged(tiny_models, tmp_path, capsys):
                   "--num-samples", "8", "--no-progress"]) == 0
     capsys.readouterr()
     report_file = tmp_path / "report.json"
-    assert main(["--output", str(out), "--report", str(report_file)]) == 0
+    assert main(["--pairs", str(out), "--report", str(report_file)]) == 0
     report = json.loads(report_file.read_text())
     manifest = json.loads((out / "_manifest.json").read_text())
     assert report["pairs"] == manifest["pairs"] >= 1
     assert report["pairs_told_apart"] == report["pairs"] and report["pair_accuracy"] == 1.0
     # The same figures when the instructions come from the prompt file instead.
-    assert main(["--output", str(out), "--prompts", str(prompts), "--report", str(tmp_path / "joined.json")]) == 0
+    assert main(["--pairs", str(out), "--prompts", str(prompts), "--report", str(tmp_path / "joined.json")]) == 0
     assert json.loads((tmp_path / "joined.json").read_text()) == {**report, "prompts": str(prompts)}

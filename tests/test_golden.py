@@ -64,7 +64,7 @@ def build_pairs(tiny_models, reward_transformer, tmp_path, strategy: str, overri
         args += ["--set", item]
     assert main(args) == 0
     rows = []
-    for part in sorted((tmp_path / "out").glob("part-*.parquet")):
+    for part in sorted((tmp_path / "out").glob("train-*.parquet")):
         rows += pq.read_table(part).to_pylist()
     keys = ("prompt_id", "chosen", "rejected", "chosen_score", "rejected_score", "num_candidates",
             "generated_tokens")

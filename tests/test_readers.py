@@ -27,7 +27,7 @@ def finished(tiny_models, tmp_path_factory):
                        "--set", f"models.reward={tiny_models['reward']}", "--set", "runtime.local=true",
                        "--set", "data.shard_size=2", "--max-new-tokens", "6", "--num-samples", "2",
                        "--no-progress"]) == 0
-    assert sorted(p.name for p in (tmp / "out").glob("part-*.parquet")) == [f"part-0000{k}.parquet" for k in range(3)]
+    assert sorted(p.name for p in (tmp / "out").glob("train-*.parquet")) == [f"train-0000{k}.parquet" for k in range(3)]
     return tmp / "out"
 
 
@@ -37,7 +37,7 @@ def ids(path) -> set[str]:
 
 def killed_copy(finished, dest):
     """What a SIGKILL after shard 2's part file but before its marker leaves: no _SUCCESS, shards
-    0 and 1 committed, part-00002.parquet on disk with no marker."""
+    0 and 1 committed, train-00002.parquet on disk with no marker."""
     out = shutil.copytree(finished, dest)
     (out / "_SUCCESS").unlink()
     (out / "_markers" / "part-00002.json").unlink()
@@ -47,38 +47,38 @@ def killed_copy(finished, dest):
 def test_a_finished_build_reads_whole(finished):
     lines = []
     pairs = load_pairs(str(finished), say=lines.append)
-    assert sorted(pairs["prompt"]) == sorted(pq.read_table(finished / "part-00000.parquet").column("prompt").to_pylist()
-                                             + pq.read_table(finished / "part-00001.parquet").column("prompt").to_pylist()
-                                             + pq.read_table(finished / "part-00002.parquet").column("prompt").to_pylist())
+    assert sorted(pairs["prompt"]) == sorted(pq.read_table(finished / "train-00000.parquet").column("prompt").to_pylist()
+                                             + pq.read_table(finished / "train-00001.parquet").column("prompt").to_pylist()
+                                             + pq.read_table(finished / "train-00002.parquet").column("prompt").to_pylist())
     assert len(pairs) == 6 and lines == []
 
 
 def test_a_killed_build_is_refused_unless_allow_partial(finished, tmp_path):
     out = killed_copy(finished, tmp_path / "killed")
     # The old loader globbed part-* and trained on all three files, the markerless one included.
-    for uri in (str(out), str(out / "part-*.parquet"), str(out / "part-00000.parquet")):
+    for uri in (str(out), str(out / "train-*.parquet"), str(out / "train-00000.parquet")):
         with pytest.raises(IncompleteBuild, match="no _SUCCESS.*--allow-partial"):
             load_pairs(uri)
     lines = []
     pairs = load_pairs(str(out), token_ids=True, allow_partial=True, say=lines.append)
-    from_markers = ids(out / "part-00000.parquet") | ids(out / "part-00001.parquet")
+    from_markers = ids(out / "train-00000.parquet") | ids(out / "train-00001.parquet")
     assert len(pairs) == len(from_markers) == 4
-    assert {r for r in pairs["prompt"]}.isdisjoint(pq.read_table(out / "part-00002.parquet").column("prompt").to_pylist())
+    assert {r for r in pairs["prompt"]}.isdisjoint(pq.read_table(out / "train-00002.parquet").column("prompt").to_pylist())
     assert len(lines) == 1 and "\n" not in lines[0]
     assert "unfinished (no _SUCCESS) build: read 2 of its 2 committed shards (4 pairs committed)" in lines[0]
     assert "ignored 1 part file(s) with no commit marker" in lines[0] and lines[0].endswith(f"4 pairs loaded from {out}")
     # A glob into the build reads through its store too: still never the markerless file.
-    assert len(load_pairs(str(out / "part-0000[12].parquet"), allow_partial=True, say=lines.append)) == 2
+    assert len(load_pairs(str(out / "train-0000[12].parquet"), allow_partial=True, say=lines.append)) == 2
 
 
 def test_a_stray_or_damaged_part_file_in_a_finished_build(finished, tmp_path):
     out = shutil.copytree(finished, tmp_path / "stray")
-    shutil.copy(out / "part-00000.parquet", out / "part-00007.parquet")  # no marker: never read
+    shutil.copy(out / "train-00000.parquet", out / "train-00007.parquet")  # no marker: never read
     lines = []
     assert len(load_pairs(str(out), say=lines.append)) == 6
     assert len(lines) == 1 and "ignored 1 part file(s) with no commit marker" in lines[0]
     # A committed part file changed after the build no longer matches its marker's sha256.
-    shutil.copy(out / "part-00000.parquet", out / "part-00001.parquet")
+    shutil.copy(out / "train-00000.parquet", out / "train-00001.parquet")
     with pytest.raises(IncompleteBuild, match="shard\\(s\\) 1 no longer match their commit markers"):
         load_pairs(str(out))
     lines = []
@@ -97,7 +97,7 @@ def test_user_pairs_files_are_not_a_build(finished, tmp_path):
     """A directory of part files with none of the build's own files is the user's: read as it is."""
     mine = tmp_path / "mine"
     mine.mkdir()
-    for name in ("part-00000.parquet", "part-00002.parquet"):
+    for name in ("train-00000.parquet", "train-00002.parquet"):
         shutil.copy(finished / name, mine / name)
     lines = []
     assert len(load_pairs(str(mine), say=lines.append)) == 4 and lines == []
@@ -107,7 +107,7 @@ def test_user_pairs_files_are_not_a_build(finished, tmp_path):
 def test_train_job_refuses_a_killed_build_with_one_line(finished, tmp_path, capsys, tiny_models):
     out = killed_copy(finished, tmp_path / "killed")
     for extra in ([], ["--dpo"]):
-        rc = train_main(["--pairs", str(out), "--model", str(tiny_models["generator"]), "--output",
+        rc = train_main(["--pairs", str(out), "--generator", str(tiny_models["generator"]), "--output",
                          str(tmp_path / "rt"), "--no-progress", *extra])
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1

@@ -46,7 +46,7 @@ def reference(tiny_models, prompts, tmp_path_factory):
 
 
 def table(out):
-    rows = datasets.load_dataset("parquet", data_files=str(out / "part-*.parquet"), split="train").to_list()
+    rows = datasets.load_dataset("parquet", data_files=str(out / "train-*.parquet"), split="train").to_list()
     return sorted(rows, key=lambda r: r["prompt_id"])
 
 
@@ -126,7 +126,7 @@ def test_sigkill_of_the_driver_leaves_no_half_written_shard_and_the_rerun_resume
         proc.wait()
     markers = sorted(p.name for p in (out / "_markers").glob("part-*.json"))
     assert 1 <= len(markers) < 3, markers
-    parts = sorted(out.glob("part-*.parquet"))  # whatever is visible is whole: every committed shard, readable
+    parts = sorted(out.glob("train-*.parquet"))  # whatever is visible is whole: every committed shard, readable
     assert len(parts) >= len(markers)
     assert all({"prompt", "chosen", "rejected"} <= set(pq.read_table(part).column_names) for part in parts)
     assert not (out / "_SUCCESS").exists()

@@ -55,7 +55,7 @@ def build(tiny_models, generator, out, strategy: str, overrides: list[str]) -> l
     for item in overrides:
         args += ["--set", item]
     assert main(args) == 0
-    rows = [r for part in sorted(out.glob("part-*.parquet")) for r in pq.read_table(part).to_pylist()]
+    rows = [r for part in sorted(out.glob("train-*.parquet")) for r in pq.read_table(part).to_pylist()]
     return sorted(({k: r[k] for k in KEYS + SCORES} for r in rows), key=lambda r: r["prompt_id"])
 
 

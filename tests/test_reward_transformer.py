@@ -148,7 +148,7 @@ def own_pairs(tiny_models, tmp_path_factory):
 
 def test_own_pairs_train_bt_and_dpo_then_sla_builds(own_pairs, tiny_models, capsys):
     tmp, prompts = own_pairs
-    common = ["--pairs", str(tmp / "pairs"), "--model", str(tiny_models["generator"]), "--epochs", "2",
+    common = ["--pairs", str(tmp / "pairs"), "--generator", str(tiny_models["generator"]), "--epochs", "2",
               "--batch-size", "2", "--hidden-size", "16", "--learning-rate", "1e-3", "--no-progress"]
     assert train_main([*common, "--output", str(tmp / "rt")]) == 0
     out = capsys.readouterr().out
@@ -175,7 +175,7 @@ def test_own_pairs_train_bt_and_dpo_then_sla_builds(own_pairs, tiny_models, caps
                  "--set", "strategy.step_size=4") == 0
     manifest = json.loads((tmp / "sla" / "_manifest.json").read_text())
     assert manifest["pairs"] + manifest["prompts_rejected"] == len(GOOD_PROMPTS) and manifest["pairs"] >= 4
-    rows = pq.read_table(tmp / "sla" / "part-00000.parquet").to_pylist()
+    rows = pq.read_table(tmp / "sla" / "train-00000.parquet").to_pylist()
     assert all(r["strategy"] == "sla" and r["num_candidates"] == 4 for r in rows)
     # The searches explore what they do not keep: with k = 2 every committed action had a decoded
     # sibling, and the first step fills d = 2 levels, so each prompt's 4 searches decode at least

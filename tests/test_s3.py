@@ -24,10 +24,11 @@ def test_build_reads_and_writes_s3(s3, tiny_models):
     assert rc == 0
     fs.invalidate_cache()
     assert sorted(fs.ls("bucket/out/run-1", detail=False)) == [
-        "bucket/out/run-1/_SUCCESS", "bucket/out/run-1/_manifest.json", "bucket/out/run-1/_markers",
+        "bucket/out/run-1/README.md", "bucket/out/run-1/_SUCCESS", "bucket/out/run-1/_manifest.json",
+        "bucket/out/run-1/_markers",
         "bucket/out/run-1/_quarantine", "bucket/out/run-1/_rejects", "bucket/out/run-1/_report.json",
-        "bucket/out/run-1/part-00000.parquet", "bucket/out/run-1/part-00001.parquet",
-        "bucket/out/run-1/part-00002.parquet"]
+        "bucket/out/run-1/train-00000.parquet", "bucket/out/run-1/train-00001.parquet",
+        "bucket/out/run-1/train-00002.parquet"]
     assert len(fs.ls("bucket/out/run-1/_markers")) == 3
     manifest = json.loads(fs.cat("bucket/out/run-1/_manifest.json"))
     assert manifest["pairs"] == len(GOOD_PROMPTS) and manifest["prompts_rejected"] == len(MIXED_BAD_ROWS)

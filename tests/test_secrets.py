@@ -134,7 +134,7 @@ def test_s3_build_on_ray_leaves_no_secret_in_output_logs_or_workers(cluster, tin
         fs.invalidate_cache()
         local = tmp_path / "copy"
         fs.get("bucket/out/run/", str(local), recursive=True)
-        assert (local / "_SUCCESS").exists() and list(local.glob("part-*.parquet"))
+        assert (local / "_SUCCESS").exists() and list(local.glob("train-*.parquet"))
         assert hits(local) == []
         assert json.loads((local / "_manifest.json").read_text())["config"]["data"]["storage_options"] == {
             **options, "key": "[redacted]", "secret": "[redacted]", "token": "[redacted]"}

@@ -181,7 +181,7 @@ def test_sla_benchmark_keeps_and_reuses_its_pair_build(tiny_models, tmp_path, mo
     prompts = ["Write a review of the lamp.", "Describe the kettle."]
     built, how = bench.pair_build(gen, rew, prompts, tmp_path / "work", args)
     assert how.startswith("built") and (built / "_SUCCESS").exists() and not (tmp_path / "pairs-prompts.jsonl").exists()
-    first = sorted(p.read_bytes() for p in built.glob("part-*.parquet"))
+    first = sorted(p.read_bytes() for p in built.glob("train-*.parquet"))
 
     def no_build(*_):
         raise AssertionError("rebuilt although the settings are the same")
@@ -190,7 +190,7 @@ def test_sla_benchmark_keeps_and_reuses_its_pair_build(tiny_models, tmp_path, mo
         m.setattr(bench, "build_pairs", no_build)
         again, how = bench.pair_build(gen, rew, prompts, tmp_path / "work", args)
     assert how.startswith("reused") and again == built
-    assert sorted(p.read_bytes() for p in again.glob("part-*.parquet")) == first
+    assert sorted(p.read_bytes() for p in again.glob("train-*.parquet")) == first
     args.max_new_tokens = 6
     _, how = bench.pair_build(gen, rew, prompts, tmp_path / "work", args)
     assert how.startswith("built") and "settings changed" in capsys.readouterr().out

@@ -72,7 +72,7 @@ def read_output(out: Path) -> tuple[dict[int, str], dict[int, str]]:
     """(source row -> prompt_id of each pair, source row -> reason of each reject), checking that no
     row appears twice."""
     pairs, rejects = {}, {}
-    for part in sorted(out.glob("part-*.parquet")):
+    for part in sorted(out.glob("train-*.parquet")):
         for row in pq.read_table(part, columns=["source_row", "prompt_id"]).to_pylist():
             assert row["source_row"] not in pairs
             pairs[row["source_row"]] = row["prompt_id"]
@@ -127,14 +127,14 @@ def test_20000_rows_run_in_bounded_windows_and_resume_after_a_crash(tiny_models,
     committed = sorted(int(p.stem.split("-")[1]) for p in (out / "_markers").glob("part-*.json"))
     assert 60 < len(committed) < 313 and not (out / "_SUCCESS").exists()
     assert max(handed) <= window + SHARD and len(handed) == 3
-    before = {k: (out / f"part-{k:05d}.parquet").stat().st_mtime_ns for k in committed}
+    before = {k: (out / f"train-{k:05d}.parquet").stat().st_mtime_ns for k in committed}
 
     # The rerun skips them and builds the rest, a window at a time.
     handed.clear()
     manifest = run_build(plan_build(sim_config(tiny_models["generator"], prompts, out)), sim_workers(1, 1),
                          progress=False)
     assert manifest["shards_skipped"] == committed and len(committed) + len(manifest["shards_written"]) == 313
-    assert {k: (out / f"part-{k:05d}.parquet").stat().st_mtime_ns for k in committed} == before
+    assert {k: (out / f"train-{k:05d}.parquet").stat().st_mtime_ns for k in committed} == before
     assert max(handed) <= window + SHARD and len(handed) >= (20000 - 64 * len(committed)) // (window + SHARD)
 
     pairs, rejects = read_output(out)

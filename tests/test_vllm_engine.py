@@ -165,7 +165,7 @@ def test_a_build_with_the_vllm_backend_writes_pairs(tiny_models, tmp_path):
                  "--num-samples", "4", "--max-new-tokens", "16", "--set", "strategy.decision_token=4",
                  "--no-progress"]) == 0
     manifest = json.loads((out / "_manifest.json").read_text())
-    pairs = [r for part in sorted(out.glob("part-*.parquet")) for r in pq.read_table(part).to_pylist()]
+    pairs = [r for part in sorted(out.glob("train-*.parquet")) for r in pq.read_table(part).to_pylist()]
     assert manifest["pairs"] + manifest["prompts_rejected"] == len(GOOD_PROMPTS[:6]) == manifest["prompts_in"]
     assert len(pairs) == manifest["pairs"] >= 1
     assert all(p["chosen"] != p["rejected"] and p["chosen_score"] >= p["rejected_score"] for p in pairs)

@@ -54,7 +54,7 @@ def build_both(generator, reward, prompts, out, local: bool) -> dict[str, dict]:
             root = out / strategy
             builds[strategy] = {
                 "manifest": manifest, "report": json.loads((root / "_report.json").read_text()),
-                "pairs": rows(root.glob("part-*.parquet")), "rejects": rows((root / "_rejects").glob("part-*.parquet"))}
+                "pairs": rows(root.glob("train-*.parquet")), "rejects": rows((root / "_rejects").glob("part-*.parquet"))}
     finally:
         workers.shutdown()
     return builds

@@ -2,13 +2,30 @@
 
 Layout of an output directory or s3:// prefix:
 
-    part-NNNNN.parquet            pairs of input shard NNNNN (one fixed name per shard)
+    train-NNNNN.parquet           pairs of input shard NNNNN (one fixed name per shard)
     _rejects/part-NNNNN.parquet   every input row of the shard that has no pair, with its reason
     _quarantine/part-NNNNN.parquet  candidates with a non-finite reward (never used in a pair)
     _markers/part-NNNNN.json      the commit record: row counts, sha256 of each file, the shard's
                                   input fingerprint and the config hash
+    README.md                     the dataset card (pipeline.data.card): YAML ``configs:`` naming the
+                                  committed files, for ``datasets.load_dataset(OUT)``
     _manifest.json, _report.json  totals over all committed shards / this run's figures
     _SUCCESS                      written last, only after every marker was checked against its files
+
+Why ``train-``: ``datasets.load_dataset("parquet", data_dir=OUT)`` reads no card; it picks files by
+split keyword in their names (datasets' ``**/{keyword}[-._ 0-9]*`` patterns, train/test/validation
+and their synonyms) and, when no name has one, reads every file under OUT (``_SUCCESS`` and the
+JSON files included). Pair files named ``train-*`` make it read exactly them as the train split;
+every other name here (``part-*`` side files and markers, ``_manifest.json``, ...) holds no split
+keyword, so nothing else matches. ``load_dataset(OUT)`` reads the card instead (``write_card``).
+Outputs of the older layout (pair files ``part-NNNNN.parquet``; their markers name them) are still
+read through their markers; a build does not resume one (OutputConflict: rebuild with --overwrite).
+
+The card is kept current while a build runs: written when it starts (``prepare``) and again after a
+commit at most every CARD_INTERVAL_S, naming only shards committed when it was written, so a killed
+build's card never names an uncommitted file; the build writes the full card (columns, counts,
+provenance) before ``_SUCCESS``. A README.md this pipeline did not write is the user's: it is left
+as it is, no card is written, and one line says so.
 
 Commit of one shard: the side files, then the part file, then the marker. Every file appears
 whole or not at all: locally it is written to a temp file in the same directory and renamed with
@@ -190,11 +207,26 @@ class IncompleteBuild(Exception):
 
 
 def part_name(shard: int) -> str:
+    """The pair file of ``shard``: its name holds the split (see the module docstring)."""
+    return f"train-{shard:05d}.parquet"
+
+
+def side_name(shard: int) -> str:
+    """The shard's file under ``_rejects/`` and ``_quarantine/``: no split keyword in its name."""
     return f"part-{shard:05d}.parquet"
 
 
 def marker_name(shard: int) -> str:
     return f"part-{shard:05d}.json"
+
+
+CARD_NAME = "README.md"
+CARD_TAG = "# bon-pipeline dataset card"
+"""The card's second line (a YAML comment in its front matter): a README.md that starts with
+``---`` and this is ours to rewrite or remove; any other is the user's."""
+CARD_CONFIGS = (("default", "", part_name, "rows"), ("rejects", "_rejects", side_name, "rejects"),
+                ("quarantine", "_quarantine", side_name, "quarantine"))
+"""The card's configs: (name, directory, file name of a shard, the marker's entry with its rows)."""
 
 
 def check_location(output: str, prompts: str) -> None:
@@ -246,6 +278,10 @@ class OutputStore:
     """A lease whose heartbeat is older than this belongs to a dead build and is taken over."""
     LEASE_HEARTBEAT_S = 10.0
     """How often the holder rewrites its lease's heartbeat (well under the timeout)."""
+    CARD_INTERVAL_S = 30.0
+    """While a build runs, its card is rewritten after a commit at most this often: one small write
+    per interval, however many shards commit (the card lists them, so a rewrite per commit would
+    cost writes quadratic in the shards)."""
 
     def __init__(self, uri: str, storage_options: dict | None = None):
         self.uri = uri.rstrip("/")
@@ -253,6 +289,13 @@ class OutputStore:
         self.fs, self.root = filesystem(self.uri, self.storage_options)
         self.remote = is_remote(uri)
         self.lease: Lease | None = None
+        self._found: dict[int, dict] = {}  # the committed shards' markers, as committed() found them
+        self.card_shards: dict[int, dict] | None = None
+        """The markers of the shards the card names (from ``prepare`` on, the committed ones); None
+        while this store keeps no card."""
+        self.card_blocked: str | None = None
+        """Why no card is written (a README.md of the user's is in the way)."""
+        self._card_written_at = 0.0
         if self.fs.isfile(self.root):
             raise OutputConflict(f"{self.uri}: is a file; the output must be a directory or an s3:// prefix")
         self.fs.makedirs(self.root, exist_ok=True)
@@ -332,6 +375,7 @@ class OutputStore:
         whose files are missing or do not match its marker (size and sha256: damaged after its
         commit) is not committed: it is rebuilt, and one line on stderr says so."""
         done = set()
+        self._found = {}
         for shard, marker in self.iter_markers():
             if shard not in expected:
                 raise OutputConflict(f"{self.uri}: holds shard {shard}, but this input has {len(expected)} shards "
@@ -343,16 +387,28 @@ class OutputStore:
             if marker["input_fingerprint"] != fp:
                 raise OutputConflict(f"{self.uri}: shard {shard} was built from different input rows; "
                                      "use --overwrite to replace it, or another --output")
+            if self.pair_file(shard, marker) != part_name(shard):
+                raise OutputConflict(f"{self.uri}: was written by an older version of this pipeline (pair files "
+                                     f"{self.pair_file(shard, marker)}, now {part_name(shard)}); rebuild it with "
+                                     "--overwrite, or use another --output")
             damage = self._damage(shard, marker)
             if damage is None:
                 done.add(shard)
+                self._found[shard] = marker
             else:
                 print(f"warning: {join(self.uri, damage)}; shard {shard} is rebuilt", file=sys.stderr)
         return done
 
+    @staticmethod
+    def pair_file(shard: int, marker: dict) -> str:
+        """The pair file a marker commits (relative to the root): the name it records, so that an
+        output of the older layout (``part-NNNNN.parquet``) is read too."""
+        return marker.get("part") or part_name(shard)
+
     def _files(self, shard: int, marker: dict) -> list[tuple[str, dict]]:
         """(path relative to the root, its record in the marker) of the shard's three files."""
-        return [(part_name(shard), marker)] + [(f"{d}/{part_name(shard)}", marker[d.strip("_")]) for d in SIDE_DIRS]
+        return [(self.pair_file(shard, marker), marker)] + [(f"{d}/{side_name(shard)}", marker[d.strip("_")])
+                                                            for d in SIDE_DIRS]
 
     def _damage(self, shard: int, marker: dict) -> str | None:
         """The first of the shard's files that is missing or is not the one its marker records, as
@@ -395,7 +451,7 @@ class OutputStore:
     def read_shard(self, shard: int) -> tuple[pa.Table, pa.Table]:
         with self.fs.open(join(self.root, part_name(shard)), "rb") as f:
             pairs = pq.read_table(f)
-        reject_path = join(self.root, "_rejects", part_name(shard))
+        reject_path = join(self.root, "_rejects", side_name(shard))
         rejects = REJECT_SCHEMA.empty_table()
         if self.fs.exists(reject_path):
             with self.fs.open(reject_path, "rb") as f:
@@ -412,8 +468,8 @@ class OutputStore:
         if not self.succeeded() and not allow_partial:
             raise IncompleteBuild(f"{self.uri}: not a finished build (no _SUCCESS); wait for it to finish, "
                                   "or pass --allow-partial to read its committed shards only")
-        return [join(self.root, part_name(shard)) for shard, marker in self.iter_markers()
-                if self._file_damage(part_name(shard), marker) is None]
+        return [join(self.root, self.pair_file(shard, marker)) for shard, marker in self.iter_markers()
+                if self._file_damage(self.pair_file(shard, marker), marker) is None]
 
     def succeeded(self) -> bool:
         self._refresh()
@@ -426,7 +482,8 @@ class OutputStore:
         build can have left them) and the old _SUCCESS (this run rewrites it). With ``overwrite``,
         remove the earlier build: what its markers say it wrote (each shard's part, rejects and
         quarantine files, then the marker) and our root files; any other file, even one named
-        ``part-*``, is the user's and stays."""
+        ``part-*``, is the user's and stays. Then the card names the shards committed so far (none
+        after ``overwrite``: our card is removed), and is kept current from here on."""
         if self.lease is None:
             raise RuntimeError(f"{self.uri}: prepare() needs the output's lease (acquire_lease first)")
         self.lease.check()
@@ -450,25 +507,32 @@ class OutputStore:
             except FileNotFoundError:
                 pass
         self._refresh()
+        self.card_shards = {} if overwrite else dict(self._found)
+        self._check_card_slot()
+        self._write_progress_card()
 
     def commit_shard(self, shard: int, pairs: list[dict], rejects: list[dict], input_fingerprint: str,
                      config_hash: str, stats: dict | None = None, quarantine: list[dict] | None = None,
                      output_format: str = "standard", extra: ExtraColumns | None = None) -> dict:
         """Write the shard's side files, its part file (pairs in TRL's ``output_format``, then the
         ``extra`` columns), then its marker (the commit point)."""
-        name = part_name(shard)
+        name, side = part_name(shard), side_name(shard)
         marker = {"shard": shard, "part": name, "input_fingerprint": input_fingerprint, "config_hash": config_hash,
                   "stats": stats or {}, "committed_at": time.time()}
         for key, directory, rows, schema in (("rejects", "_rejects", rejects, REJECT_SCHEMA),
                                              ("quarantine", "_quarantine", quarantine or [], QUARANTINE_SCHEMA)):
             payload = _parquet_bytes(pa.Table.from_pylist(rows, schema))
-            self._write_bytes(join(self.root, directory, name), payload)
+            self._write_bytes(join(self.root, directory, side), payload)
             marker[key] = {"rows": len(rows), "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
         schema = PAIR_SCHEMAS[output_format] if extra is None else extra.schema(PAIR_SCHEMAS[output_format])
         payload = _parquet_bytes(pa.Table.from_pylist(pairs, schema))
         self._write_bytes(join(self.root, name), payload)
         marker.update(rows=len(pairs), sha256=hashlib.sha256(payload).hexdigest(), bytes=len(payload))
         self._write_bytes(join(self.root, "_markers", marker_name(shard)), json.dumps(marker, sort_keys=True).encode())
+        if self.card_shards is not None:
+            self.card_shards[shard] = marker
+            if time.time() - self._card_written_at >= self.CARD_INTERVAL_S:
+                self._write_progress_card()
         return marker
 
     def verify(self, num_shards: int, config_hash: str | None = None) -> Iterator[tuple[int, dict]]:
@@ -508,6 +572,91 @@ class OutputStore:
     def write_success(self, content: dict) -> None:
         self.write_json("_SUCCESS", content)
 
+    # -- the dataset card ----------------------------------------------------------------------
+
+    def _check_card_slot(self) -> None:
+        """Whether README.md is free or ours (CARD_TAG); a user's stays, and no card is written."""
+        path = join(self.root, CARD_NAME)
+        self._refresh()
+        if not self.fs.exists(path):
+            return
+        with self.fs.open(path, "rb") as f:
+            head = f.read(len(CARD_TAG) + 8)
+        if not head.startswith(f"---\n{CARD_TAG}".encode()):
+            self.card_blocked = (f"{join(self.uri, CARD_NAME)}: not a dataset card this pipeline wrote; it is left as "
+                                 "it is and no card is written, so datasets.load_dataset(OUT) does not see this "
+                                 "build's configs (move the file away to get the card)")
+            print(f"warning: {self.card_blocked}", file=sys.stderr)
+
+    def card_front_matter(self, final: bool = False) -> str:
+        """The card's YAML front matter: one config per kind of file (``default``: the pairs,
+        ``rejects``, ``quarantine``), each naming the files of the shards in ``card_shards``, one
+        split ``train``. The side configs name only files with rows, and are left out when there are
+        none (``datasets`` refuses a config whose split has no row). ``final`` (the build is done and
+        nothing writes any more): a config whose files are all the files of their kind on disk is
+        written as a glob, so a reader of a large output resolves one pattern, not a name per shard;
+        while a build runs, names only (a glob would also match a pair file written before its marker)."""
+        import yaml
+
+        shards = self.card_shards or {}
+        configs = []
+        for name, directory, file_of, entry in CARD_CONFIGS:
+            prefix = f"{directory}/" if directory else ""
+            committed = [prefix + file_of(k) for k in sorted(shards)]
+            rows = [(shards[k] if entry == "rows" else shards[k][entry])["rows"] for k in sorted(shards)]
+            if name != "default":
+                if not any(rows):
+                    continue
+                committed = [f for f, n in zip(committed, rows) if n]
+            paths: str | list[str] = committed
+            if final:
+                pattern = "train-*.parquet" if not directory else f"{directory}/*.parquet"
+                every = [prefix + p.rsplit("/", 1)[1] for p in self._ls(join(self.root, directory) if directory
+                                                                         else self.root)]
+                on_disk = {f for f in every if _glob_match(f.split("/")[-1], pattern.split("/")[-1])}
+                kind = {prefix + file_of(k) for k in shards}
+                if on_disk == kind:
+                    paths = pattern
+            config = {"config_name": name, "data_files": [{"split": "train", "path": paths}]}
+            if name == "default":
+                config["default"] = True
+            configs.append(config)
+        return (f"---\n{CARD_TAG}: rewritten by every build of this output (edit the build, not this file)\n"
+                + yaml.safe_dump({"configs": configs}, sort_keys=False, width=1000) + "---\n")
+
+    def _write_progress_card(self) -> None:
+        """The card of a build still running: the configs of the shards committed so far and a
+        short note; none (ours removed) while no shard is committed."""
+        if self.card_blocked or self.card_shards is None:
+            return
+        path = join(self.root, CARD_NAME)
+        if not self.card_shards:  # (the first commit writes a card at once)
+            if self.fs.exists(path):
+                if self.lease is not None:
+                    self.lease.check()
+                self.fs.rm(path)
+            return
+        pairs = sum(m["rows"] for m in self.card_shards.values())
+        body = (f"\n# Preference pairs: build in progress\n\nThis build has not finished (no `_SUCCESS` yet). "
+                f"The configs above name the {len(self.card_shards)} shard(s) committed when this card was written "
+                f"({pairs} pairs); `datasets.load_dataset(\"{self.uri}\")` reads those and nothing else. The full "
+                "card (columns, counts, provenance) is written when the build finishes.\n")
+        self._write_bytes(path, (self.card_front_matter() + body).encode())
+        self._card_written_at = time.time()
+
+    def write_card(self, body: str) -> bool:
+        """The finished build's card: the front matter (``final``) and ``body`` (Markdown), to
+        README.md; False when a README.md of the user's is in the way (``card_blocked``). A store
+        that was not prepared names every committed shard (its markers)."""
+        if self.card_shards is None:
+            self._check_card_slot()
+            self.card_shards = dict(self.iter_markers())
+        if self.card_blocked:
+            return False
+        self._write_bytes(join(self.root, CARD_NAME), (self.card_front_matter(final=True) + body).encode())
+        self._card_written_at = time.time()
+        return True
+
     def _write_bytes(self, path: str, payload: bytes) -> None:
         if self.lease is not None:  # a build that lost its lease writes nothing more
             self.lease.check()
@@ -523,6 +672,13 @@ class OutputStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+
+def _glob_match(name: str, pattern: str) -> bool:
+    """Whether a file name matches a card glob as ``datasets`` resolves it (hidden files never do)."""
+    import fnmatch
+
+    return not name.startswith(".") and fnmatch.fnmatchcase(name, pattern)
 
 
 def _mtime(entry: dict) -> float:

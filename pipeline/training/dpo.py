@@ -17,12 +17,22 @@ import pyarrow.parquet as pq
 
 from pipeline.data.prompts import InputError
 from pipeline.data.storage import is_remote, join, list_files
-from pipeline.data.writer import LEASE_NAME, CorruptMarker, IncompleteBuild, OutputStore, part_name
+from pipeline.data.writer import LEASE_NAME, CorruptMarker, IncompleteBuild, OutputStore
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 # Logged by DPOTrainer per step; we hand back the last value of each.
 _DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected")
+
+
+PAIR_FILE_PREFIXES = ("train-", "part-")
+"""Top-level Parquet files named so hold pairs: a build's (``train-NNNNN``; ``part-NNNNN`` in builds
+of the older layout) or a user's own pairs directory."""
+
+
+def is_pair_file(name: str) -> bool:
+    """Whether a top-level file name is a pair file (PAIR_FILE_PREFIXES, ``.parquet``)."""
+    return name.startswith(PAIR_FILE_PREFIXES) and name.endswith(".parquet")
 
 
 BUILD_FILES = ("_markers", "_manifest.json", "_SUCCESS", LEASE_NAME)
@@ -32,9 +42,9 @@ build, and is read through its output store (committed shards only)."""
 
 def is_build(fs, path: str) -> bool:
     """Whether directory ``path`` of ``fs`` is a build_dataset output. A user's own pairs directory
-    (part-*.parquet and nothing of ours) is not, and is read as it always was; a build, even one
-    killed before it wrote anything but markers, is, so a leftover part file with no marker can
-    never slip in through a directory listing."""
+    (train-*.parquet or part-*.parquet, and nothing of ours) is not, and is read as it always was;
+    a build, even one killed before it wrote anything but markers, is, so a leftover pair file with
+    no marker can never slip in through a directory listing."""
     return any(fs.exists(join(path, name)) for name in BUILD_FILES)
 
 
@@ -58,12 +68,12 @@ def _build_parts(uri: str, storage_options: dict, allow_partial: bool, wanted) -
     store = OutputStore(uri, storage_options)
     try:
         parts = [p for p in store.committed_parts(allow_partial=allow_partial) if wanted(p)]
-        markers = {join(store.root, part_name(shard)): marker for shard, marker in store.iter_markers()}
+        markers = {join(store.root, store.pair_file(shard, marker)): marker for shard, marker in store.iter_markers()}
     except CorruptMarker as exc:  # names the marker; a reader cannot trust the shard it stands for
         raise InputError(str(exc)) from None
     markers = {path: m for path, m in markers.items() if wanted(path)}
     skipped = sorted(int(m["shard"]) for path, m in markers.items() if path not in parts)
-    listed = [p for p in store.fs.ls(store.root, detail=False) if p.rsplit("/", 1)[1].startswith("part-") and p.endswith(".parquet")]
+    listed = [p for p in store.fs.ls(store.root, detail=False) if is_pair_file(p.rsplit("/", 1)[1])]
     leftovers = sorted(p.rsplit("/", 1)[1] for p in listed if p not in markers and wanted(p))
     finished = store.succeeded()
     if skipped and not allow_partial:
@@ -82,7 +92,7 @@ def _pair_files(uri: str, storage_options: dict, allow_partial: bool = False) ->
     try:
         # Top-level part files only: _rejects/ and _quarantine/ sit beside them under the same prefix.
         fs, path, files = list_files(uri, storage_options,
-                                     lambda rel: "/" not in rel and rel.startswith("part-") and rel.endswith(".parquet"))
+                                     lambda rel: "/" not in rel and is_pair_file(rel))
     except FileNotFoundError:
         raise InputError(f"{uri}: no such file or directory") from None
     # A glob or a single file inside a build reads through that build's store too (of what it names).
@@ -99,7 +109,7 @@ def _pair_files(uri: str, storage_options: dict, allow_partial: bool = False) ->
         result.files += parts
         result.builds.append(record)
     if not files:
-        raise InputError(f"{uri}: no part-*.parquet files found")
+        raise InputError(f"{uri}: no train-*.parquet or part-*.parquet files found")
     kept = []
     for f in result.files:
         where = uri if f == path else f"{uri}: {f}"
@@ -155,7 +165,7 @@ TOKEN_ID_COLUMNS = ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids"
 
 def load_pairs(uri: str, storage_options: dict | None = None, token_ids: bool = False,
                allow_partial: bool = False, say: Callable[[str], None] | None = None):
-    """The pairs at `uri` (a directory/prefix of part-*.parquet, one Parquet file, or a glob; local
+    """The pairs at `uri` (a directory/prefix of train-*.parquet or part-*.parquet, one Parquet file, or a glob; local
     or s3://) as a `datasets.Dataset` with exactly the columns prompt, chosen and rejected (and,
     with ``token_ids``, the build's TOKEN_ID_COLUMNS when the files have them).
 
