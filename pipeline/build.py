@@ -38,7 +38,7 @@ from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import (FirstRows, InputError, PromptFormatter, PromptSource, Reject, hub_dataset_id,
                                    validate)
 from pipeline.data.storage import access_errors, check_access
-from pipeline.data.writer import ExtraColumns, OutputStore, check_location, fingerprint
+from pipeline.data.writer import ExtraColumns, OutputStore, check_location, fingerprint, part_name
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import TOKENIZER_KEYS, load_tokenizer
 from pipeline.engines.rewards import is_reward_function, load_reward_function
@@ -520,7 +520,7 @@ def _run(plan: BuildPlan, workers, progress: bool) -> dict:
             window = ahead if ahead is not None else next(windows, [])
     except BatchFailed as exc:
         shards = sorted({origin[pid][0].index for pid in exc.prompt_ids})
-        raise ShardFailed(f"shard(s) {', '.join(f'part-{k:05d}' for k in shards)} failed after {exc.attempts} "
+        raise ShardFailed(f"shard(s) {', '.join(part_name(k) for k in shards)} failed after {exc.attempts} "
                            f"attempts: {exc.cause}; committed shards are kept, a rerun resumes") from None
     finally:
         bars.close()

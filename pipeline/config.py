@@ -368,8 +368,9 @@ class Config:
     is a credential; endpoint_url, region_name and the like are not."""
 
     def redacted_dict(self) -> dict:
-        """to_dict() fit to be written or shown: every credential in ``data.storage_options`` (by its
-        name, SECRET_NAME_PARTS) replaced by "[redacted]", and a user:password in a URL option too.
+        """to_dict() fit to be written or shown: every credential in ``data.storage_options``,
+        ``models.vllm``, ``models.reward_vllm`` and ``models.hf.kwargs`` (by its name,
+        SECRET_NAME_PARTS) replaced by "[redacted]", and a user:password in a URL option too.
         The manifest and every other file a build writes hold this, never to_dict(): an output is
         read by people and jobs that must not get the keys to the bucket."""
         from urllib.parse import urlsplit
@@ -390,6 +391,10 @@ class Config:
 
         out = self.to_dict()
         out["data"]["storage_options"] = redact(out["data"]["storage_options"])
+        # The engines' free-form keywords may hold a token too (vllm.LLM's hf_token, from_pretrained's token).
+        for key in ("vllm", "reward_vllm"):
+            out["models"][key] = redact(out["models"][key])
+        out["models"]["hf"]["kwargs"] = redact(out["models"]["hf"]["kwargs"])
         return out
 
 

@@ -89,7 +89,7 @@ def test_retries_are_bounded_and_the_failure_names_the_shard(cluster, tiny_model
                    "--set", "runtime.batches_in_flight=1", faults=[always]))
     assert rc == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: shard(s) part-0000") and "failed after 2 attempts" in err[-1]
+    assert err[-1].startswith("error: shard(s) train-0000") and "failed after 2 attempts" in err[-1]
     assert "generator 0 actor died during open()" in err[-1]
     assert not (tmp_path / "out" / "_SUCCESS").exists() and not list((tmp_path / "out").glob("part-*"))
 

@@ -226,19 +226,19 @@ def git_commit() -> str | None:
 
 def provenance(config: Config, argv: list[str] | None = None) -> dict:
     """Where a build came from (module docstring), for the manifest and the card. Redacted: the
-    config as Config.redacted_dict() writes it, and the free-form engine keywords (models.vllm,
-    models.reward_vllm, models.hf.kwargs: a ``token`` may be among them) by Config's rule."""
+    config as Config.redacted_dict() writes it (storage options and the free-form engine keywords),
+    and the command line (redacted_command)."""
     models = config.models
     config_dict = config.redacted_dict()
-    for key in ("vllm", "reward_vllm"):
-        config_dict["models"][key] = _redact_tree(config_dict["models"][key])
-    config_dict["models"]["hf"]["kwargs"] = _redact_tree(config_dict["models"]["hf"]["kwargs"])
+    argv = list(sys.argv if argv is None else argv)
+    if argv and argv[0].endswith(".py") and Path(argv[0]).parent.name == "jobs":  # python -m jobs.X
+        argv[0] = f"python -m jobs.{Path(argv[0]).stem}"
     return {
         "models": {role: model_provenance(getattr(models, role), models.hf.revision_of(role))
                    for role in ("generator", "reward", "draft")},
         "packages": package_versions(),
         "config": config_dict,
-        "command": redacted_command(sys.argv if argv is None else argv),
+        "command": redacted_command(argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
     }
@@ -313,6 +313,9 @@ def card_body(manifest: dict, schema: pa.Schema, uri: str) -> str:
                     else f"commit unknown: {found.get('commit_reason')}")
         lines.append(f"| {role} | `{found['model']}` | {found.get('revision') or 'default'} | {what} |")
     packages = prov.get("packages", {})
+    source = manifest.get("input")
+    if source:
+        lines += ["", "Input: " + ", ".join(f"{k} `{v}`" for k, v in source.items() if v is not None) + "."]
     lines += [
         "",
         "Packages: " + ", ".join(f"{k} {v}" for k, v in packages.items() if v is not None) + ".", "",
