@@ -40,6 +40,7 @@ the same settings a no-op.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import time
@@ -48,6 +49,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 PRODUCTS = {
     "the blender": ["motor", "blade", "jar", "lid"],
@@ -278,6 +281,8 @@ def make_bench_models(output: str | Path, settings: BenchSettings | None = None,
         reward = LlamaForSequenceClassification(llama_config(tok, s.reward_hidden, s.reward_layers, r_heads,
                                                              r_heads // 2, num_labels=1))
         scorer = RewardScorer(reward, tok)
+        log.info("training the generator and the draft (%d steps), then the reward model (%d steps)",
+                 s.generator_steps, s.reward_steps)
         bar = tqdm(total=s.generator_steps + s.reward_steps, desc="bench models", disable=not progress)
         report = train_policy_and_draft(generator, draft, tok, rows, s, bar)
         report.update(train_reward(reward, scorer.format, tok, judged, s, bar))
@@ -300,8 +305,8 @@ def make_bench_models(output: str | Path, settings: BenchSettings | None = None,
 def main(argv: list[str] | None = None) -> int:
     from jobs.make_tiny_models import models_cli
 
-    return models_cli(argv, __doc__.splitlines()[0],
-                      lambda output, seed: make_bench_models(output, BenchSettings(seed=seed)))
+    return models_cli(argv, "python -m jobs.bench_models", __doc__,
+                      lambda output, seed, progress: make_bench_models(output, BenchSettings(seed=seed), progress))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Build ADED's tri-gram matrix (Eq. 1) from a text corpus and save it for `strategy.trigram`.
 
-    python -m jobs.build_trigram --corpus FILE [FILE ...] --tokenizer DIR --output trigram.npz [--top-t 12]
+    bon-build-trigram --corpus FILE [FILE ...] --tokenizer DIR --output trigram.npz [--top-t 12]
+    (or python -m jobs.build_trigram ...)
 
 Each non-blank line of each corpus file (plain text, or JSONL with a "text" key) is one document,
 tokenized with the generator's tokenizer (no special tokens); tri-grams never span two documents.
@@ -9,18 +10,22 @@ A missing or unreadable corpus file fails with exit code 2 and one line naming i
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import sys
 
 from tqdm.auto import tqdm
 
+from jobs.cli import job_parser, setup_logging
 from pipeline.engines.hf import load_tokenizer
 from pipeline.decoding.trigram import TrigramMatrix
 from pipeline.engines.trigram import save_trigram
 
+log = logging.getLogger(__name__)
+
 
 def read_documents(path: str) -> list[str]:
+    """The documents of one corpus file: its non-blank lines (a JSONL file: each line's "text")."""
     docs = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -37,19 +42,24 @@ def read_documents(path: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus", nargs="+", required=True)
-    parser.add_argument("--tokenizer", required=True, help="tokenizer (or model) directory or hub id")
+    parser = job_parser("bon-build-trigram", __doc__)
+    parser.add_argument("--corpus", nargs="+", required=True,
+                        help="text files (one document per line) or JSONL files (a \"text\" key per line)")
+    parser.add_argument("--tokenizer", required=True, help="the generator's tokenizer (or model) directory or hub id")
     parser.add_argument("--output", required=True, help="where to save the matrix (.npz)")
     parser.add_argument("--top-t", type=int, default=12, help="continuations kept per context (paper: 12)")
     args = parser.parse_args(argv)
+    setup_logging(args.log_level)
     try:
         docs = [doc for path in args.corpus for doc in read_documents(path)]
         tokenizer = load_tokenizer(args.tokenizer)
     except (OSError, ValueError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        log.error("%s", str(exc).splitlines()[0])
         return 2
-    sequences = [tokenizer(doc, add_special_tokens=False).input_ids for doc in tqdm(docs, desc="tokenizing")]
+    log.info("tokenizing %d documents", len(docs))
+    bars = not args.no_progress and sys.stderr.isatty()
+    sequences = [tokenizer(doc, add_special_tokens=False).input_ids
+                 for doc in tqdm(docs, desc="tokenizing", disable=not bars)]
     matrix = TrigramMatrix.from_sequences(sequences, args.top_t)
     save_trigram(matrix, args.output)
     print(f"{len(docs)} documents, {len(matrix.table)} contexts, {len(matrix)} continuations -> {args.output}")

@@ -26,7 +26,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default in (None, False, [], "", argparse.SUPPRESS) or "%(default)" in text or not action.option_strings:
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if (switch or action.default is None or action.default in ([], "", argparse.SUPPRESS) or "%(default)" in text
+                or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)".strip()
 

@@ -1,13 +1,15 @@
 """Counterfactual analysis of speculative rejection (paper section 6.2, appendices D and E).
 
-    python -m jobs.counterfactual --model DIR --reward-model DIR --prompts FILE.jsonl --n 100 \\
+    bon-counterfactual --generator DIR --reward DIR --prompts FILE.jsonl --num-samples 100 \\
         [--taus 8 16 32 64] [--alphas 0.5 0.7 0.8 0.9 0.95] [--max-new-tokens 128] [--output DIR]
+    (or python -m jobs.counterfactual ...)
 
 For each prompt it samples N full completions (Best-of-N) and scores every one at each decision
 token tau (streaming reward sessions, so each tau costs only the new chunk) and at the end. Then,
 on those same completions, it replays Algorithm 1 over the alpha x tau grid: the token rate and
 the normalized score of Eq. 6 (pipeline.decoding.sbon_analysis), and per prompt the Pearson and
-Kendall correlations of partial vs final reward. Writes DIR/counterfactual.json,
+Kendall correlations of partial vs final reward. Writes DIR/counterfactual.json (the settings
+under the flags' names, the grid, the correlations and every completion's rewards),
 DIR/tradeoff.png (score and token rate against alpha, one line per tau, as the paper's Figure 3)
 and DIR/correlations.png (per-prompt Pearson and Kendall histograms, as Figure 5).
 Bad input (missing file, no usable prompt) prints one line and exits with code 2.
@@ -15,24 +17,29 @@ Bad input (missing file, no usable prompt) prints one line and exits with code 2
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import math
 import sys
 import uuid
 from pathlib import Path
 
+from jobs.cli import job_parser, setup_logging
 from pipeline.decoding.sbon_analysis import PromptRewards, correlations, grid
+
+log = logging.getLogger(__name__)
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 def collect(engine, scorer, prompts, n: int, taus: list[int], sampling, seed: int, progress=True) -> list[PromptRewards]:
-    """N completions per prompt with partial rewards at each tau (no row is stopped)."""
+    """N completions per prompt with partial rewards at each tau (no row is stopped). ``progress``:
+    a bar; without one, a log line per prompt (INFO; DEBUG beside the bar)."""
     from tqdm import tqdm
 
     from pipeline.decoding.sampling import row_seed
 
     out = []
-    for p in tqdm(prompts, desc="counterfactual", disable=not progress):
+    for done, p in enumerate(tqdm(prompts, desc="counterfactual", disable=not progress), 1):
         session, rewards = uuid.uuid4().hex, uuid.uuid4().hex
         engine.open(session, [p.token_ids], n, [row_seed(seed, p.prompt_id, s) for s in range(n)], sampling)
         scorer.open(rewards, [p.reward_input], n)
@@ -50,6 +57,8 @@ def collect(engine, scorer, prompts, n: int, taus: list[int], sampling, seed: in
             scorer.close(rewards)
         out.append(PromptRewards(lengths=[len(r.token_ids) for r in rows], final=final,
                                  partial={tau: [partial[tau][r.row] for r in rows] for tau in taus}))
+        log.log(logging.DEBUG if progress else logging.INFO, "counterfactual: prompt %d/%d, %d completions",
+                done, len(prompts), n)
     return out
 
 
@@ -94,28 +103,30 @@ def plot(summary: dict, taus: list[int], alphas: list[float], output: Path) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.counterfactual", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="generator: HF model directory or hub id")
-    parser.add_argument("--reward-model", required=True, help="reward model (sequence classifier, one label)")
+    parser = job_parser("bon-counterfactual", __doc__)
+    parser.add_argument("--generator", required=True, help="generator: HF model directory or hub id")
+    parser.add_argument("--reward", required=True, help="reward model (sequence classifier, one label)")
     parser.add_argument("--prompts", required=True, help="JSONL or Parquet with a prompt column (local or s3://)")
-    parser.add_argument("--prompt-column", default="prompt")
-    parser.add_argument("--n", type=int, default=100, help="completions per prompt")
+    parser.add_argument("--prompt-column", default="prompt", help="the column of --prompts that holds the prompt")
+    parser.add_argument("--num-samples", type=int, default=100, help="N: completions per prompt (>= 2)")
     parser.add_argument("--num-prompts", type=int, default=100, help="use the first this many prompts")
-    parser.add_argument("--taus", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--alphas", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9, 0.95])
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--output", default="out/counterfactual")
+    parser.add_argument("--taus", type=int, nargs="+", default=[8, 16, 32, 64],
+                        help="decision tokens: the partial rewards are read after this many tokens")
+    parser.add_argument("--alphas", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9, 0.95],
+                        help="rejection rates of the replayed grid, each in [0, 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="token cap of each completion")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1: off)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the per-row sampling seeds")
+    parser.add_argument("--device", default="cpu", help="torch device of both models (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="torch dtype of both models")
+    parser.add_argument("--output", default="out/counterfactual", help="directory for the JSON and the plots")
     parser.add_argument("--no-keep-lowest", dest="keep_lowest", action="store_false",
                         help="replay without strategy.keep_lowest (the paper's Algorithm 1 exactly)")
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    if args.n < 2 or any(t < 1 for t in args.taus) or any(not 0 <= a < 1 for a in args.alphas):
-        print("error: need --n >= 2, taus >= 1 and alphas in [0, 1)", file=sys.stderr)
+    setup_logging(args.log_level)
+    if args.num_samples < 2 or any(t < 1 for t in args.taus) or any(not 0 <= a < 1 for a in args.alphas):
+        log.error("need --num-samples >= 2, taus >= 1 and alphas in [0, 1)")
         return 2
 
     from pipeline.data.prompts import InputError, PromptFormatter, prompt_id, read_raw_rows, validate
@@ -127,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows, _rejects = validate(read_raw_rows(args.prompts, args.prompt_column), args.prompt_column)
     except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     if not rows:
-        print(f"error: {args.prompts}: no usable prompt in column {args.prompt_column!r}", file=sys.stderr)
+        log.error("%s: no usable prompt in column %r", args.prompts, args.prompt_column)
         return 2
-    engine = HFEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    scorer = RewardScorer.from_pretrained(args.reward_model, device=args.device, dtype=args.dtype)
+    engine = HFEngine.from_pretrained(args.generator, device=args.device, dtype=args.dtype)
+    scorer = RewardScorer.from_pretrained(args.reward, device=args.device, dtype=args.dtype)
     formatter = PromptFormatter(engine.tokenizer, max(1, engine.max_context - args.max_new_tokens))
     prompts = []
     for row in rows[:args.num_prompts]:
@@ -141,12 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         prompts.append(PromptInput(prompt_id(row.prompt), text, row.prompt, ids))
     taus = sorted({t for t in args.taus if t < args.max_new_tokens})
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
-    collected = collect(engine, scorer, prompts, args.n, taus, sampling, args.seed, not args.no_progress)
+    collected = collect(engine, scorer, prompts, args.num_samples, taus, sampling, args.seed,
+                        not args.no_progress and sys.stderr.isatty())
     summary = summarize(collected, taus, args.alphas, args.keep_lowest)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    report = {"model": args.model, "reward_model": args.reward_model, "prompts": len(prompts), "n": args.n,
-              "taus": taus, "alphas": args.alphas, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+    report = {"generator": args.generator, "reward": args.reward, "prompts": len(prompts),
+              "num_samples": args.num_samples, "taus": taus, "alphas": args.alphas,
+              "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "streaming_reward": scorer.streaming, "reward_tokens_read": scorer.tokens_read, **summary,
               "completions": [{"lengths": p.lengths, "final": p.final, "partial": {str(t): v for t, v in p.partial.items()}}
                               for p in collected]}

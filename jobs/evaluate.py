@@ -1,11 +1,12 @@
 """Quality figures from the IFEval judge (pipeline.judge): a build's pairs, or decoding methods.
 
-    python -m jobs.evaluate --output OUT [--prompts FILE] [--allow-partial] [--report FILE]
-    python -m jobs.evaluate --model DIR --reward DIR --prompts FILE [--methods greedy,temperature,...]
-        [--max-new-tokens T] [--max-prompts P] [--num-samples N] [--search-depth D] [--search-width K]
+    bon-evaluate --pairs OUT [--prompts FILE] [--allow-partial] [--report FILE]
+    bon-evaluate --generator DIR --reward DIR --prompts FILE [--methods greedy,temperature,...]
+        [--max-new-tokens T] [--num-prompts P] [--num-samples N] [--search-depth D] [--search-width K]
         [--step-size N] [--sla-temperature T] [--seed S] [--device cpu|cuda] [--dtype float32] [--report FILE]
+    (or python -m jobs.evaluate ...)
 
-With --output: the pairs of the build at OUT, read through its output store (committed shards
+With --pairs: the pairs of the build at OUT (a bon-build --output), read through its output store (committed shards
 only; an unfinished build only with --allow-partial). Each pair is judged against its
 instruction_id_list and kwargs columns (kept from the input by data.extra_columns), or, where the
 build has none, against the row of --prompts (IFEval's columns: prompt, instruction_id_list, kwargs)
@@ -13,11 +14,12 @@ whose prompt is the pair's raw_prompt. Prints IFEval's prompt-level and instruct
 accuracy of the chosen and of the rejected responses, and pair accuracy: among the pairs the judge
 tells apart, the share where the chosen response follows more instructions.
 
-With --model: decoding methods against greedy (pipeline.evaluation) on the --prompts rows, each
+With --generator: decoding methods against greedy (pipeline.evaluation) on the --prompts rows, each
 response judged by IFEval against its row's instructions; --reward is the reward model the
-methods choose candidates with (it judges nothing). --model is the policy (a Reward Transformer
-directory for `sla`). Methods: greedy, temperature, top_p, top_k, beam, sla, sbon (default: all;
-sla only when the model has a trained reward channel). Prints win / tie / loss against greedy, the
+methods choose candidates with (it judges nothing). --generator is the policy (a Reward Transformer
+directory for `sla`). Methods: the baselines greedy, temperature, top_p, top_k and beam, and every
+strategy of the registry (pipeline.methods); default: greedy, temperature, top_p, top_k, beam, sla,
+sbon (sla only when the generator has a trained reward channel). Prints win / tie / loss against greedy, the
 win rate (wins + ties/2, Table 1 of the SLA paper), IFEval accuracy and the decoding cost relative
 to greedy (tokens and wall time).
 
@@ -29,37 +31,50 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 
+from jobs.cli import job_parser, setup_logging, strategies_text
 from pipeline.data.prompts import InputError
 
+log = logging.getLogger(__name__)
 INSTRUCTION_COLUMNS = ["instruction_id_list", "kwargs"]
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
-def parse_args(argv):
-    from pipeline.evaluation import CHOICES
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (module docstring); the methods' list comes from pipeline.evaluation and
+    the strategy registry (pipeline.methods)."""
+    from pipeline.evaluation import CHOICES, DEFAULT_METHODS, SAMPLING
 
-    parser = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.splitlines()[0])
+    epilog = (f"methods (--methods): the baselines {', '.join([*SAMPLING, 'beam'])}, and the strategies:\n"
+              f"{strategies_text().split(chr(10), 1)[1]}\n"
+              f"default: {','.join(DEFAULT_METHODS)} (sla only with a trained reward channel)\n"
+              "exit codes: 0 done; 2 a user error (input, models, methods), one line on stderr")
+    parser = job_parser("bon-evaluate", __doc__, epilog=epilog)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--output", help="a build's output (directory or s3:// prefix): judge its pairs")
-    source.add_argument("--model", help="policy or Reward Transformer directory: compare decoding methods")
+    source.add_argument("--pairs", help="a build's output (directory or s3:// prefix): judge its pairs")
+    source.add_argument("--generator", help="policy or Reward Transformer directory: compare decoding methods")
     parser.add_argument("--prompts", default=None, help="JSONL/Parquet with prompt, instruction_id_list, kwargs")
     parser.add_argument("--allow-partial", action="store_true", help="read an unfinished build's committed shards")
     parser.add_argument("--report", default=None, help="write the figures as JSON here")
-    parser.add_argument("--reward", default=None, help="with --model: the reward model the methods choose with")
-    parser.add_argument("--prompt-column", default="prompt")
-    parser.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(CHOICES)}")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--max-prompts", type=int, default=None, help="evaluate the first P valid prompts")
-    parser.add_argument("--num-samples", type=int, default=8, help="N of speculative rejection")
+    parser.add_argument("--reward", default=None, help="with --generator: the reward model the methods choose with")
+    parser.add_argument("--prompt-column", default="prompt", help="the column of --prompts that holds the prompt")
+    parser.add_argument("--methods", default=None,
+                        help=f"comma-separated subset of {','.join(CHOICES)} (default: see below)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="token cap of each response")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="evaluate the first P valid prompts (default: all)")
+    parser.add_argument("--num-samples", type=int, default=8,
+                        help="N of the sampling strategies (sbon, best_of_n, ...)")
     parser.add_argument("--search-depth", type=int, default=2, help="SLA d")
     parser.add_argument("--search-width", type=int, default=2, help="SLA k")
     parser.add_argument("--step-size", type=int, default=10, help="SLA n")
     parser.add_argument("--sla-temperature", type=float, default=1.0, help="temperature of SLA's sampled children")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled methods' per-row seeds")
+    parser.add_argument("--device", default="cpu", help="torch device of both models (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="torch dtype of both models")
     return parser.parse_args(argv)
 
 
@@ -90,20 +105,20 @@ def read_pairs(output: str, allow_partial: bool) -> list[dict]:
 
 
 def judge_pairs(args) -> dict:
-    """The --output figures; InputError (one line) for what the user can fix."""
+    """The --pairs figures; InputError (one line) for what the user can fix."""
     from pipeline.data.writer import CorruptMarker, IncompleteBuild
     from pipeline.evaluation import evaluate_pairs, instructions
 
     try:
-        rows = read_pairs(args.output, args.allow_partial)
+        rows = read_pairs(args.pairs, args.allow_partial)
     except (IncompleteBuild, CorruptMarker) as exc:
         raise InputError(str(exc)) from None
     if not rows:
-        raise InputError(f"{args.output}: no committed pairs")
+        raise InputError(f"{args.pairs}: no committed pairs")
     asked = read_instructions(args.prompts, args.prompt_column) if args.prompts else None
     pairs = []
     for row in rows:
-        where = f"{args.output}: pair {row.get('prompt_id')}"
+        where = f"{args.pairs}: pair {row.get('prompt_id')}"
         try:
             found = instructions(row)
             if found is None and asked is not None:
@@ -119,11 +134,13 @@ def judge_pairs(args) -> dict:
     try:
         report = evaluate_pairs(pairs)
     except ValueError as exc:  # an instruction the judge does not know, or kwargs it cannot take
-        raise InputError(f"{args.output}: {exc}") from None
-    return {"output": args.output, "prompts": args.prompts, **report}
+        raise InputError(f"{args.pairs}: {exc}") from None
+    return {"output": args.pairs, "prompts": args.prompts, **report}
 
 
 def load_prompts(uri: str, column: str, tokenizer, max_new_tokens: int, limit: int | None):
+    """The valid rows of the prompt file as PromptInputs (with their instruction columns), the
+    first ``limit`` of them when given."""
     from pipeline.data.prompts import PromptFormatter, PromptSource, validate
 
     records = list(PromptSource(uri, column, extra_columns=INSTRUCTION_COLUMNS).records())
@@ -134,7 +151,7 @@ def load_prompts(uri: str, column: str, tokenizer, max_new_tokens: int, limit: i
 
 
 def compare_methods(args) -> tuple[dict, str] | int:
-    """The --model figures and their table, or exit code 2 after one line on stderr."""
+    """The --generator figures and their table, or exit code 2 after one line on stderr."""
     from pipeline.config import ConfigError
     from pipeline.decoding.sla import SLAParams
     from pipeline.engines.reward_transformer import has_trained_channel
@@ -143,23 +160,23 @@ def compare_methods(args) -> tuple[dict, str] | int:
     try:
         for flag in ("reward", "prompts"):
             if getattr(args, flag) is None:
-                raise ConfigError(f"--{flag}: required with --model")
+                raise ConfigError(f"--{flag}: required with --generator")
         sla_params = SLAParams(args.search_depth, args.search_width, args.step_size)
-        trained = has_trained_channel(args.model)
+        trained = has_trained_channel(args.generator)
         if args.methods:
             methods = [m.strip() for m in args.methods.split(",") if m.strip()]
             unknown = [m for m in methods if m not in CHOICES]
             if unknown:
                 raise ConfigError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(CHOICES)}")
             if "sla" in methods and not trained:
-                raise ConfigError(f"--model: 'sla' needs a trained reward channel, {args.model!r} has none "
-                                  "(train one with python -m jobs.train_reward_transformer)")
+                raise ConfigError(f"--generator: 'sla' needs a trained reward channel, {args.generator!r} has none "
+                                  "(train one with bon-train-reward-transformer)")
         else:
             methods = [m for m in DEFAULT_METHODS if m != "sla" or trained]
             if not trained:
-                print(f"note: {args.model} has no trained reward channel; sla skipped", file=sys.stderr)
+                log.info("note: %s has no trained reward channel; sla skipped", args.generator)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
 
     from transformers import AutoConfig
@@ -167,42 +184,44 @@ def compare_methods(args) -> tuple[dict, str] | int:
     from pipeline.engines.hf import HFEngine
     from pipeline.engines.rewards import RewardScorer
 
-    for flag, path in (("--model", args.model), ("--reward", args.reward)):
+    for flag, path in (("--generator", args.generator), ("--reward", args.reward)):
         try:
             AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as exc:
-            print(f"error: {flag}: cannot load {path!r} ({str(exc).splitlines()[0]})", file=sys.stderr)
+            log.error("%s: cannot load %r (%s)", flag, path, str(exc).splitlines()[0])
             return 2
-    engine = HFEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    engine = HFEngine.from_pretrained(args.generator, device=args.device, dtype=args.dtype)
     try:
-        prompts = load_prompts(args.prompts, args.prompt_column, engine.tokenizer, args.max_new_tokens, args.max_prompts)
+        prompts = load_prompts(args.prompts, args.prompt_column, engine.tokenizer, args.max_new_tokens,
+                               args.num_prompts)
     except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     if not prompts:
-        print(f"error: {args.prompts}: no valid prompts", file=sys.stderr)
+        log.error("%s: no valid prompts", args.prompts)
         return 2
     reward = RewardScorer.from_pretrained(args.reward, device=args.device, dtype=args.dtype)
     try:
         report = compare(engine, reward, prompts, methods, args.max_new_tokens, args.seed, sla_params=sla_params,
                          sla_temperature=args.sla_temperature, num_samples=args.num_samples)
     except ValueError as exc:  # a prompt without instructions, or ones the judge cannot check
-        print(f"error: {args.prompts}: {exc}", file=sys.stderr)
+        log.error("%s: %s", args.prompts, exc)
         return 2
     table = f"{len(prompts)} prompts, judged by IFEval (strict), against greedy\n{format_report(report)}"
-    return {"prompts": len(prompts), "model": args.model, "reward": args.reward, "judge": "ifeval-strict",
+    return {"prompts": len(prompts), "generator": args.generator, "reward": args.reward, "judge": "ifeval-strict",
             "methods": report}, table
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.output:
+    setup_logging(args.log_level)
+    if args.pairs:
         from pipeline.evaluation import format_pairs_report
 
         try:
             report = judge_pairs(args)
         except InputError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            log.error("%s", exc)
             return 2
         table = format_pairs_report(report)
     else:

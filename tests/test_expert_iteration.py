@@ -84,7 +84,7 @@ def test_two_rounds_then_resume(tiny_models, tmp_path, capsys):
     # against its prompt's instructions (one each). Eight new tokens never make 500 words, so no method
     # follows the first prompt: an accuracy above 3/4 would mean its instruction went unchecked.
     report = tmp_path / "eval.json"
-    assert evaluate_main(["--model", str(sdir / "round-01" / "model"), "--reward", str(tiny_models["reward"]),
+    assert evaluate_main(["--generator", str(sdir / "round-01" / "model"), "--reward", str(tiny_models["reward"]),
                           "--prompts", str(instruction_prompts(tmp_path)), "--max-new-tokens", "8",
                           "--num-samples", "2", "--step-size", "4", "--report", str(report)]) == 0
     figures = json.loads(report.read_text())
@@ -152,14 +152,14 @@ def test_user_errors_are_one_line(tiny_models, tmp_path, capsys):
 
 def test_evaluate_refuses_sla_without_channel(tiny_models, tmp_path, capsys):
     prompts = instruction_prompts(tmp_path)
-    assert evaluate_main(["--model", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
+    assert evaluate_main(["--generator", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
                           "--prompts", str(prompts), "--methods", "greedy,sla"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --model:") and "trained reward channel" in err
-    assert evaluate_main(["--model", str(tmp_path / "nope"), "--reward", str(tiny_models["reward"]),
+    assert err.startswith("error: --generator:") and "trained reward channel" in err
+    assert evaluate_main(["--generator", str(tmp_path / "nope"), "--reward", str(tiny_models["reward"]),
                           "--prompts", str(prompts), "--methods", "greedy"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --model: cannot load") and err.count("\n") == 1
+    assert err.startswith("error: --generator: cannot load") and err.count("\n") == 1
 
 
 def test_cronjob_example_runs_expert_iteration():
@@ -169,15 +169,17 @@ def test_cronjob_example_runs_expert_iteration():
     from jobs.expert_iteration import parse_args, round_config
     from pipeline.config import load_config
 
-    doc = yaml.safe_load(Path("infra/expert_iteration_cronjob.yaml").read_text())
-    assert doc["kind"] == "CronJob" and doc["apiVersion"] == "batch/v1"
+    docs = list(yaml.safe_load_all(Path("infra/expert_iteration_cronjob.yaml").read_text()))
+    doc = next(d for d in docs if d["kind"] == "CronJob")
+    assert doc["apiVersion"] == "batch/v1"
     assert len(doc["spec"]["schedule"].split()) == 5
     pod = doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert container["command"] == ["python", "-m", "jobs.expert_iteration"]
+    assert container["command"] == ["bon-expert-iteration"]
     dockerfile = Path("infra/Dockerfile").read_text().splitlines()
     workdir = [line.split()[1] for line in dockerfile if line.startswith("WORKDIR")][-1]
-    copied = {line.split()[-1].strip("./") for line in dockerfile if line.startswith("COPY")}
+    copied = {p.strip("./") for line in dockerfile if line.startswith("COPY")
+              for p in line.split()[1:-1] if not p.startswith("--")}
     assert container["workingDir"] == workdir
     mounts = [m["mountPath"] for m in container["volumeMounts"]]
     args = parse_args(container["args"])

@@ -298,7 +298,7 @@ def test_a_committed_reward_model_stands_in_for_training_only_when_it_fits(tiny_
     assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only", "--seed", "1"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "error: the committed reward model does not fit (settings differ from the committed reward model's: seed)")
-    assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-head-only", "--epochs", "1"]) == 2
+    assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only", "--epochs", "1"]) == 2
     assert "settings differ from the committed reward model's: epochs" in capsys.readouterr().err
     weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
     assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only"]) == 2

@@ -229,12 +229,12 @@ assert "lm_eval.tasks.manager" not in sys.modules, "the harness's task manager w
 def test_committed_prompt_files_are_the_jobs_output(tmp_path, capsys):
     from jobs.make_ifeval_prompts import main
 
-    assert main(["--output-dir", str(tmp_path)]) == 0
+    assert main(["--output", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 2 and "ifeval-train.jsonl: 480 rows" in printed[0] and "64 rows" in printed[1]
     for name in ("ifeval-train.jsonl", "ifeval-eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (ROOT / "configs" / "prompts" / name).read_bytes(), name
-    assert main(["--output-dir", str(tmp_path / "other"), "--seed", "1"]) == 0
+    assert main(["--output", str(tmp_path / "other"), "--seed", "1"]) == 0
     assert (tmp_path / "other" / "ifeval-eval.jsonl").read_bytes() != (tmp_path / "ifeval-eval.jsonl").read_bytes()
 
 

@@ -99,8 +99,8 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Review the lamp for me."}\n{"prompt": "How good is the camera?"}\n')
     out = tmp_path / "cf"
-    rc = main(["--model", str(tiny_models["generator"]), "--reward-model", str(tiny_models["reward"]),
-               "--prompts", str(prompts), "--n", "4", "--taus", "4", "8", "--alphas", "0.5", "0.75",
+    rc = main(["--generator", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
+               "--prompts", str(prompts), "--num-samples", "4", "--taus", "4", "8", "--alphas", "0.5", "0.75",
                "--max-new-tokens", "12", "--output", str(out), "--no-progress"])
     assert rc == 0
     report = json.loads((out / "counterfactual.json").read_text())
@@ -137,7 +137,7 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
 def test_counterfactual_job_bad_input_exits_2(tmp_path, capsys):
     from jobs.counterfactual import main
 
-    rc = main(["--model", "x", "--reward-model", "y", "--prompts", str(tmp_path / "missing.jsonl")])
+    rc = main(["--generator", "x", "--reward", "y", "--prompts", str(tmp_path / "missing.jsonl")])
     assert rc == 2
     assert "missing.jsonl" in capsys.readouterr().err
 

@@ -68,7 +68,7 @@ def test_train_job_updates_the_policy(tmp_path, generator, capsys):
 
     pairs = write_pairs(tmp_path / "pairs")
     output = tmp_path / "policy"
-    code = main(["--pairs", str(pairs), "--model", str(generator), "--output", str(output), "--dpo",
+    code = main(["--pairs", str(pairs), "--generator", str(generator), "--output", str(output), "--dpo",
                  "--dpo-steps", "2", "--batch-size", "4", "--dpo-learning-rate", "1e-3", "--max-steps", "1",
                  "--hidden-size", "8", "--no-progress"])
     assert code == 0
@@ -104,7 +104,7 @@ def response_logp(model, tok, prompt: str, response: str) -> float:
 
 def test_missing_pairs_is_a_one_line_user_error(tmp_path, capsys):
     missing = tmp_path / "nope"
-    code = main(["--pairs", str(missing), "--model", "unused", "--output", str(tmp_path / "out")])
+    code = main(["--pairs", str(missing), "--generator", "unused", "--output", str(tmp_path / "out")])
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err
