@@ -128,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_samples < 2 or any(t < 1 for t in args.taus) or any(not 0 <= a < 1 for a in args.alphas):
         log.error("need --num-samples >= 2, taus >= 1 and alphas in [0, 1)")
         return 2
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:  # checked before hours of sampling, not after
+        log.error("the trade-off plots need matplotlib: pip install 'bon-pipeline[plots]'")
+        return 2
 
     from pipeline.data.prompts import InputError, PromptFormatter, prompt_id, read_raw_rows, validate
     from pipeline.decoding.protocols import PromptInput

@@ -860,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
                               progress)
         draft_report = draft_settings and build_draft(generator, output, draft_settings, args.prompts,
                                                       args.eval_prompts, progress)
-    except (FetchError, InputError, FileNotFoundError) as exc:
+    except (FetchError, InputError, FileNotFoundError, ImportError) as exc:  # ImportError: an extra missing
         log.error("%s", str(exc).splitlines()[0])
         return 2
     print(f"generator: {generator}")

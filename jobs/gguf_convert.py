@@ -25,6 +25,15 @@ from jobs.cli import job_parser, setup_logging
 log = logging.getLogger(__name__)
 
 
+def require_gguf() -> None:
+    """ImportError, one line naming the extra, where the ``gguf`` package (which transformers reads
+    GGUF files with) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError("reading a GGUF file needs the gguf package: pip install 'bon-pipeline[gguf]'")
+
+
 def convert_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32") -> Path:
     """Convert one GGUF file into an HF directory at ``output`` (written to a temp dir, then renamed,
     so a half-written directory never looks complete). Returns ``output``."""
@@ -36,6 +45,7 @@ def convert_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float3
     gguf_path, output = Path(gguf_path), Path(output)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
+    require_gguf()
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))

@@ -200,3 +200,57 @@ def test_counterfactual_logs_a_line_per_prompt_without_bars(caplog):
                      (logging.INFO, "counterfactual: prompt 2/2, 3 completions"),
                      (logging.DEBUG, "counterfactual: prompt 1/2, 3 completions"),
                      (logging.DEBUG, "counterfactual: prompt 2/2, 3 completions")]
+
+
+# -- extras used in one corner: a one-line error naming the extra where it is missing ---------------
+
+@pytest.fixture
+def without(monkeypatch):
+    """Make ``importlib.util.find_spec`` and ``import`` report the named packages missing."""
+    import builtins
+    import importlib.util
+
+    def hide(*names):
+        real_find, real_import = importlib.util.find_spec, builtins.__import__
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, **k: None if name.split(".")[0] in names else real_find(name, *a, **k))
+
+        def fake_import(name, *args, **kwargs):
+            if name.split(".")[0] in names:
+                raise ImportError(f"No module named {name!r}")
+            return real_import(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "__import__", fake_import)
+
+    return hide
+
+
+def test_gguf_conversion_without_the_gguf_extra_is_one_line_exit_2(without, tmp_path, capsys):
+    from jobs import gguf_convert
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    without("gguf")
+    assert gguf_convert.main(["--gguf", str(tmp_path / "m.gguf"), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: reading a GGUF file needs the gguf package: pip install 'bon-pipeline[gguf]'"]
+
+
+def test_counterfactual_without_the_plots_extra_stops_before_sampling(without, tmp_path, capsys):
+    from jobs import counterfactual
+
+    without("matplotlib")
+    rc = counterfactual.main(["--generator", "no-such-model", "--reward", "no-such-model", "--prompts",
+                              str(tmp_path / "none.jsonl")])
+    assert rc == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: the trade-off plots need matplotlib: pip install 'bon-pipeline[plots]'"]
+
+
+def test_benchmark_plots_without_the_plots_extra_are_one_line_exit_2(without, capsys):
+    from benchmarks import pyplot
+
+    without("matplotlib")
+    with pytest.raises(SystemExit) as exc:
+        pyplot()
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: the plots need matplotlib: pip install 'bon-pipeline[plots]'"
