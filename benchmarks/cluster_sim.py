@@ -231,7 +231,7 @@ def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: P
     from pipeline.config import load_config
     from pipeline.coordinator import Serialized
     from pipeline.data.storage import join
-    from pipeline.data.writer import OutputStore
+    from pipeline.data.writer import OutputStore, side_name
 
     prompts = workdir / "prompts.jsonl"
     if not prompts.exists():
@@ -269,8 +269,8 @@ def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: P
     store = OutputStore(str(out))
     seen: dict[int, int] = {}
     for part in store.committed_parts():
-        shard_file = part.rsplit("/", 1)[1]
-        for path in (part, join(store.root, "_rejects", shard_file)):
+        shard = int(part.rsplit("/", 1)[1].split("-")[1].split(".")[0])  # train-NNNNN.parquet
+        for path in (part, join(store.root, "_rejects", side_name(shard))):
             with store.fs.open(path, "rb") as f:
                 for row in pq.read_table(f, columns=["source_row"]).column("source_row").to_pylist():
                     seen[row] = seen.get(row, 0) + 1

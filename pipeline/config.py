@@ -8,8 +8,10 @@ falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
+import threading
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -548,9 +550,21 @@ class KeyDoc:
     doc: str
 
 
+_SOURCE_LOCK = threading.Lock()
+"""ast.parse is not thread-safe in CPython 3.11 ("AST constructor recursion depth mismatch" when two
+threads parse at once: two builds started together in one process)."""
+
+
 def field_docs(cls) -> dict[str, str]:
     """The docstring written under each field of dataclass ``cls`` (and its bases), by field name:
-    Python keeps no attribute docstrings at run time, so they are read from the class's source."""
+    Python keeps no attribute docstrings at run time, so they are read from the class's source
+    (once per class)."""
+    with _SOURCE_LOCK:
+        return dict(_field_docs(cls))
+
+
+@functools.cache
+def _field_docs(cls) -> dict[str, str]:
     import ast
     import inspect
     import textwrap

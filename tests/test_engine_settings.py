@@ -69,13 +69,13 @@ def test_hf_settings_reach_every_model_an_actor_loads(tiny_models):
     assert [next(m.parameters()).dtype for m in models] == [torch.float32] * 3  # the checkpoints' own
 
 
-def test_a_revision_that_does_not_exist_is_refused_at_plan_time(tiny_models, tmp_path):
+def test_a_revision_that_does_not_exist_is_refused_at_plan_time(tiny_models, tmp_path, monkeypatch):
     """A local directory has no revisions, so transformers ignores one; a Hub id (here: offline, not
     cached) with any revision cannot be read and is refused before a worker starts."""
     from pipeline.build import plan_build
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = config(tiny_models, f"data.prompts={prompts}", f"data.output={tmp_path / 'out'}",
                  "models.generator=nobody-here/no-such-model", "models.hf.revision={generator: v9}")
     with pytest.raises(ConfigError, match="models.generator: cannot load 'nobody-here/no-such-model'"):
