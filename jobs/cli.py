@@ -61,6 +61,14 @@ def add_help_config(parser: argparse.ArgumentParser) -> None:
                         help="print every config key with its type, default and description, and exit")
 
 
+def add_device_flags(parser: argparse.ArgumentParser) -> None:
+    """--device and --dtype, for the jobs that load the generator and the reward model themselves
+    (the build jobs take models.device / models.dtype from the config)."""
+    parser.add_argument("--device", default="cpu", help="torch device of both models (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
+                        help="torch dtype of both models (auto: the checkpoints' own)")
+
+
 def strategies_text() -> str:
     """The strategies of the method registry, one per line: name, aliases, backends, summary."""
     from pipeline.methods import METHODS

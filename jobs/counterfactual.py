@@ -24,11 +24,10 @@ import sys
 import uuid
 from pathlib import Path
 
-from jobs.cli import job_parser, setup_logging
+from jobs.cli import add_device_flags, job_parser, setup_logging
 from pipeline.decoding.sbon_analysis import PromptRewards, correlations, grid
 
 log = logging.getLogger(__name__)
-DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 def collect(engine, scorer, prompts, n: int, taus: list[int], sampling, seed: int, progress=True) -> list[PromptRewards]:
@@ -118,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the per-row sampling seeds")
-    parser.add_argument("--device", default="cpu", help="torch device of both models (cpu, cuda, cuda:1, ...)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="torch dtype of both models")
+    add_device_flags(parser)
     parser.add_argument("--output", default="out/counterfactual", help="directory for the JSON and the plots")
     parser.add_argument("--no-keep-lowest", dest="keep_lowest", action="store_false",
                         help="replay without strategy.keep_lowest (the paper's Algorithm 1 exactly)")

@@ -35,12 +35,11 @@ import logging
 import math
 import sys
 
-from jobs.cli import job_parser, setup_logging, strategies_text
+from jobs.cli import add_device_flags, job_parser, setup_logging, strategies_text
 from pipeline.data.prompts import InputError
 
 log = logging.getLogger(__name__)
 INSTRUCTION_COLUMNS = ["instruction_id_list", "kwargs"]
-DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,8 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step-size", type=int, default=10, help="SLA n")
     parser.add_argument("--sla-temperature", type=float, default=1.0, help="temperature of SLA's sampled children")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled methods' per-row seeds")
-    parser.add_argument("--device", default="cpu", help="torch device of both models (cpu, cuda, cuda:1, ...)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="torch dtype of both models")
+    add_device_flags(parser)
     return parser.parse_args(argv)
 
 
