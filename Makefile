@@ -127,8 +127,9 @@ print(f"check-install: .[$(IMAGE_EXTRAS)] resolves for the GPU image: {len(found
 endef
 export CHECK_INSTALL_REPORT
 
-# Every vllm-marked test, executed on CPU (none may skip here: BON_REQUIRE_VLLM=1 fails a skip).
-test-vllm: install-vllm
+# Every vllm-marked test, executed on CPU (none may skip here: BON_REQUIRE_VLLM=1 fails a skip); the real
+# models too (the reward model on vLLM is compared with the HF scorer on them).
+test-vllm: install-vllm real-models
 	BON_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -ra -m vllm tests
 
 # Fault injection (actor exit/hang, driver SIGKILL, ray job stop), resume and S3-on-Ray tests: slower.

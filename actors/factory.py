@@ -255,14 +255,14 @@ def _start_local(plan: _ActorPlan, rt: RuntimeConfig) -> Workers:
     merged = plan.generator_kwargs["merged_decoding"]
     return Workers([TimedHandle(g if merged else Serialized(g)) for g in gens],
                    [TimedHandle(Serialized(r)) for r in rewards],
-                   shutdown=functools.partial(_shutdown_local, gens))
+                   shutdown=functools.partial(_shutdown_local, gens + rewards))
 
 
-def _shutdown_local(generators: list) -> None:
-    """Free the in-process generators' engines: a vLLM engine's processes and KV cache would
-    otherwise stay until the driver exits."""
-    for generator in generators:
-        generator.shutdown()
+def _shutdown_local(workers: list) -> None:
+    """Free the in-process workers' engines (generators', and reward models' on vLLM): a vLLM
+    engine's processes and KV cache would otherwise stay until the driver exits."""
+    for worker in workers:
+        worker.shutdown()
 
 
 def _start_ray(plan: _ActorPlan, config: Config) -> Workers:

@@ -58,3 +58,9 @@ class RewardActor:
 
     def stats(self) -> dict:
         return {**self.scorer.stats(), "time": self.timeline.stats()}
+
+    def shutdown(self) -> None:
+        """Free the scorer's engine processes and memory (the vLLM pooling engine's; the HF and
+        function scorers have none). For in-process workers: a Ray actor's end takes them with it."""
+        if hasattr(self.scorer, "shutdown"):
+            self.scorer.shutdown()

@@ -29,6 +29,18 @@ Ray actors as the config places them; only these differ:
 - ``sbon_hf`` / ``sbon_hf_spec``: speculative rejection on the HF engine (merged decoding), without
   and with the same speculative decoding of each batch's finish (prompt lookup verified with
   ADED's exact acceptance: the same candidates as ``sbon_hf``, up to float rounding).
+- ``sbon_continuous_vllm_reward`` / ``bon_vllm_vllm_reward``: ``sbon_continuous`` / ``bon_vllm`` with
+  the reward model on vLLM's pooling runner too (models.reward_backend vllm,
+  pipeline.engines.vllm_reward.VLLMRewardScorer: prefix caching instead of our reward-side KV
+  cache; its KV cache ``--reward-kv-fraction`` of the node's memory, weights included), against
+  the same run with the reward model on our HF scorer (issue 30 item 2).
+
+Each ``X_vllm_reward`` run next to its ``X`` also gets ``X_vllm_reward_over_X`` (X's run seconds over
+its own: above 1, the reward model on vLLM is faster), both runs' reward-actor seconds (inside
+their calls, and in the model), and how far their pairs agree (same chosen and rejected sample per
+prompt, largest chosen-score difference): the two scorers read the same tokens, so their choices
+differ only where scores tie within float tolerance (or, in sbon, where that changes which rows go
+on, and so what the generator samples next).
 
 Printed per run: run seconds (first batch to last commit; engine start left out), generated tokens,
 tokens/s; the run-time ratios against ``bon_vllm``; the normalized score (Eq. 5 of the speculative
@@ -51,6 +63,7 @@ continuous >= 1.2x over rounds; HFEngine >= 0.9x vLLM's tokens/s at 128 x 128.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import subprocess
 import sys
@@ -71,7 +84,12 @@ RUNS = {
                                       "runtime.batches_in_flight=16", "SPEC"]),
     "sbon_hf": ("sbon", ["models.backend=hf", "runtime.merged_decoding=true"]),
     "sbon_hf_spec": ("sbon", ["models.backend=hf", "runtime.merged_decoding=true", "SPEC"]),
+    "sbon_continuous_vllm_reward": ("sbon", ["models.backend=vllm", "runtime.merged_decoding=true",
+                                             "runtime.prompts_per_batch=1", "runtime.batches_in_flight=16",
+                                             "VLLM_REWARD"]),
+    "bon_vllm_vllm_reward": ("best_of_n", ["models.backend=vllm", "runtime.merged_decoding=true", "VLLM_REWARD"]),
 }
+VLLM_REWARD_SUFFIX = "_vllm_reward"
 DEFAULT_RUNS = ["bon_vllm", "sbon_rounds", "sbon_continuous", "bon_hf"]
 BASELINE = "bon_vllm"
 
@@ -83,6 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--spec-tokens", type=int, default=4, help="the *_spec runs' draft tokens per step")
     parser.add_argument("--spec-rows", type=int, default=16, help="the *_spec runs' most live rows that speculate")
+    parser.add_argument("--reward-kv-fraction", type=float, default=0.15,
+                        help="the *_vllm_reward runs' models.reward_vllm.gpu_memory_utilization (on CPU: of the "
+                             "node's memory, weights included)")
     parser.add_argument("--rounds-batch", type=int, help="sbon_rounds' prompts per batch (default: all of them)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to every build (strategy.* ones to the sbon builds only), "
@@ -109,6 +130,9 @@ def build(name: str, args: argparse.Namespace, prompts: Path, count: int) -> dic
     if "SPEC" in overrides:
         overrides = [o for o in overrides if o != "SPEC"] + [
             f"models.speculative.num_speculative_tokens={args.spec_tokens}", f"models.speculative.max_rows={args.spec_rows}"]
+    if "VLLM_REWARD" in overrides:
+        overrides = [o for o in overrides if o != "VLLM_REWARD"] + [
+            "models.reward_backend=vllm", f"models.reward_vllm.gpu_memory_utilization={args.reward_kv_fraction}"]
     output = Path(args.output) / name
     argv = ["--config", args.config, "--strategy", strategy, "--prompts", str(prompts), "--output", str(output),
             "--overwrite", "--no-progress"]
@@ -176,10 +200,40 @@ def throughput(model: str, hf_python: str) -> dict:
     return {"vllm": vllm, "hf": hf, "hf_over_vllm": ratio}
 
 
+def reward_seconds(report: dict) -> dict | None:
+    """The reward actors' seconds inside their calls (``busy``) and in the model (``forward``),
+    summed over the actors, from the run report's actor_time; None without it."""
+    reward = (report.get("actor_time") or {}).get("reward")
+    if reward is None:
+        return None
+    return {"busy": reward["busy_seconds"], "forward": reward["breakdown_seconds"]["forward"]}
+
+
+def reward_backends(hf_report: dict, vllm_report: dict, hf_output: Path, vllm_output: Path) -> dict:
+    """The same run with the reward model on HF and on vLLM: the reward actors' seconds, and how
+    far the pairs agree (same chosen / rejected sample per prompt; largest chosen-score difference)."""
+    hf, vllm = read_pairs(hf_output), read_pairs(vllm_output)
+    common = sorted(set(hf) & set(vllm))
+    figures = {
+        "reward_seconds": {"hf": reward_seconds(hf_report), "vllm": reward_seconds(vllm_report)},
+        "paired_prompts": {"hf": len(hf), "vllm": len(vllm), "both": len(common)},
+        "same_chosen_sample": sum(hf[p]["chosen_sample"] == vllm[p]["chosen_sample"] for p in common),
+        "same_rejected_sample": sum(hf[p]["rejected_sample"] == vllm[p]["rejected_sample"] for p in common),
+        "max_chosen_score_difference": max((abs(hf[p]["chosen_score"] - vllm[p]["chosen_score"]) for p in common
+                                            if hf[p]["chosen_sample"] == vllm[p]["chosen_sample"]), default=None),
+    }
+    print(f"reward on vLLM vs HF ({vllm_output.name}): reward actors' seconds {figures['reward_seconds']['vllm']} "
+          f"vs {figures['reward_seconds']['hf']}; same chosen sample on {figures['same_chosen_sample']}/"
+          f"{len(common)}, same rejected on {figures['same_rejected_sample']}/{len(common)}, largest chosen-score "
+          f"difference {figures['max_chosen_score_difference']}")
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.config import load_config
 
     args = parse_args(argv)
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     config = load_config(args.config, args.overrides, strategy="sbon")
     from pipeline.engines.rewards import is_reward_function
 
@@ -202,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, report in reports.items():
         print(f"{name:<16} run {report['run_seconds']:8.2f}s  {report['generated_tokens']:8d} tokens  "
               f"{report['tokens_per_second']:7.1f} tok/s  (startup {report['startup_seconds']:.1f}s)")
-    result = {"prompts": len(lines), "config": args.config, "overrides": args.overrides, "runs": reports, "ratios": {}}
+    command = " ".join(["python -m benchmarks.vllm_sbon", *(sys.argv[1:] if argv is None else argv)])
+    result = {"prompts": len(lines), "config": args.config, "overrides": args.overrides, "runs": reports, "ratios": {},
+              "date": started, "command": command}
     if BASELINE in reports:
         base = reports[BASELINE]
         for name, report in reports.items():
@@ -216,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         if {plain, f"{plain}_spec"} <= set(reports):
             result["ratios"][f"{plain}_spec_over_{plain}"] = round(
                 reports[plain]["run_seconds"] / reports[f"{plain}_spec"]["run_seconds"], 3)
+    for name in [r for r in reports if r.endswith(VLLM_REWARD_SUFFIX)]:
+        plain = name[:-len(VLLM_REWARD_SUFFIX)]
+        if plain in reports:
+            result["ratios"][f"{name}_over_{plain}"] = round(
+                reports[plain]["run_seconds"] / reports[name]["run_seconds"], 3)
+            result[f"{name}_vs_{plain}"] = reward_backends(reports[plain], reports[name], Path(args.output) / plain,
+                                                           Path(args.output) / name)
     for key, value in result["ratios"].items():
         target = {"sbon_continuous_speedup_over_bon_vllm": "  (target >= 2.5)",
                   "sbon_rounds_speedup_over_bon_vllm": "  (target >= 2.5)",
