@@ -47,9 +47,9 @@ import errno
 import hashlib
 import itertools
 import json
+import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -60,6 +60,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.storage import filesystem, is_remote, join
+
+log = logging.getLogger(__name__)
 
 PAIR_SCHEMA = pa.schema([
     ("prompt_id", pa.string()),
@@ -396,7 +398,7 @@ class OutputStore:
                 done.add(shard)
                 self._found[shard] = marker
             else:
-                print(f"warning: {join(self.uri, damage)}; shard {shard} is rebuilt", file=sys.stderr)
+                log.warning(f"{join(self.uri, damage)}; shard {shard} is rebuilt")
         return done
 
     @staticmethod
@@ -586,7 +588,7 @@ class OutputStore:
             self.card_blocked = (f"{join(self.uri, CARD_NAME)}: not a dataset card this pipeline wrote; it is left as "
                                  "it is and no card is written, so datasets.load_dataset(OUT) does not see this "
                                  "build's configs (move the file away to get the card)")
-            print(f"warning: {self.card_blocked}", file=sys.stderr)
+            log.warning("%s", self.card_blocked)
 
     def card_front_matter(self, final: bool = False) -> str:
         """The card's YAML front matter: one config per kind of file (``default``: the pairs,
@@ -756,9 +758,9 @@ class Lease:
                 beats = holder.get("heartbeat_s")
                 silent = age > 3 * (beats if isinstance(beats, (int, float)) else self.heartbeat_s)
                 if age <= self.timeout_s and not dead and silent and not waited:
-                    print(f"warning: {self.uri}: the build holding its lease (host {holder['host']}, pid "
-                          f"{holder['pid']}) has written no heartbeat for {age:.0f}s; waiting "
-                          f"{self.timeout_s - age:.0f}s for it to go stale", file=sys.stderr)
+                    log.warning(f"{self.uri}: the build holding its lease (host {holder['host']}, pid "
+                                f"{holder['pid']}) has written no heartbeat for {age:.0f}s; waiting "
+                                f"{self.timeout_s - age:.0f}s for it to go stale")
                     time.sleep(self.timeout_s - age + 0.01)
                     waited = True
                     continue
@@ -771,8 +773,8 @@ class Lease:
                 if tag is None:
                     continue
                 why = "its process is gone" if dead else f"older than the {self.timeout_s:.0f}s timeout"
-                print(f"warning: {self.uri}: took over the lease of a stopped build (host {holder['host']}, "
-                      f"pid {holder['pid']}, last heartbeat {age:.0f}s ago: {why})", file=sys.stderr)
+                log.warning(f"{self.uri}: took over the lease of a stopped build (host {holder['host']}, "
+                            f"pid {holder['pid']}, last heartbeat {age:.0f}s ago: {why})")
             self._tag, self._last_beat = tag, time.time()
             self._start_heartbeat()
             return
@@ -829,7 +831,7 @@ class Lease:
             try:
                 self.file.delete(tag)
             except OSError as exc:  # it goes stale and is taken over after the timeout
-                print(f"warning: {self.file.uri}: could not release the lease ({exc})", file=sys.stderr)
+                log.warning(f"{self.file.uri}: could not release the lease ({exc})")
 
 
 def _parse_lease(content: bytes) -> dict | None:

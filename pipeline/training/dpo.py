@@ -8,7 +8,7 @@ policy; setting 2 of the SLA paper runs it before training the reward channel on
 
 from __future__ import annotations
 
-import sys
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -18,6 +18,8 @@ import pyarrow.parquet as pq
 from pipeline.data.prompts import InputError
 from pipeline.data.storage import is_remote, join, list_files
 from pipeline.data.writer import LEASE_NAME, CorruptMarker, IncompleteBuild, OutputStore
+
+log = logging.getLogger(__name__)
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 # Logged by DPOTrainer per step; we hand back the last value of each.
@@ -200,7 +202,7 @@ def load_pairs(uri: str, storage_options: dict | None = None, token_ids: bool = 
 
 
 def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    log.info("%s", line)
 
 
 def train_dpo(pairs, model: str, output: str, *, max_steps: int = 10, batch_size: int = 4,

@@ -42,6 +42,7 @@ Evaluation on prompts the model never saw:
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import time
@@ -55,6 +56,8 @@ from torch import nn
 
 from pipeline.decoding.sampling import SamplingParams, row_seed
 from pipeline.engines.rewards import common_prefix
+
+log = logging.getLogger(__name__)
 
 LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -654,7 +657,7 @@ def train_reward_model(model: SplitRewardModel, train: list[PromptTexts], val: l
         figures = {"epoch": epoch, "train_loss": _round(sum(losses) / len(losses)),
                    **_without_scores(validate(model, val, samples, fractions, taus))}
         history.append(figures)
-        print(f"epoch {epoch}: {figures}", flush=True)
+        log.info(f"epoch {epoch}: {figures}")
         if (figures["agreement"] or 0) >= (best["agreement"] or 0):
             best, best_factors = figures, model.factors()
     for p in params:
