@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -54,7 +55,11 @@ def add_help_config(parser: argparse.ArgumentParser) -> None:
         def __call__(self, parser, namespace, values, option_string=None):
             from pipeline.config import format_key_docs, key_docs
 
-            print(format_key_docs(key_docs()))
+            try:
+                print(format_key_docs(key_docs()))
+                sys.stdout.flush()
+            except BrokenPipeError:  # `--help-config | head`: the reader has what it wanted
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             parser.exit(0)
 
     parser.add_argument("--help-config", nargs=0, action=HelpConfig,

@@ -254,3 +254,13 @@ def test_benchmark_plots_without_the_plots_extra_are_one_line_exit_2(without, ca
         pyplot()
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip() == "error: the plots need matplotlib: pip install 'bon-pipeline[plots]'"
+
+
+def test_help_config_into_a_pipe_that_closes_early_ends_quietly():
+    """`bon-build --help-config | head`: the reader closes the pipe; before, a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m jobs.build_dataset --help-config | head -n 2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("models.generator (string") and done.stderr == ""
