@@ -105,7 +105,7 @@ def test_provenance_weights_hash_packages_and_config(finished, tiny_models):
         assert found == {"model": str(tiny_models[role]), "revision": None, "kind": "local",
                          "weights_sha256": digest.hexdigest(), "weights_files": found["weights_files"],
                          "weights_bytes": sum(p.stat().st_size for p in weights)}
-    assert prov["models"]["draft"]["kind"] == "local"  # configs/demo.yaml names one
+    assert "draft" not in prov["models"]  # configs/demo.yaml names one, but sbon does not load it
     for name in ("python", "torch", "transformers", "ray", "datasets", "trl", "pyarrow", "bon-pipeline"):
         assert prov["packages"][name], name
     assert prov["config"]["strategy"]["decision_token"] == 4 and prov["date"] and prov["command"]
@@ -142,6 +142,16 @@ def test_weights_hash_is_cached_per_path_and_follows_a_change(tmp_path):
     assert first["weights_sha256"] == hashlib.sha256(b"model.safetensors\0abc").hexdigest()
     (tmp_path / "model.safetensors").write_bytes(b"abcd")
     assert weights_sha256(str(tmp_path))["weights_sha256"] == hashlib.sha256(b"model.safetensors\0abcd").hexdigest()
+
+
+def test_a_python_m_command_is_recorded_as_typed():
+    from pipeline.config import load_config
+    from pipeline.data.card import provenance
+
+    config = load_config("configs/demo.yaml", strategy="dsbd")
+    prov = provenance(config, ["/somewhere/jobs/build_dataset.py", "--config", "configs/demo.yaml"])
+    assert prov["command"] == "python -m jobs.build_dataset --config configs/demo.yaml"
+    assert prov["models"]["draft"]["model"] == config.models.draft  # dsbd loads the draft
 
 
 def test_command_is_redacted():

@@ -228,14 +228,17 @@ def provenance(config: Config, argv: list[str] | None = None) -> dict:
     """Where a build came from (module docstring), for the manifest and the card. Redacted: the
     config as Config.redacted_dict() writes it (storage options and the free-form engine keywords),
     and the command line (redacted_command)."""
+    from pipeline.methods import method
+
     models = config.models
+    uses_draft = method(config.strategy.name).uses_draft  # the strategies that load models.draft
     config_dict = config.redacted_dict()
     argv = list(sys.argv if argv is None else argv)
     if argv and argv[0].endswith(".py") and Path(argv[0]).parent.name == "jobs":  # python -m jobs.X
-        argv[0] = f"python -m jobs.{Path(argv[0]).stem}"
+        argv[0:1] = ["python", "-m", f"jobs.{Path(argv[0]).stem}"]
     return {
         "models": {role: model_provenance(getattr(models, role), models.hf.revision_of(role))
-                   for role in ("generator", "reward", "draft")},
+                   for role in ("generator", "reward", "draft") if role != "draft" or uses_draft},
         "packages": package_versions(),
         "config": config_dict,
         "command": redacted_command(argv),
