@@ -163,10 +163,9 @@ def engine_settings(config: Config, role: str) -> dict | None:
     gets ``distributed_executor_backend: mp`` unless the config names one: vLLM's Ray executor would
     ask Ray for GPUs the actor already holds and wait for them forever."""
     m = config.models
-    backend = m.backend if role == "generator" else m.reward_backend
-    if backend != "vllm":
+    if m.vllm_settings(role) is None:
         return None
-    settings = dict(m.vllm if role == "generator" else m.reward_vllm)
+    settings = dict(m.vllm_settings(role))
     if m.engine_gpus(role) > 1:
         settings.setdefault("distributed_executor_backend", "mp")
     return settings

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import inspect
 import json
@@ -181,7 +182,7 @@ def check_models(config: Config) -> tuple:
     the generator's, and the draft model's when it is shorter, since the draft reads the same tokens)."""
     models = config.models
     check_engines(config)
-    load = models.hf.load_kwargs
+    load = functools.partial(plan_load_kwargs, config)
     generator = _model_config("generator", models.generator, "causal", load("generator"))
     try:
         tokenizer = load_tokenizer(models.generator, load("generator"))
@@ -196,6 +197,21 @@ def check_models(config: Config) -> tuple:
     if record.check_models is not None:
         record.check_models(config.strategy.params, models)
     return tokenizer, min(contexts)
+
+
+def plan_load_kwargs(config: Config, role: str) -> dict:
+    """The keywords plan time reads ``role``'s config and tokenizer with: the ones its engine loads
+    with, so that both see the same revision. models.hf's, and for a model on vLLM its
+    models.vllm / models.reward_vllm revision, tokenizer_revision and trust_remote_code over them."""
+    load = config.models.hf.load_kwargs(role)
+    settings = config.models.vllm_settings(role)
+    if settings:
+        revision = settings.get("tokenizer_revision") or settings.get("revision")
+        if revision:
+            load["revision"] = revision
+        if "trust_remote_code" in settings:
+            load["trust_remote_code"] = bool(settings["trust_remote_code"])
+    return load
 
 
 def check_engines(config: Config) -> None:

@@ -131,6 +131,14 @@ class ModelsConfig:
                         not isinstance(value, int) or isinstance(value, bool) or value < 1):
                     raise ConfigError(f"models.{key}.{name}: expected an integer >= 1, got {value!r}")
 
+    def vllm_settings(self, role: str) -> dict | None:
+        """``role``'s ``vllm.LLM`` keywords (generator: vllm; reward: reward_vllm) where that role runs
+        on vLLM; None where it runs on the HF engine."""
+        backend = self.backend if role == "generator" else self.reward_backend if role == "reward" else "hf"
+        if backend != "vllm":
+            return None
+        return self.vllm if role == "generator" else self.reward_vllm
+
     def engine_gpus(self, role: str) -> int:
         """GPUs one vLLM engine of ``role`` (generator or reward) spans: tensor_parallel_size x
         pipeline_parallel_size of its settings (1 without them)."""

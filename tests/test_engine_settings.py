@@ -235,3 +235,16 @@ def _holds(path, needle: bytes) -> bool:
         return needle in path.read_bytes()
     except OSError:
         return False
+
+
+def test_plan_time_reads_a_vllm_models_config_at_the_revision_vllm_loads(tiny_models):
+    """A model on vLLM takes its revision from models.vllm / reward_vllm: plan time reads the same."""
+    from pipeline.build import plan_load_kwargs
+
+    cfg = config(tiny_models, "models.backend=vllm", "models.reward_backend=vllm", "models.hf.revision=main",
+                 "models.vllm={revision: v2, trust_remote_code: true}", "models.reward_vllm={tokenizer_revision: t3}")
+    assert plan_load_kwargs(cfg, "generator") == {"revision": "v2", "trust_remote_code": True}
+    assert plan_load_kwargs(cfg, "reward") == {"revision": "t3"}
+    assert plan_load_kwargs(cfg, "draft") == {"revision": "main"}
+    hf = config(tiny_models, "models.hf.revision=main", "models.vllm={revision: v2}")  # HF backend: models.hf
+    assert plan_load_kwargs(hf, "generator") == {"revision": "main"}
