@@ -16,7 +16,7 @@ import sys
 
 from tqdm.auto import tqdm
 
-from jobs.cli import job_parser, setup_logging
+from jobs.cli import bars, job_parser, setup_logging
 from pipeline.engines.hf import load_tokenizer
 from pipeline.decoding.trigram import TrigramMatrix
 from pipeline.engines.trigram import save_trigram
@@ -57,9 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", str(exc).splitlines()[0])
         return 2
     log.info("tokenizing %d documents", len(docs))
-    bars = not args.no_progress and sys.stderr.isatty()
     sequences = [tokenizer(doc, add_special_tokens=False).input_ids
-                 for doc in tqdm(docs, desc="tokenizing", disable=not bars)]
+                 for doc in tqdm(docs, desc="tokenizing", disable=not bars(args))]
     matrix = TrigramMatrix.from_sequences(sequences, args.top_t)
     save_trigram(matrix, args.output)
     print(f"{len(docs)} documents, {len(matrix.table)} contexts, {len(matrix)} continuations -> {args.output}")

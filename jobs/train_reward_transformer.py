@@ -27,7 +27,7 @@ import logging
 import sys
 from pathlib import Path
 
-from jobs.cli import job_parser, setup_logging
+from jobs.cli import bars, job_parser, setup_logging
 from pipeline.data.prompts import InputError
 from pipeline.data.writer import IncompleteBuild
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size, learning_rate=args.learning_rate, max_steps=args.max_steps,
             eval_fraction=args.eval_fraction, max_length=args.max_length, dpo_steps=args.dpo_steps,
             dpo_learning_rate=args.dpo_learning_rate, beta=args.beta, seed=args.seed, device=args.device,
-            progress=not args.no_progress and sys.stderr.isatty())
+            progress=bars(args))
     except InputError as exc:
         log.error("%s: %s", args.pairs, exc)
         return 2

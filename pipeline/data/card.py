@@ -32,12 +32,11 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import Config
+from pipeline.config import Config, redact, redact_url
 from pipeline.data.storage import join
 from pipeline.data.writer import OutputStore
 from pipeline.engines.rewards import is_reward_function
@@ -159,24 +158,6 @@ def _secret_name(name: str) -> bool:
     return any(word in Config.SECRET_NAME_PARTS for word in re.split(r"[^a-z0-9]+", name.lower()))
 
 
-def _redact_tree(value):
-    """A mapping or list with every value under a credential's name (Config's rule) redacted."""
-    if isinstance(value, dict):
-        return {k: "[redacted]" if any(p in str(k).lower() for p in Config.SECRET_NAME_PARTS) else _redact_tree(v)
-                for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact_tree(v) for v in value]
-    return _redact_url(value) if isinstance(value, str) else value
-
-
-def _redact_url(text: str) -> str:
-    if "://" in text and "@" in text:
-        parts = urlsplit(text)
-        if parts.username is not None or parts.password is not None:
-            return parts._replace(netloc="[redacted]@" + parts.netloc.rsplit("@", 1)[1]).geturl()
-    return text
-
-
 def redacted_command(argv: list[str]) -> str:
     """The command line, fit to be written: the value of a flag or ``key=value`` whose name holds
     a credential (``_secret_name``) is redacted, a JSON mapping value keeps only its non-credential
@@ -205,10 +186,10 @@ def _redacted_value(arg: str) -> str:
         return f"{name}=[redacted]"
     if eq and value.lstrip().startswith(("{", "[")):
         try:
-            return f"{name}={json.dumps(_redact_tree(json.loads(value)))}"
+            return f"{name}={json.dumps(redact(json.loads(value)))}"
         except ValueError:  # not JSON: it may still hold a credential somewhere
             return f"{name}=[redacted]"
-    return _redact_url(arg)
+    return redact_url(arg)
 
 
 def git_commit() -> str | None:
