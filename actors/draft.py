@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.decoding.protocols import DraftLayer
+from pipeline.decoding.domain import DraftLayer
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.draft import HFDrafter
 

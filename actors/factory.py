@@ -18,7 +18,7 @@ from pipeline.config import ActorResources, Config, RuntimeConfig
 from pipeline.coordinator import Serialized
 
 from actors.remote import CONCURRENCY_GROUPS, RemoteProxy, SecretEnv, with_call_clock
-from pipeline.methods import method
+from pipeline.strategies import lookup
 from pipeline.observability import TIMED_CALLS, CallLedger
 
 # The AWS settings that are not secret: a worker sees the same endpoint and region as the driver.
@@ -127,7 +127,7 @@ def actor_time_of(stats: list[dict], workers: list[Any]) -> dict | None:
 def _draft_model(config: Config) -> str | None:
     """The draft model to load, only for strategies that draft (their registry record's uses_draft).
     None when models.draft is empty: the strategy then drafts with ADED (pipeline.decoding.dsbd.search)."""
-    if not method(config.strategy.name).uses_draft:
+    if not lookup(config.strategy.name).uses_draft:
         return None
     return config.models.draft or None
 

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from pipeline.decoding.protocols import RowState
+from pipeline.decoding.domain import RowState
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
 from pipeline.observability import ActorTimeline, CallTiming

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from pipeline.coordinator import WorkerFailure
+from pipeline.errors import WorkerFailure, WorkersShutDown
 
 STARTUP_TIMEOUT_S = 300.0
 CLOCK_GROUP = "call_clock"
@@ -109,11 +109,6 @@ def with_call_clock(cls: type) -> type:
     namespace.update({name: wrap(fn) for name, fn in inspect.getmembers(cls, inspect.isfunction)
                       if not name.startswith("_")})
     return type(cls.__name__, (cls,), namespace)
-
-
-class WorkersShutDown(RuntimeError):
-    """A call on a retired proxy: the workers were shut down. Not a WorkerFailure, so the
-    coordinator does not retry the batch."""
 
 
 class RemoteProxy:

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         ("aded", ADEDDrafter(base.copy(), iterations=args.iterations, depth=args.draft_depth,
                              candidates=args.candidates, adaptive=True, seed=args.seed)),
     ]
-    run_method("warm-up", engine, None, prompts[:1], sampling)
+    run_lookup("warm-up", engine, None, prompts[:1], sampling)
     results = []
     for name, drafter in methods:
         results.append(run_method(name, engine, drafter, prompts, sampling))

@@ -54,7 +54,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.decoding.protocols import RowState
+from pipeline.decoding.domain import RowState
 from pipeline.observability import ActorTimeline
 
 EOS_SHARE = 0.5

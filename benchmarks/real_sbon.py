@@ -19,7 +19,7 @@ From each run's ``_report.json`` and pair Parquet it prints:
 - run seconds of each build (first batch dispatched to last shard committed; startup left out),
   the run-time speedup (Best-of-N / sbon), generated tokens and the token rate (sbon / Best-of-N),
   and the efficiency (speedup x token rate), as benchmarks.efficiency does;
-- the normalized score (Eq. 5 of the paper, pipeline.decoding.sbon_analysis.normalized_score),
+- the normalized score (Eq. 5 of the paper, pipeline.decoding.metrics.normalized_score),
   averaged over the prompts both builds paired: 100 * (1 - (max_k s(Z_k) - s(sbon chosen)) /
   (max_k s(Z_k) - min_k s(Z_k))). The pair Parquet carries Best-of-N's max and min directly: its
   chosen_score is the best finite reward of its N completed candidates and, with data.rejected =
@@ -156,7 +156,7 @@ def read_pairs(output: Path) -> dict[str, dict]:
 
 def quality(bon: dict[str, dict], sbon: dict[str, dict]) -> tuple[dict, list[str]]:
     """Normalized score and the consistency checks over the prompts both builds paired."""
-    from pipeline.decoding.sbon_analysis import normalized_score
+    from pipeline.decoding.metrics import normalized_score
 
     common = [p for p in bon if p in sbon]
     scores, above, same_sample, same_sample_other_text = [], 0, 0, 0

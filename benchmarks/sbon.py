@@ -42,8 +42,8 @@ import torch
 
 from pipeline.data.prompts import PromptFormatter, prompt_id
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
-from pipeline.decoding.protocols import PromptInput, PromptResult
-from pipeline.decoding.sbon_analysis import normalized_score as eq5
+from pipeline.decoding.domain import PromptInput, PromptResult
+from pipeline.decoding.metrics import normalized_score as eq5
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
 from pipeline.engines.hf import DTYPES, HFEngine, load_tokenizer

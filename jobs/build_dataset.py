@@ -21,7 +21,7 @@ import sys
 
 from jobs.cli import add_help_config, job_parser, setup_logging, strategies_text
 from pipeline.config import ConfigError, key_docs, load_config
-from pipeline.data.prompts import InputError
+from pipeline.errors import InputError
 from pipeline.data.writer import OutputConflict
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from actors import start_workers
-    from pipeline.build import ShardFailed, format_summary, plan_build, run_build
+    from pipeline.build import format_summary, plan_build, run_build
+    from pipeline.errors import ShardFailed
 
     try:
         plan = plan_build(config, overwrite=args.overwrite)  # input and output errors surface before a cluster starts

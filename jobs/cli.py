@@ -82,10 +82,10 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
 
 def strategies_text() -> str:
     """The strategies of the method registry, one per line: name, aliases, backends, summary."""
-    from pipeline.methods import METHODS
+    from pipeline.strategies import STRATEGIES
 
     lines = ["strategies (strategy.name / --strategy):"]
-    for record in METHODS.values():
+    for record in STRATEGIES.values():
         aliases = f" (alias {', '.join(record.aliases)})" if record.aliases else ""
         backends = ", ".join(sorted(record.backends))
         lines.append(f"  {record.name:<10} {record.summary}{aliases}; backends: {backends}")

@@ -7,7 +7,7 @@
 For each prompt it samples N full completions (Best-of-N) and scores every one at each decision
 token tau (streaming reward sessions, so each tau costs only the new chunk) and at the end. Then,
 on those same completions, it replays Algorithm 1 over the alpha x tau grid: the token rate and
-the normalized score of Eq. 6 (pipeline.decoding.sbon_analysis), and per prompt the Pearson and
+the normalized score of Eq. 6 (pipeline.decoding.metrics), and per prompt the Pearson and
 Kendall correlations of partial vs final reward. Writes DIR/counterfactual.json (the settings
 under the flags' names, the grid, the correlations and every completion's rewards),
 DIR/tradeoff.png (score and token rate against alpha, one line per tau, as the paper's Figure 3)
@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from jobs.cli import add_device_flags, bars, job_parser, setup_logging
-from pipeline.decoding.sbon_analysis import PromptRewards, correlations, grid
+from pipeline.decoding.metrics import PromptRewards, correlations, grid
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("the trade-off plots need matplotlib: pip install 'bon-pipeline[plots]'")
         return 2
 
-    from pipeline.data.prompts import InputError, PromptFormatter, prompt_id, read_raw_rows, validate
-    from pipeline.decoding.protocols import PromptInput
+    from pipeline.data.prompts import PromptFormatter, prompt_id, read_raw_rows, validate
+    from pipeline.errors import InputError
+    from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.sampling import SamplingParams
     from pipeline.engines.hf import HFEngine
     from pipeline.engines.rewards import RewardScorer

@@ -18,7 +18,7 @@ With --generator: decoding methods against greedy (pipeline.evaluation) on the -
 response judged by IFEval against its row's instructions; --reward is the reward model the
 methods choose candidates with (it judges nothing). --generator is the policy (a Reward Transformer
 directory for `sla`). Methods: the baselines greedy, temperature, top_p, top_k and beam, and every
-strategy of the registry (pipeline.methods); default: greedy, temperature, top_p, top_k, beam, sla,
+strategy of the registry (pipeline.strategies); default: greedy, temperature, top_p, top_k, beam, sla,
 sbon (sla only when the generator has a trained reward channel). Prints win / tie / loss against greedy, the
 win rate (wins + ties/2, Table 1 of the SLA paper), IFEval accuracy and the decoding cost relative
 to greedy (tokens and wall time).
@@ -36,7 +36,7 @@ import math
 import sys
 
 from jobs.cli import add_device_flags, job_parser, setup_logging, strategies_text
-from pipeline.data.prompts import InputError
+from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
 INSTRUCTION_COLUMNS = ["instruction_id_list", "kwargs"]
@@ -44,7 +44,7 @@ INSTRUCTION_COLUMNS = ["instruction_id_list", "kwargs"]
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (module docstring); the methods' list comes from pipeline.evaluation and
-    the strategy registry (pipeline.methods)."""
+    the strategy registry (pipeline.strategies)."""
     from pipeline.evaluation import CHOICES, DEFAULT_METHODS, SAMPLING
 
     epilog = (f"methods (--methods): the baselines {', '.join([*SAMPLING, 'beam'])}, and the strategies:\n"

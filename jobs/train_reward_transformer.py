@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from jobs.cli import bars, job_parser, setup_logging
-from pipeline.data.prompts import InputError
+from pipeline.errors import InputError
 from pipeline.data.writer import IncompleteBuild
 
 log = logging.getLogger(__name__)

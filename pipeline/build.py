@@ -34,22 +34,18 @@ from typing import Iterable, Iterator
 from transformers import AutoConfig
 
 from pipeline.config import Config, ConfigError
-from pipeline.coordinator import BatchFailed, Coordinator
+from pipeline.coordinator import Coordinator
 from pipeline.data.pairs import select_pair
-from pipeline.data.prompts import (FirstRows, InputError, PromptFormatter, PromptSource, Reject, hub_dataset_id,
-                                   validate)
+from pipeline.data.prompts import FirstRows, PromptFormatter, PromptSource, Reject, hub_dataset_id, validate
 from pipeline.data.storage import access_errors, check_access
 from pipeline.data.writer import ExtraColumns, OutputStore, check_location, fingerprint, part_name
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import TOKENIZER_KEYS, load_tokenizer
 from pipeline.engines.rewards import is_reward_function, load_reward_function
-from pipeline.methods import method
+from pipeline.errors import BatchFailed, InputError, ShardFailed
+from pipeline.strategies import lookup
 
 log = logging.getLogger(__name__)
-
-
-class ShardFailed(RuntimeError):
-    """A shard's batch ran out of attempts (actors kept dying or hanging)."""
 
 
 @dataclass
@@ -190,7 +186,7 @@ def check_models(config: Config) -> tuple:
         raise ConfigError(f"models.generator: cannot load the tokenizer of {models.generator!r} "
                           f"({str(exc).strip().splitlines()[0]})") from None
     check_reward(models.reward, load("reward"))
-    record = method(config.strategy.name)
+    record = lookup(config.strategy.name)
     contexts = [_context(generator) or int(tokenizer.model_max_length)]
     if record.uses_draft and models.draft:
         contexts.append(_context(_model_config("draft", models.draft, "causal", load("draft"))) or contexts[0])
@@ -234,7 +230,7 @@ def check_engines(config: Config) -> None:
         roles = [("generator", models.backend)]
         if not is_reward_function(models.reward):
             roles.append(("reward", models.reward_backend))
-        if method(config.strategy.name).uses_draft and models.draft and rt.draft_placement == "actor":
+        if lookup(config.strategy.name).uses_draft and models.draft and rt.draft_placement == "actor":
             roles.append(("draft", "hf"))
         for role, backend in roles:
             if not rt.local and backend == "hf" and getattr(rt, role).num_gpus <= 0:

@@ -20,7 +20,7 @@ import yaml
 
 from pipeline.decoding.speculative import SpeculativeDecoding
 from pipeline.errors import ConfigError
-from pipeline.methods import METHODS, method
+from pipeline.strategies import STRATEGIES, lookup
 
 log = logging.getLogger(__name__)
 __all__ = ["Config", "ConfigError", "config_from_dict", "load_config"]
@@ -337,12 +337,12 @@ class RuntimeConfig:
 @dataclass
 class StrategyConfig:
     name: str = "sbon"
-    """Decoding method: a name (or alias) in the method registry, pipeline.methods."""
+    """Decoding method: a name (or alias) in the method registry, pipeline.strategies."""
     params: Any = None
     """The method's own parameters (its record's params dataclass); written flat in YAML."""
 
     def __post_init__(self):
-        cls = method(self.name).params
+        cls = lookup(self.name).params
         if self.params is None or isinstance(self.params, dict):
             self.params = _build(cls, self.params or {}, "strategy")
         elif not isinstance(self.params, cls):
@@ -492,8 +492,8 @@ def config_from_dict(raw: dict) -> Config:
     check_sampling = getattr(strategy_config.params, "check_sampling", None)
     if check_sampling is not None:
         check_sampling(cfg.sampling)
-    if cfg.models.backend not in method(name).backends:
-        served = sorted(n for n, m in METHODS.items() if cfg.models.backend in m.backends)
+    if cfg.models.backend not in lookup(name).backends:
+        served = sorted(n for n, m in STRATEGIES.items() if cfg.models.backend in m.backends)
         raise ConfigError(f"models.backend: {cfg.models.backend} serves {', '.join(served)} only, "
                           f"not strategy {name!r}; use backend hf")
     return cfg
@@ -525,7 +525,7 @@ def switch_strategy(raw: dict, name: str) -> list[str]:
     keys (the YAML may hold another strategy's parameters, e.g. ``--strategy best_of_n`` on an sbon
     config)."""
     current = dict(raw.get("strategy") or {})
-    known = {f.name for f in dataclasses.fields(method(name).params)}
+    known = {f.name for f in dataclasses.fields(lookup(name).params)}
     dropped = sorted(k for k in current if k != "name" and k not in known)
     raw["strategy"] = {"name": name, **{k: v for k, v in current.items() if k in known}}
     return dropped
@@ -631,7 +631,7 @@ def key_docs(cls=None, prefix: str = "") -> list[KeyDoc]:
         default = getattr(instance, f.name) if instance is not None else f.default
         out.append(KeyDoc(key, _type_name(hint), default, docs.get(f.name, "")))
     if top:
-        for record in METHODS.values():
+        for record in STRATEGIES.values():
             params = key_docs(record.params, "strategy.")
             names = " / ".join((record.name, *record.aliases))
             out += [dataclasses.replace(p, doc=f"[{names}] {p.doc}") for p in params]

@@ -32,27 +32,10 @@ import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
-from pipeline.decoding.protocols import Generator, PromptInput, PromptResult, Scorer
+from pipeline.decoding.domain import Generator, PromptInput, PromptResult, Scorer
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.methods import method
-
-
-class WorkerFailure(Exception):
-    """An actor behind a handle died or hung. ``recover()`` replaces it (idempotent per failure)."""
-
-    def __init__(self, message: str, recover: Callable[[], None] = lambda: None):
-        super().__init__(message)
-        self.recover = recover
-
-
-class BatchFailed(Exception):
-    """A batch failed ``attempts`` times (or is about to be retried, when passed to on_retry)."""
-
-    def __init__(self, prompt_ids: list[str], attempts: int, cause: BaseException):
-        super().__init__(f"batch of {len(prompt_ids)} prompts failed after {attempts} attempts: {cause}")
-        self.prompt_ids = prompt_ids
-        self.attempts = attempts
-        self.cause = cause
+from pipeline.errors import BatchFailed, WorkerFailure
+from pipeline.strategies import lookup
 
 
 class Serialized:
@@ -199,7 +182,7 @@ class Coordinator:
         if not generators or not scorers:
             raise ValueError("need at least one generator and one scorer")
         self.strategy_name = strategy
-        self.strategy = method(strategy).run
+        self.strategy = lookup(strategy).run
         self.params = params
         self.sampling = sampling
         self.num_samples = num_samples

@@ -1,7 +1,57 @@
-"""Errors the whole library raises; a leaf module (it imports nothing of ours), so the pure
-decoding layer can raise the same ConfigError the config layer does."""
+"""Every exception class of the project, in one leaf module (it imports nothing of ours), so any
+layer raises and catches the same classes: the pure decoding layer the same ConfigError the config
+layer does, the jobs the failures the coordinator and the actors raise.
+
+User errors (one line naming the file, row or key; the jobs exit with code 2): ConfigError,
+StorageAccessError, InputError, FetchError. Worker faults: WorkerFailure (an actor died or hung;
+recoverable), BatchFailed (a batch out of attempts), ShardFailed (a build's shard lost to it),
+WorkersShutDown (a call after the workers were shut down; not retried)."""
+
+from __future__ import annotations
+
+from typing import Callable
 
 
 class ConfigError(ValueError):
     """A user error in the config: the message names the key. The jobs print it as one line and
     exit with code 2."""
+
+
+class StorageAccessError(ConfigError):
+    """An s3:// URI that cannot be reached with the credentials and endpoint given: a user error
+    (one line naming the URI, exit code 2), not the tens of lines of botocore traceback it would be."""
+
+
+class InputError(Exception):
+    """Unreadable or missing input: a user error with a one-line message."""
+
+
+class FetchError(Exception):
+    """A user-facing failure: one line, exit code 2."""
+
+
+class WorkerFailure(Exception):
+    """An actor behind a handle died or hung. ``recover()`` replaces it (idempotent per failure)."""
+
+    def __init__(self, message: str, recover: Callable[[], None] = lambda: None):
+        super().__init__(message)
+        self.recover = recover
+
+
+class BatchFailed(Exception):
+    """A batch failed ``attempts`` times (or is about to be retried, when passed to on_retry)."""
+
+    def __init__(self, prompt_ids: list[str], attempts: int, cause: BaseException):
+        super().__init__(f"batch of {len(prompt_ids)} prompts failed after {attempts} attempts: {cause}")
+        self.prompt_ids = prompt_ids
+        self.attempts = attempts
+        self.cause = cause
+
+
+class ShardFailed(RuntimeError):
+    """A shard's batch ran out of attempts (actors kept dying or hanging)."""
+
+
+class WorkersShutDown(RuntimeError):
+    """A call on a retired proxy: the workers were shut down. Not a WorkerFailure, so the
+    coordinator does not retry the batch."""

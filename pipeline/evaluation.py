@@ -19,7 +19,7 @@ prompt and method, each scored by the fraction of its prompt's instructions it f
   same ratio of wall time (both measured in this run, on the same model and prompts).
 
 Methods and their settings follow section 5: temperature 0.8, top-p 0.9, top-k 50, beam search
-with 4 beams (the sampling baselines), and any method of the registry (pipeline.methods), run
+with 4 beams (the sampling baselines), and any method of the registry (pipeline.strategies), run
 through its record as a build runs it, with the build's reward (``scorer``) choosing among
 candidates: SLA (d, k, n from SLAParams; children sampled at ``sla_temperature``; one search per
 prompt) and speculative rejection (Best-of-N with early stopping, N = ``num_samples``) by default;
@@ -38,12 +38,12 @@ import torch
 
 from pipeline.judge import accuracy, check, completion_text, prompt_text
 
-from pipeline.decoding.protocols import PromptInput
+from pipeline.decoding.domain import PromptInput
 from pipeline.decoding.sampling import SamplingParams, row_seed
 from pipeline.decoding.sla import SLAParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams
-from pipeline.methods import METHODS as REGISTRY
-from pipeline.methods import method as registered
+from pipeline.strategies import STRATEGIES as REGISTRY
+from pipeline.strategies import lookup as registered
 
 # The baselines: sampling settings of section 5 (HFEngine.generate), and HF beam search.
 SAMPLING = {"greedy": {"temperature": 0.0}, "temperature": {"temperature": 0.8}, "top_p": {"top_p": 0.9},

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 from scipy.stats import chisquare
 
-from pipeline.decoding.protocols import DraftLayer
+from pipeline.decoding.domain import DraftLayer
 from pipeline.decoding.sampling import SamplingParams, beam_distribution, inverse_cdf
 
 V = 3

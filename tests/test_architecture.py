@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pipeline", "actors", "jobs", "benchmarks")
 FORBIDDEN_IN_DECODING = ("pipeline.engines", "pipeline.config", "pipeline.data", "pipeline.training",
-                         "pipeline.methods", "pipeline.build", "pipeline.coordinator", "pipeline.evaluation",
+                         "pipeline.strategies", "pipeline.build", "pipeline.coordinator", "pipeline.evaluation",
                          "actors", "jobs", "benchmarks", "ray", "vllm", "transformers")
 # Calls that read or write files: the builtin open(), and these methods or functions of any module
 # (np.load, torch.save, Path.read_text, safetensors' load_file, ...). A Protocol's .open() is a session.
@@ -163,19 +163,19 @@ def test_purity_check_catches_a_planted_violation(tmp_path):
 
 
 def test_every_method_has_one_complete_record():
-    from pipeline.methods import METHODS, method
+    from pipeline.strategies import STRATEGIES, lookup
 
-    assert set(METHODS) == {"best_of_n", "sbon", "ults", "aded", "sla", "dsbd"}
-    for name, record in METHODS.items():
+    assert set(STRATEGIES) == {"best_of_n", "sbon", "ults", "aded", "sla", "dsbd"}
+    for name, record in STRATEGIES.items():
         assert record.name == name and callable(record.run)
-        assert method(name) is record
+        assert lookup(name) is record
         for alias in record.aliases:
-            assert method(alias) is record
+            assert lookup(alias) is record
         assert record.backends <= {"hf", "vllm"} and "hf" in record.backends
         assert record.search is None or callable(record.search)
-    assert method("speculative_rejection") is METHODS["sbon"]
-    assert {n for n, r in METHODS.items() if r.uses_draft} == {"dsbd"}
-    assert {n for n, r in METHODS.items() if "vllm" in r.backends} == {"best_of_n", "sbon"}
+    assert lookup("speculative_rejection") is STRATEGIES["sbon"]
+    assert {n for n, r in STRATEGIES.items() if r.uses_draft} == {"dsbd"}
+    assert {n for n, r in STRATEGIES.items() if "vllm" in r.backends} == {"best_of_n", "sbon"}
 
 
 def test_no_second_table_of_methods():

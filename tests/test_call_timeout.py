@@ -13,7 +13,7 @@ import pytest
 from actors.factory import _RayPlacement
 from actors.remote import RemoteProxy
 from pipeline.config import ActorResources
-from pipeline.coordinator import WorkerFailure
+from pipeline.errors import WorkerFailure
 
 pytestmark = pytest.mark.integration
 

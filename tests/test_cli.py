@@ -15,7 +15,7 @@ import pytest
 import jobs
 from jobs.cli import setup_logging
 from pipeline.config import key_docs
-from pipeline.methods import METHODS
+from pipeline.strategies import STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {target.split(":")[0]: name
@@ -161,9 +161,9 @@ def test_help_config_documents_every_key(name, capsys, monkeypatch):
 @pytest.mark.parametrize("name", ["build_dataset", "expert_iteration", "evaluate"])
 def test_help_lists_every_strategy(name, capsys, monkeypatch):
     out = run_help(name, ["--help"], capsys, monkeypatch)
-    listed = {line.split()[0] for line in out.splitlines() if line.startswith("  ") and line.split()[0] in METHODS}
-    assert listed == set(METHODS)
-    for record in METHODS.values():
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("  ") and line.split()[0] in STRATEGIES}
+    assert listed == set(STRATEGIES)
+    for record in STRATEGIES.values():
         assert record.summary in out and all(alias in out for alias in record.aliases)
 
 
@@ -171,7 +171,7 @@ def test_counterfactual_logs_a_line_per_prompt_without_bars(caplog):
     """Where there are no bars (stderr not a terminal, --no-progress), the collection loop says
     where it is at INFO; beside a bar, at DEBUG only."""
     from jobs.counterfactual import collect
-    from pipeline.decoding.protocols import PromptInput
+    from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.sampling import SamplingParams
 
     class Row:

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import ConfigError, config_from_dict
-from pipeline.methods import METHODS
+from pipeline.strategies import STRATEGIES
 from tests.conftest import MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -179,7 +179,7 @@ MODEL_SIDE_PARAMS = {
 
 
 def test_every_registered_method_is_searched():
-    assert set(METHODS) == {"sbon", "best_of_n", *MODEL_SIDE_PARAMS}
+    assert set(STRATEGIES) == {"sbon", "best_of_n", *MODEL_SIDE_PARAMS}
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_SIDE_PARAMS))

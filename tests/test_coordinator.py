@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from pipeline.coordinator import Coordinator, Serialized, _Admission, _CountedRows
-from pipeline.decoding.protocols import PromptInput, RowState
+from pipeline.decoding.domain import PromptInput, RowState
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams
 from pipeline.engines.hf import HFEngine

@@ -4,11 +4,13 @@ bounded, and progress observers see the right counts."""
 
 import pytest
 
-from pipeline.coordinator import BatchFailed, Coordinator, Serialized, WorkerFailure
+from pipeline.coordinator import Coordinator, Serialized
+from pipeline.errors import BatchFailed
+from pipeline.errors import WorkerFailure
 from pipeline.decoding.best_of_n import BestOfNParams
-from pipeline.decoding.protocols import PromptInput, SearchOutput
+from pipeline.decoding.domain import PromptInput, SearchOutput
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.methods import METHODS, Method
+from pipeline.strategies import STRATEGIES, Strategy
 from pipeline.observability import BuildMetrics, ProgressBars
 from tests.conftest import GOOD_PROMPTS
 
@@ -65,7 +67,7 @@ def test_model_side_search_calls_are_covered_too(engine, scorer, monkeypatch):
         return [SearchOutput([r for r in rows if r.row // num_samples == i], 8 * num_samples)
                 for i in range(len(token_ids))]
 
-    monkeypatch.setitem(METHODS, "echo_search", Method("echo_search", BestOfNParams, "test method", search=echo))
+    monkeypatch.setitem(STRATEGIES, "echo_search", Strategy("echo_search", BestOfNParams, "test method", search=echo))
     expected = run(Serialized(engine), scorer, engine, strategy="echo_search")
     flaky = Flaky(engine, "search", {1})
     assert run(flaky, scorer, engine, strategy="echo_search") == expected and flaky.restarts == 1

@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.pairs import select_pair
-from pipeline.data.prompts import (InputError, PromptFormatter, PromptRow, PromptSource, prompt_id, read_raw_rows,
-                                   validate)
+from pipeline.data.prompts import PromptFormatter, PromptRow, PromptSource, prompt_id, read_raw_rows, validate
+from pipeline.errors import InputError
 from pipeline.data.writer import OutputStore
-from pipeline.decoding.protocols import Candidate, PromptInput, PromptResult
+from pipeline.decoding.domain import Candidate, PromptInput, PromptResult
 from tests.conftest import MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
 
 

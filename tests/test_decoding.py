@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.config import ConfigError, config_from_dict
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
-from pipeline.decoding.protocols import PromptInput, RowState
+from pipeline.decoding.domain import PromptInput, RowState
 from pipeline.decoding.sampling import SamplingParams, row_seed
 from pipeline.decoding.speculative_rejection import (SpeculativeRejectionParams, adaptive_cutoff, rejection_cutoff,
                                                      speculative_rejection)
@@ -73,12 +73,12 @@ SAMPLING = SamplingParams(max_new_tokens=24)
 
 def test_registry_resolves_aliases_and_names_the_choices():
     from pipeline.errors import ConfigError
-    from pipeline.methods import method
+    from pipeline.strategies import lookup
 
-    assert method("speculative_rejection") is method("sbon") and method("sbon").run is speculative_rejection
-    assert method("best_of_n").run is best_of_n and method("best_of_n").search is None
+    assert lookup("speculative_rejection") is lookup("sbon") and lookup("sbon").run is speculative_rejection
+    assert lookup("best_of_n").run is best_of_n and lookup("best_of_n").search is None
     with pytest.raises(ConfigError, match=r"unknown strategy 'beam'.*'best_of_n'.*'speculative_rejection'"):
-        method("beam")
+        lookup("beam")
 
 
 def test_cutoff_is_the_alpha_lower_quantile():
@@ -182,8 +182,8 @@ def test_candidate_counts_on_real_models(engine, scorer, strategy):
     cfg = config_from_dict({"strategy": {"name": strategy}})
     ps = [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in
           enumerate(["Write a review of the lamp.", "Explain why the phone broke."])]
-    from pipeline.methods import method
-    results = method(strategy).run(ps, engine, scorer, cfg.strategy.params, SamplingParams(max_new_tokens=40), 6, 0)
+    from pipeline.strategies import lookup
+    results = lookup(strategy).run(ps, engine, scorer, cfg.strategy.params, SamplingParams(max_new_tokens=40), 6, 0)
     assert [len(r.candidates) for r in results] == [6, 6]
     assert sorted(c.sample for c in results[0].candidates) == list(range(6))
 
@@ -205,7 +205,7 @@ def test_alpha_zero_equals_best_of_n_on_real_models(engine, scorer):
 
 def _ancestral(host, prompts, num_samples, seeds, sampling, params):
     """A model-side method for the test: plain sampling, run inside the engine."""
-    from pipeline.decoding.protocols import SearchOutput
+    from pipeline.decoding.domain import SearchOutput
     rows = host.engine.generate(prompts, num_samples, seeds, sampling)
     per = [rows[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
     return [SearchOutput(rows=r, generated_tokens=sum(len(x.token_ids) for x in r) + 1, stats={"calls": 1})
@@ -214,9 +214,9 @@ def _ancestral(host, prompts, num_samples, seeds, sampling, params):
 
 def register(monkeypatch, name, search):
     """A model-side method for the test: one record, as a new method file would add."""
-    from pipeline.methods import METHODS, Method
-    record = Method(name, BestOfNParams, "test method", search=search)
-    monkeypatch.setitem(METHODS, name, record)
+    from pipeline.strategies import STRATEGIES, Strategy
+    record = Strategy(name, BestOfNParams, "test method", search=search)
+    monkeypatch.setitem(STRATEGIES, name, record)
     return record
 
 

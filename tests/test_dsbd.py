@@ -515,13 +515,13 @@ def test_dsbd_aded_drafter_starts_from_strategy_trigram(engine, tmp_path):
     from pipeline.decoding.trigram import TrigramMatrix
     from pipeline.engines.adapters import HFSearchHost
     from pipeline.engines.trigram import load_trigram, save_trigram
-    from pipeline.methods import method
+    from pipeline.strategies import lookup
 
     prompt = engine.tokenizer("Write a review of the lamp.").input_ids
     path = str(tmp_path / "m.npz")
     save_trigram(TrigramMatrix.from_sequences([prompt + prompt]), path)
     params = DSBDParams(draft_width=2, num_draft_layers=2, trigram=path)
-    check = method("dsbd").check_models
+    check = lookup("dsbd").check_models
     check(params, None)
     host = HFSearchHost(engine)
     out = dsbd_search(host, [prompt], 1, [3], SamplingParams(max_new_tokens=4, ignore_eos=True), params)

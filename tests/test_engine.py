@@ -143,12 +143,12 @@ def test_merged_decoding_refuses_a_call_from_inside_its_own_model_work(tiny_mode
     import pytest
 
     from pipeline.decoding.best_of_n import BestOfNParams
-    from pipeline.methods import METHODS, Method
+    from pipeline.strategies import STRATEGIES, Strategy
 
     def nested(host, token_ids, num_samples, seeds, sampling, params):
         return host.engine.generate(token_ids, num_samples, seeds, sampling)
 
-    monkeypatch.setitem(METHODS, "nested", Method("nested", BestOfNParams, "test method", search=nested))
+    monkeypatch.setitem(STRATEGIES, "nested", Strategy("nested", BestOfNParams, "test method", search=nested))
     engine = HFEngine.from_pretrained(str(tiny_models["generator"]), merged=True)
     prompt = ids(engine, "Write a review")
     with pytest.raises(RuntimeError, match="would wait for itself"):

@@ -28,7 +28,8 @@ import pytest
 
 from jobs.build_dataset import main
 from pipeline.config import ConfigError, load_config
-from pipeline.data.prompts import InputError, PromptSource, hub_dataset_id
+from pipeline.data.prompts import PromptSource, hub_dataset_id
+from pipeline.errors import InputError
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

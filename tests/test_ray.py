@@ -10,7 +10,7 @@ from actors import start_workers  # noqa: E402
 from jobs.build_dataset import main  # noqa: E402
 from pipeline.config import config_from_dict  # noqa: E402
 from pipeline.coordinator import Coordinator, Serialized  # noqa: E402
-from pipeline.decoding.protocols import PromptInput  # noqa: E402
+from pipeline.decoding.domain import PromptInput  # noqa: E402
 from pipeline.decoding.sampling import SamplingParams  # noqa: E402
 from tests.conftest import GOOD_PROMPTS, MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 
 from jobs.build_dataset import main as build_main
 from jobs.train_reward_transformer import main as train_main
-from pipeline.data.prompts import InputError
+from pipeline.errors import InputError
 from pipeline.data.writer import IncompleteBuild
 from pipeline.training.dpo import load_pairs
 from tests.conftest import GOOD_PROMPTS, write_jsonl

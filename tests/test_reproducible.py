@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.build_dataset import main
-from pipeline.methods import METHODS
+from pipeline.strategies import STRATEGIES
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 from tests.test_golden import reward_transformer  # noqa: F401  (fixture: a generator with a trained reward channel)
 
@@ -42,7 +42,7 @@ SCORES = ("chosen_score", "rejected_score")
 
 
 def test_every_registered_method_has_a_case():
-    assert {strategy for _, strategy, _ in CASES} == set(METHODS)
+    assert {strategy for _, strategy, _ in CASES} == set(STRATEGIES)
 
 
 def build(tiny_models, generator, out, strategy: str, overrides: list[str]) -> list[dict]:

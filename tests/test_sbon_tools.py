@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pipeline.decoding.sbon_analysis import PromptRewards, correlations, grid, normalized_score, simulate
+from pipeline.decoding.metrics import PromptRewards, correlations, grid, normalized_score, simulate
 
 
 def test_normalized_score_is_eq5():
@@ -42,7 +42,7 @@ class FixedLengthGenerator:
         self.cap, self.tokens, self.live = sampling.max_new_tokens, {r: [] for r in range(4)}, set(range(4))
 
     def extend(self, session, until, keep=None):
-        from pipeline.decoding.protocols import RowState
+        from pipeline.decoding.domain import RowState
 
         self.live = set(keep) if keep is not None else self.live
         states = []
@@ -61,7 +61,7 @@ def test_a_response_of_exactly_tau_tokens_is_live_at_tau_in_runs_and_in_simulate
     is also its final one (the same text). The live algorithm sees it live at tau, so with
     keep_lowest it is the row kept to supply the rejected side, at no extra cost, and row 3 stops;
     the counterfactual must decide the same (counting row 0 as ended would finish row 3 instead)."""
-    from pipeline.decoding.protocols import PromptInput
+    from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.sampling import SamplingParams
     from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
 
@@ -212,7 +212,7 @@ def test_bon_equivalent_estimate_is_within_10_percent_of_a_real_best_of_n_run(sm
     alone overstated it by 12-14%)."""
     from pipeline.data.prompts import PromptFormatter, prompt_id
     from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
-    from pipeline.decoding.protocols import PromptInput
+    from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.sampling import SamplingParams
     from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
     from pipeline.engines.hf import HFEngine

@@ -8,7 +8,7 @@ ray = pytest.importorskip("ray")
 from actors import start_workers  # noqa: E402
 from pipeline.config import config_from_dict  # noqa: E402
 from pipeline.coordinator import Coordinator, Serialized  # noqa: E402
-from pipeline.decoding.protocols import PromptInput  # noqa: E402
+from pipeline.decoding.domain import PromptInput  # noqa: E402
 from pipeline.decoding.sampling import SamplingParams  # noqa: E402
 from pipeline.engines.hf import HFEngine, load_tokenizer  # noqa: E402
 from pipeline.engines.reward_transformer import RewardTransformer  # noqa: E402

@@ -24,10 +24,13 @@ import pytest
 
 import pipeline.build
 from benchmarks.input_memory import sim_workers
-from pipeline.build import ShardFailed, plan_build, run_build
+from pipeline.build import plan_build, run_build
+from pipeline.errors import ShardFailed
 from pipeline.config import load_config
-from pipeline.coordinator import Coordinator, WorkerFailure
-from pipeline.data.prompts import InputError, PromptSource, read_raw_rows, validate
+from pipeline.coordinator import Coordinator
+from pipeline.errors import WorkerFailure
+from pipeline.data.prompts import PromptSource, read_raw_rows, validate
+from pipeline.errors import InputError
 from pipeline.engines.hf import load_tokenizer
 from tests.conftest import write_jsonl
 

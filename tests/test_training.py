@@ -11,7 +11,7 @@ import torch
 
 from jobs.make_tiny_models import make_tiny_models
 from jobs.train_reward_transformer import main
-from pipeline.data.prompts import InputError
+from pipeline.errors import InputError
 from pipeline.training.dpo import load_pairs
 
 SUBJECTS = ["the lamp", "the battery", "the blender", "the camera", "the app", "the keyboard", "the jacket",

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
-from pipeline.decoding.protocols import PromptInput
+from pipeline.decoding.domain import PromptInput
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
 from pipeline.engines.vllm_engine import ContinuousVLLMEngine, VLLMEngine, segment_seed

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
-from pipeline.decoding.protocols import PromptInput
+from pipeline.decoding.domain import PromptInput
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
 

@@ -209,10 +209,10 @@ def provenance(config: Config, argv: list[str] | None = None) -> dict:
     """Where a build came from (module docstring), for the manifest and the card. Redacted: the
     config as Config.redacted_dict() writes it (storage options and the free-form engine keywords),
     and the command line (redacted_command)."""
-    from pipeline.methods import method
+    from pipeline.strategies import lookup
 
     models = config.models
-    uses_draft = method(config.strategy.name).uses_draft  # the strategies that load models.draft
+    uses_draft = lookup(config.strategy.name).uses_draft  # the strategies that load models.draft
     config_dict = config.redacted_dict()
     argv = list(sys.argv if argv is None else argv)
     if argv and argv[0].endswith(".py") and Path(argv[0]).parent.name == "jobs":  # python -m jobs.X

@@ -19,7 +19,7 @@ The row is in TRL's standard format (prompt, chosen, rejected strings) or, with
 
 from __future__ import annotations
 
-from pipeline.decoding.protocols import PromptResult
+from pipeline.decoding.domain import PromptResult
 
 
 def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0, output_format: str = "standard",

@@ -47,14 +47,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.storage import filesystem, join, list_files
-from pipeline.decoding.protocols import PromptInput
+from pipeline.decoding.domain import PromptInput
+from pipeline.errors import InputError
 
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-class InputError(Exception):
-    """Unreadable or missing input: a user error with a one-line message."""
 
 
 ROLES = ("system", "user", "assistant")

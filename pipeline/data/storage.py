@@ -13,12 +13,7 @@ from contextlib import contextmanager
 
 import fsspec
 
-from pipeline.errors import ConfigError
-
-
-class StorageAccessError(ConfigError):
-    """An s3:// URI that cannot be reached with the credentials and endpoint given: a user error
-    (one line naming the URI, exit code 2), not the tens of lines of botocore traceback it would be."""
+from pipeline.errors import ConfigError, StorageAccessError
 
 
 CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a non-AWS "

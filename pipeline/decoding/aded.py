@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.decoding.protocols import DraftLayer, RowState, SearchOutput
+from pipeline.decoding.domain import DraftLayer, RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams, sample_next
 from pipeline.decoding.tree import TokenTree
 
@@ -203,7 +203,7 @@ class ADEDDrafter:
 
 @dataclass
 class ADEDLayerDrafter:
-    """ADED as a DSBD / speculative-decoding Drafter (pipeline.decoding.protocols.Drafter), for when
+    """ADED as a DSBD / speculative-decoding Drafter (pipeline.decoding.domain.Drafter), for when
     no draft model is configured (issue 4, item 9).
 
     Per call it drafts from the highest-weighted context (largest prefix_logp; ties: the first):

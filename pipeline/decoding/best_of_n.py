@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from pipeline.decoding.protocols import Candidate, Generator, PromptInput, PromptResult, RowState, Scorer
+from pipeline.decoding.domain import Candidate, Generator, PromptInput, PromptResult, RowState, Scorer
 from pipeline.decoding.sampling import SamplingParams, row_seed
 
 

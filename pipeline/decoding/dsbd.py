@@ -61,7 +61,7 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.decoding.aded import ADEDDrafter, ADEDLayerDrafter
-from pipeline.decoding.protocols import Drafter, DraftLayer, RowState, SearchOutput
+from pipeline.decoding.domain import Drafter, DraftLayer, RowState, SearchOutput
 from pipeline.decoding.sampling import (SamplingParams, beam_distribution, cut_response, inverse_cdf,
                                         residual_distribution)
 from pipeline.decoding.tree import TokenTree

@@ -5,7 +5,7 @@ so each runs wholly inside the generator's process (``Generator.search``), and o
 candidates come back. The coordinator side is the same for all of them and lives here: send the
 batch, check the counts, score every candidate with the reward model, assemble PromptResults.
 
-A model-side method's record in pipeline.methods names its ``search(host, prompts, num_samples,
+A model-side method's record in pipeline.strategies names its ``search(host, prompts, num_samples,
 seeds, sampling, params) -> list[SearchOutput]``; ``host`` is the generator engine's adapter
 (pipeline.engines.adapters.HFSearchHost), seen through the small Protocol the method declares.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from pipeline.decoding.best_of_n import assemble, score_rows
-from pipeline.decoding.protocols import Candidate, Generator, PromptInput, PromptResult, Scorer
+from pipeline.decoding.domain import Candidate, Generator, PromptInput, PromptResult, Scorer
 from pipeline.decoding.sampling import SamplingParams, row_seed
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.decoding.protocols import RowState, SearchOutput
+from pipeline.decoding.domain import RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams, sample_next
 
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from pipeline.decoding.best_of_n import assemble, open_session, score_rows
 from pipeline.errors import ConfigError
-from pipeline.decoding.protocols import Candidate, Generator, PromptInput, PromptResult, RowState, Scorer
+from pipeline.decoding.domain import Candidate, Generator, PromptInput, PromptResult, RowState, Scorer
 from pipeline.decoding.sampling import SamplingParams
 
 

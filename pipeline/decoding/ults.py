@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.decoding.protocols import RowState, SearchOutput
+from pipeline.decoding.domain import RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams
 
 # -- priors and Algorithm 1 ------------------------------------------------------------------

@@ -11,7 +11,7 @@ not keep it.
     host.self_rewarding_lm()         # SLA's SelfRewardingLM           (SelfRewardDecoder)
     host.remember(key, make)         # per-engine state, made once
 
-A model-side method (pipeline.methods record with ``search``) receives the host, never the engine.
+A model-side method (pipeline.strategies record with ``search``) receives the host, never the engine.
 """
 
 from __future__ import annotations

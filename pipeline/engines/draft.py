@@ -1,5 +1,5 @@
 """The draft model's side of speculative decoding and DSBD: beam sampling of a draft forest
-(DSBD Fig. 2a) over an HF causal LM. Implements pipeline.decoding.protocols.Drafter.
+(DSBD Fig. 2a) over an HF causal LM. Implements pipeline.decoding.domain.Drafter.
 
 A call starts from the KV state of the previous call when every context extends a sequence the
 draft already holds (the input beam, or a draft node, of the last forest) by the same number of
@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.decoding.dsbd import beam_distribution
-from pipeline.decoding.protocols import DraftLayer
+from pipeline.decoding.domain import DraftLayer
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import inverse_cdf
 from pipeline.engines.hf import for_inference, load_pretrained

@@ -57,7 +57,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from pipeline.decoding.aded import accept_tokens
-from pipeline.decoding.protocols import RowState, check_open
+from pipeline.decoding.domain import RowState, check_open
 from pipeline.decoding.sampling import SamplingParams, sample_next
 from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
 from pipeline.decoding.tree import TokenTree
@@ -187,7 +187,7 @@ class _Job:
 
 
 class HFEngine:
-    """Generator implementation over an HF causal LM (see pipeline.decoding.protocols.Generator)."""
+    """Generator implementation over an HF causal LM (see pipeline.decoding.domain.Generator)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", merged: bool = False,
                  speculative: SpeculativeDecoding | None = None):
@@ -593,12 +593,12 @@ class HFEngine:
 
     def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
                sampling: SamplingParams, params) -> list:
-        """Run a model-side method (its pipeline.methods record's ``search``) on this engine's model."""
-        from pipeline.methods import METHODS
+        """Run a model-side method (its pipeline.strategies record's ``search``) on this engine's model."""
+        from pipeline.strategies import STRATEGIES
 
-        record = METHODS.get(method)
+        record = STRATEGIES.get(method)
         if record is None or record.search is None:
-            known = sorted(name for name, m in METHODS.items() if m.search is not None)
+            known = sorted(name for name, m in STRATEGIES.items() if m.search is not None)
             raise ValueError(f"unknown model-side method {method!r}; known: {known}")
         run = lambda: record.search(self.search_host, prompts, num_samples, seeds, sampling, params)  # noqa: E731
         if not self.merged:

@@ -43,7 +43,7 @@ from pipeline.engines.rows import RowBatch, timed_forward
 
 
 class RewardScorer:
-    """Scorer implementation (see pipeline.decoding.protocols.Scorer)."""
+    """Scorer implementation (see pipeline.decoding.domain.Scorer)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", batch_size: int = 32):
         if getattr(model.config, "num_labels", 1) != 1:

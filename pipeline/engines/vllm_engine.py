@@ -42,7 +42,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pipeline.decoding.protocols import RowState, check_open
+from pipeline.decoding.domain import RowState, check_open
 from pipeline.decoding.sampling import SamplingParams
 
 

@@ -54,7 +54,7 @@ class _Session:
 
 
 class VLLMRewardScorer:
-    """Scorer implementation (see pipeline.decoding.protocols.Scorer) over a ``vllm.LLM`` built with
+    """Scorer implementation (see pipeline.decoding.domain.Scorer) over a ``vllm.LLM`` built with
     ``runner="pooling"`` for a one-label sequence classifier. See the module docstring."""
 
     format = RewardScorer.format

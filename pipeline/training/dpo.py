@@ -15,7 +15,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.data.prompts import InputError
+from pipeline.errors import InputError
 from pipeline.data.storage import is_remote, join, list_files
 from pipeline.data.writer import LEASE_NAME, CorruptMarker, IncompleteBuild, OutputStore
 

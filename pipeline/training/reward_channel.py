@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pipeline.data.prompts import InputError
+from pipeline.errors import InputError
 from pipeline.engines.reward_transformer import RewardTransformer
 
 AUTRC_POINTS = 20

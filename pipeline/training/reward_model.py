@@ -99,7 +99,7 @@ class Judgement:
 
 def sample_responses(engine, prompts, num_samples: int, max_new_tokens: int, temperature: float, seed: int,
                      rows_per_batch: int = 128, progress=None) -> list[Sample]:
-    """``num_samples`` seeded samples of each prompt (pipeline.decoding.protocols.PromptInput) with
+    """``num_samples`` seeded samples of each prompt (pipeline.decoding.domain.PromptInput) with
     ``engine`` (an HFEngine), in batches of about ``rows_per_batch`` rows."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     per_batch = max(1, rows_per_batch // num_samples)
@@ -710,7 +710,7 @@ def partial_final_correlations(samples: list[Sample], final: list[float], partia
     reward is their final one, which would only inflate the figures."""
     from scipy import stats
 
-    from pipeline.decoding.sbon_analysis import PromptRewards, correlations
+    from pipeline.decoding.metrics import PromptRewards, correlations
 
     out = {}
     for tau, values in sorted(partial.items()):

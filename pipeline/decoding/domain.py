@@ -110,7 +110,7 @@ class Generator(Protocol):
 
     def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
                sampling: SamplingParams, params: object) -> list[SearchOutput]:
-        """Run a model-side method (its pipeline.methods record's ``search``) wholly inside the generator's
+        """Run a model-side method (its pipeline.strategies record's ``search``) wholly inside the generator's
         process, where the model and its KV caches are: tree searches and speculative decoding make
         many small model calls, too many for a round trip each. One SearchOutput per prompt."""
 

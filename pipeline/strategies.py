@@ -26,7 +26,7 @@ from pipeline.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class Method:
+class Strategy:
     name: str
     """The strategy name of configs and the CLI (strategy.name, --strategy)."""
     params: type
@@ -78,34 +78,34 @@ def check_trigram_file(params: Any, models: Any) -> None:
             raise ConfigError(f"strategy.trigram: {exc}") from None
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("best_of_n", best_of_n.BestOfNParams, "Best-of-N: sample N to the end, score each (the baseline)",
+STRATEGIES: dict[str, Strategy] = {m.name: m for m in (
+    Strategy("best_of_n", best_of_n.BestOfNParams, "Best-of-N: sample N to the end, score each (the baseline)",
            run=best_of_n.best_of_n, backends=frozenset({"hf", "vllm"})),
-    Method("sbon", speculative_rejection.SpeculativeRejectionParams,
+    Strategy("sbon", speculative_rejection.SpeculativeRejectionParams,
            "speculative rejection: stop the lowest partial rewards at decision tokens",
            run=speculative_rejection.speculative_rejection, aliases=("speculative_rejection",),
            backends=frozenset({"hf", "vllm"})),
-    Method("ults", ults.ULTSParams, "uncertainty-guided likelihood-tree search (the num_samples best leaves)",
+    Strategy("ults", ults.ULTSParams, "uncertainty-guided likelihood-tree search (the num_samples best leaves)",
            search=ults.search),
-    Method("aded", aded.ADEDParams, "Best-of-N sampling sped up by ADED drafts (distribution unchanged)",
+    Strategy("aded", aded.ADEDParams, "Best-of-N sampling sped up by ADED drafts (distribution unchanged)",
            search=aded.search, check_models=check_trigram_file),
-    Method("sla", sla.SLAParams, "streaming looking-ahead on a Reward Transformer's own token rewards",
+    Strategy("sla", sla.SLAParams, "streaming looking-ahead on a Reward Transformer's own token rewards",
            search=sla.search, check_models=check_trained_channel),
-    Method("dsbd", dsbd.DSBDParams, "dynamic-width speculative beam decoding (draft model, or ADED drafts)",
+    Strategy("dsbd", dsbd.DSBDParams, "dynamic-width speculative beam decoding (draft model, or ADED drafts)",
            search=dsbd.search, uses_draft=True, check_models=check_trigram_file),
 )}
 
 
 def names() -> list[str]:
     """Every accepted strategy name, aliases included."""
-    return sorted([*METHODS, *(a for m in METHODS.values() for a in m.aliases)])
+    return sorted([*STRATEGIES, *(a for m in STRATEGIES.values() for a in m.aliases)])
 
 
-def method(name: str) -> Method:
+def lookup(name: str) -> Strategy:
     """The record of ``name`` (or an alias); ConfigError naming the choices otherwise."""
-    if name in METHODS:
-        return METHODS[name]
-    for record in METHODS.values():
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    for record in STRATEGIES.values():
         if name in record.aliases:
             return record
     raise ConfigError(f"strategy.name: unknown strategy {name!r}; choose from {names()}")
