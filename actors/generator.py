@@ -1,14 +1,16 @@
-"""GeneratorActor: loads a causal LM once and serves the Generator protocol from pipeline.engines.hf
-(or pipeline.engines.vllm_engine with backend "vllm").
+"""GeneratorActor: loads a causal LM once, on the engine its backend names (pipeline.engines.backends:
+HFEngine for "hf", VLLMEngine for "vllm"), and serves the engine contract (Engine, SearchEngine) to
+the coordinator.
 
 Every work call takes the driver's ``timing`` (pipeline.observability.CallTiming, sent by the
 factory's CallLedger; None from callers that send none) and runs inside the actor's timeline, which
 ``stats()["time"]`` reports: forward passes, sampling and bookkeeping, Ray calls, waiting for
 rewards (a session is open whose next call has not come), waiting for work (none is open).
 
-With ``merged_decoding`` the actor takes several calls at once (a threaded Ray actor, or the
-coordinator's threads in-process) and the engine merges their decoding steps (HF) or decodes them
-in one continuous batch (vLLM); otherwise its calls run one at a time, however many reach it together."""
+With ``continuous_batching`` the actor takes several calls at once (a threaded Ray actor, or the
+coordinator's threads in-process) and the engine decodes them in one continuous batch (HF: its step
+loop; vLLM: one request per row); otherwise its calls run one at a time, however many reach it
+together."""
 
 from __future__ import annotations
 
@@ -19,50 +21,48 @@ import torch
 
 from pipeline.decoding.domain import RowState
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.engines.hf import HFEngine
+from pipeline.engines.backends import SEARCH, EngineOptions
+from pipeline.engines.backends import backend as backend_record
 from pipeline.observability import ActorTimeline, CallTiming
 
 
 class GeneratorActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
-                 draft: str | None = None, draft_actor=None, backend: str = "hf", merged_decoding: bool = False,
+                 draft: str | None = None, draft_actor=None, backend: str = "hf", continuous_batching: bool = False,
                  speculative=None, prepack: bool = True, load: dict | None = None,
                  draft_load: dict | None = None, vllm: dict | None = None):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
-        a DraftActor handle to call instead (placement "actor"). Model-side methods that draft
-        (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``: "hf"
-        (HFEngine) or "vllm" (VLLMEngine, for the methods whose registry record lists it; on CPU its
-        model worker runs ``num_threads`` threads);
-        ``merged_decoding`` (runtime.merged_decoding): concurrent calls share one step loop: the HF
-        engine's merged forward passes, or vLLM's continuous batching (ContinuousVLLMEngine: a request
-        per row, aborted when pruned); false: one call at a time (the vLLM engine in rounds of
-        ``LLM.generate``). ``speculative`` (models.speculative, a
+        a DraftActor handle to call instead (placement "actor"). Model-side strategies that draft
+        (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``
+        (models.backend): a record of pipeline.engines.backends, whose engine class loads the model
+        (vLLM on CPU: its model worker runs ``num_threads`` threads);
+        ``continuous_batching`` (runtime.continuous_batching): concurrent calls share one continuous
+        batch (the HF engine's step loop; vLLM's ContinuousVLLMEngine, a request per row, aborted
+        when pruned); false: one call at a time (the vLLM engine in rounds of ``LLM.generate``).
+        ``speculative`` (models.speculative, a
         pipeline.decoding.speculative.SpeculativeDecoding): speculative decoding inside either engine.
         ``prepack`` (models.cpu_prepack): the HF models' linears prepacked for oneDNN on CPU
         (pipeline.engines.hf.for_inference). ``load`` / ``draft_load``: ``from_pretrained`` keywords of the
         generator and the draft (models.hf: revision, attn_implementation, trust_remote_code, ...);
-        ``vllm``: ``vllm.LLM`` keywords (models.vllm) with backend "vllm"."""
+        ``vllm``: the backend's engine keywords (models.vllm: ``vllm.LLM`` keywords) with backend "vllm"."""
         torch.set_num_threads(max(1, num_threads))
-        if backend == "vllm":
-            from pipeline.engines.vllm_engine import VLLMEngine
-
-            self.engine = VLLMEngine.from_pretrained(model, dtype=dtype, num_threads=max(1, num_threads),
-                                                     continuous=merged_decoding, speculative=speculative,
-                                                     **(vllm or {}))
-        else:
-            self.engine = HFEngine.from_pretrained(model, device=device, dtype=dtype, merged=merged_decoding,
-                                                   speculative=speculative, prepack=prepack, load=load)
+        self.backend = backend_record(backend)
+        self.engine = self.backend.load_generator(model, EngineOptions(
+            device=device, dtype=dtype, num_threads=max(1, num_threads), continuous_batching=continuous_batching,
+            speculative=speculative, prepack=prepack, load=load, settings=vllm))
         if draft_actor is not None:
-            from actors.remote import RemoteProxy
+            from actors.remote import RemoteDrafter
 
-            self.engine.drafter = RemoteProxy(draft_actor)
+            self.engine.drafter = RemoteDrafter(draft_actor)
         elif draft:
             from pipeline.engines.draft import HFDrafter
 
             self.engine.drafter = HFDrafter.from_pretrained(draft, device=device, dtype=dtype, prepack=prepack,
                                                             load=draft_load)
-        merged = getattr(self.engine, "merged", False)
-        self._one_at_a_time = contextlib.nullcontext() if merged else threading.Lock()
+        # The engine takes concurrent calls when it batches continuously; the actor serializes them
+        # unless runtime.continuous_batching asks for that.
+        concurrent = continuous_batching and self.engine.continuous_batching
+        self._one_at_a_time = contextlib.nullcontext() if concurrent else threading.Lock()
         self.timeline = ActorTimeline(lambda: len(self.engine.sessions), compute="sampling_and_bookkeeping",
                                       open_wait="waiting_for_rewards")
 
@@ -80,10 +80,14 @@ class GeneratorActor:
         with self._one_at_a_time, self.timeline.call(timing):
             return self.engine.close(session)
 
-    def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
+    def search(self, search, prompts: list[list[int]], num_samples: int, seeds: list[int],
                sampling: SamplingParams, params, timing: CallTiming | None = None) -> list:
+        """A model-side strategy's ``search`` function run by the engine (SearchEngine.search)."""
+        if SEARCH not in self.backend.serves:  # config refuses this pairing; this guards direct use
+            raise ValueError(f"backend {self.backend.name} serves no model-side strategy "
+                             f"({getattr(search, '__module__', search)})")
         with self._one_at_a_time, self.timeline.call(timing):
-            return self.engine.search(method, prompts, num_samples, seeds, sampling, params)
+            return self.engine.search(search, prompts, num_samples, seeds, sampling, params)
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "time": self.timeline.stats()}
@@ -91,5 +95,4 @@ class GeneratorActor:
     def shutdown(self) -> None:
         """Free the engine's processes and memory (the vLLM engine's; the HF engine has none). For
         in-process workers: a Ray actor's end takes them with it."""
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
+        self.engine.shutdown()

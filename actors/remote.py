@@ -1,4 +1,6 @@
-"""RemoteProxy: blocking calls on a Ray actor behind a stable slot.
+"""The Ray transport of the handle chain (actors.factory gives the whole order): RemoteProxy, blocking
+calls on a Ray actor behind a stable slot; PinnedActor, the same calls bound to one actor of the slot;
+RemoteDrafter, a DraftActor as its generator's engine calls it.
 
 When its actor dies (RayActorError) or a call runs longer than ``runtime.call_timeout_s`` (the actor
 is killed), the proxy raises WorkerFailure, whose recovery starts a replacement actor with the same
@@ -13,9 +15,9 @@ group, ``CLOCK_GROUP``, so it answers while the actor is busy) says how long a c
 proxy waits for the result; whenever the timeout passes with no result it asks, and kills the actor
 only once the call has RUN for the timeout (or the actor cannot even answer that question within
 the timeout: frozen). An actor without the clock is timed from the send, as before.
-"Starts" is when the actor's method is entered: a threaded actor (merged decoding) enters its
+"Starts" is when the actor's method is entered: a threaded actor (continuous batching) enters its
 calls at once, so there a call that waits inside the engine (a model-side search queued behind
-another between the merged steps) is timed from its entry.
+another between the step loop's steps) is timed from its entry.
 
 Once the workers are shut down (``retire``, called by the factory's shutdown before it kills the
 actors), a call fails with WorkersShutDown instead: the batches still in flight when a build ends
@@ -30,6 +32,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from pipeline.decoding.domain import DraftLayer
+from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import WorkerFailure, WorkersShutDown
 
 STARTUP_TIMEOUT_S = 300.0
@@ -112,8 +116,8 @@ def with_call_clock(cls: type) -> type:
 
 
 class RemoteProxy:
-    """Blocking method calls on a Ray actor, so algorithm code sees a plain object. Each
-    coordinator thread blocks on its own call; many calls are in flight at once."""
+    """Blocking method calls on a Ray actor, so the layers above see a plain call. Each coordinator
+    thread blocks on its own call; many calls are in flight at once."""
 
     def __init__(self, handle: Any = None, *, spawn: Callable[[], Any] | None = None, name: str = "actor",
                  timeout_s: float | None = None):
@@ -127,29 +131,31 @@ class RemoteProxy:
         self.name = name
         self.timeout_s = timeout_s
         self.restarts = 0
+        """Replacement actors started so far."""
         self._retired = False
 
     @property
     def handle(self) -> Any:
         return self._handle
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self.call(self._handle, name, args, kwargs)
+    def call(self, method: str, *args, **kwargs) -> Any:
+        """``method`` of the slot's current actor, called with these arguments."""
+        return self.call_on(self._handle, method, args, kwargs)
 
     def retire(self) -> None:
         """No more calls and no more replacements: from now on every call raises WorkersShutDown, and
         a replacement being started is killed. The caller kills the current actor."""
         self._retired = True
 
-    def pinned(self) -> _Pinned:
+    def pinned(self) -> PinnedActor:
         """A view bound to the current actor, for a stateful sequence of calls (a decoding session
         lives in one actor's memory): once that actor is replaced, its calls fail instead of
         reaching the new actor, which never saw the session."""
-        return _Pinned(self, self._handle)
+        return PinnedActor(self, self._handle)
 
-    def call(self, handle: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    def call_on(self, handle: Any, name: str, args: tuple, kwargs: dict) -> Any:
+        """``name`` of actor ``handle`` (one of this slot's), under the call clock: its result, or
+        WorkerFailure (the actor died or hung; its recovery replaces it) or WorkersShutDown."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -217,12 +223,34 @@ class RemoteProxy:
                                     lambda: self.replace(self._handle)) from None
 
 
-class _Pinned:
+class PinnedActor:
+    """A RemoteProxy's calls bound to the actor that was current when it was made (RemoteProxy.pinned):
+    after a replacement they fail over (WorkerFailure) rather than reach the new actor."""
+
     def __init__(self, proxy: RemoteProxy, handle: Any):
         self._proxy = proxy
         self._handle = handle
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self._proxy.call(self._handle, name, args, kwargs)
+    @property
+    def restarts(self) -> int:
+        return self._proxy.restarts
+
+    def call(self, method: str, *args, **kwargs) -> Any:
+        return self._proxy.call_on(self._handle, method, args, kwargs)
+
+    def pinned(self) -> PinnedActor:
+        return self
+
+
+class RemoteDrafter:
+    """A DraftActor as its generator's engine sees it (the Drafter protocol; runtime.draft_placement
+    actor): each draft a Ray call; a draft actor that died fails the call (WorkerFailure), and with it
+    the generator's call. No replacement here: a replaced generator gets a fresh draft actor
+    (actors.factory starts the two together)."""
+
+    def __init__(self, actor: Any):
+        self._slot = RemoteProxy(actor)
+
+    def draft(self, contexts: list[list[int]], prefix_logp: list[float], width: int, depth: int,
+              sampling: SamplingParams, seed: int) -> list[DraftLayer]:
+        return self._slot.call("draft", contexts, prefix_logp, width, depth, sampling, seed)

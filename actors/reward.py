@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.engines.rewards import FunctionScorer, RewardScorer, is_reward_function
+from pipeline.engines.backends import EngineOptions
+from pipeline.engines.backends import backend as backend_record
+from pipeline.engines.rewards import FunctionScorer, is_reward_function
 from pipeline.observability import ActorTimeline, CallTiming
 
 
@@ -21,19 +23,16 @@ class RewardActor:
                  vllm: dict | None = None):
         """``model``: a sequence-classification model (dir or Hub id), or a reward function
         ``module:function`` (pipeline.engines.rewards.FunctionScorer). ``load``: the model's
-        ``from_pretrained`` keywords (models.hf); ``backend`` (models.reward_backend) "vllm": the model
-        runs on vLLM's pooling runner with ``vllm`` (models.reward_vllm) as ``vllm.LLM`` keywords."""
+        ``from_pretrained`` keywords (models.hf); ``backend`` (models.reward_backend): the record of
+        pipeline.engines.backends whose reward scorer loads the model ("vllm": vLLM's pooling runner,
+        with ``vllm`` (models.reward_vllm) as ``vllm.LLM`` keywords)."""
         torch.set_num_threads(max(1, num_threads))
         if is_reward_function(model):
             self.scorer = FunctionScorer(model)
-        elif backend == "vllm":
-            from pipeline.engines.vllm_reward import VLLMRewardScorer
-
-            self.scorer = VLLMRewardScorer.from_pretrained(model, dtype=dtype, num_threads=max(1, num_threads),
-                                                           batch_size=batch_size, **(vllm or {}))
         else:
-            self.scorer = RewardScorer.from_pretrained(model, device=device, dtype=dtype, batch_size=batch_size,
-                                                       prepack=prepack, load=load)
+            self.scorer = backend_record(backend, "models.reward_backend").load_reward(model, EngineOptions(
+                device=device, dtype=dtype, num_threads=max(1, num_threads), prepack=prepack, load=load,
+                settings=vllm, batch_size=batch_size))
         self.timeline = ActorTimeline(lambda: len(self.scorer.sessions), compute="tokenizing_and_bookkeeping",
                                       open_wait="waiting_for_generator")
 

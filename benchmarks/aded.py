@@ -1,6 +1,7 @@
 """ADED vs plain autoregressive decoding and a static n-gram retrieval drafter, measured in one run.
 
-    python -m benchmarks.aded [--model DIR] [--corpus FILE] [--prompts 8] [--new-tokens 64]
+    python -m benchmarks.aded [--models tiny|real|DIR | --generator DIR] [--corpus FILE] [--num-prompts 8]
+                              [--max-new-tokens 64]
                               [--candidates 24] [--draft-depth 4]
                               [--train-steps 300] [--device cpu] [--json out/aded.json] [--plot out/aded.png]
 
@@ -18,31 +19,28 @@ included; autoregressive = 1), wall time and speedup over autoregressive, and th
 identical to autoregressive (greedy acceptance is exact). The curve (PNG) is the mean accepted length
 against the number of tokens generated so far in the run, the analogue of the paper's Fig. 4a.
 
-Without --model, the tiny generator is built (jobs.make_tiny_models) and, since its weights are random,
-fine-tuned for --train-steps on the corpus so that its greedy output has the corpus's regularities,
+On the tiny models (the default), the generator's weights are random, so it is
+first fine-tuned for --train-steps on the corpus so that its greedy output has the corpus's regularities,
 as a real model's output has its training text's. Without --corpus, the corpus is the tiny models'
 grammar corpus (jobs.make_tiny_models.corpus).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 
 import torch
 
-from jobs.make_tiny_models import ASKS, SUBJECTS, corpus, make_tiny_models
+from benchmarks import bench_parser, model_dirs, parse, write_json, write_png
+from jobs.make_tiny_models import ASKS, SUBJECTS, corpus
 from pipeline.decoding.aded import ADEDDrafter, RetrievalDrafter, aded_decode
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine, PackedLinear, for_inference
 from pipeline.decoding.trigram import TrigramMatrix
 from pipeline.engines.adapters import TreeTarget
-from benchmarks import pyplot
 
 
 def fine_tune(engine: HFEngine, sequences: list[list[int]], steps: int, seed: int = 0) -> float:
@@ -115,32 +113,25 @@ def curve(steps: list[tuple[int, int]], bin_tokens: int) -> list[tuple[int, floa
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="target model directory (default: the tiny generator, fine-tuned)")
+    parser = bench_parser("benchmarks.aded", __doc__, models="tiny",
+                          generator=dict(help="target model directory (default: the model set's; the tiny one is "
+                                              "fine-tuned first)"),
+                          num_prompts=8, max_new_tokens=64, device="cpu", threads=1, seed=0, json="out/aded.json",
+                          plot="out/aded.png")
     parser.add_argument("--corpus", help="text file, one document per line, or JSONL with a \"text\" field (the real "
                         "generator's samples: .cache/real-models/reward-data/samples-train.jsonl); default: the "
                         "tiny-model corpus")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--train-steps", type=int, default=300, help="fine-tune steps for the tiny default model")
+    parser.add_argument("--train-steps", type=int, default=300, help="fine-tune steps for the tiny model")
     parser.add_argument("--iterations", type=int, default=150, help="MCTS iterations (paper: 150)")
     parser.add_argument("--candidates", type=int, default=24,
                         help="drafts merged into each verified tree (paper: 24); fewer = smaller verification passes")
     parser.add_argument("--draft-depth", type=int, default=4, help="draft length l (paper: 4)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="out/aded.json")
-    parser.add_argument("--plot", default="out/aded.png")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(parser, argv)
     torch.manual_seed(args.seed)
-    if args.model:
-        engine = HFEngine.from_pretrained(args.model, device=args.device)
-    else:
-        tmp = tempfile.mkdtemp(prefix="aded-bench-")
-        engine = HFEngine.from_pretrained(str(make_tiny_models(tmp, seed=0)["generator"]), device=args.device,
-                                          prepack=False)  # fine-tuned below, then prepacked
+    tiny = args.generator is None and args.models == "tiny"
+    model = model_dirs(args.models, ("generator",), generator=args.generator)["generator"]
+    # The tiny model is fine-tuned below, then prepacked (packed weights take no gradient).
+    engine = HFEngine.from_pretrained(model, device=args.device, prepack=not tiny)
     tok = engine.tokenizer
     if args.corpus and args.corpus.endswith(".jsonl"):  # e.g. the generator's own samples
         with open(args.corpus) as f:
@@ -151,14 +142,14 @@ def main(argv=None) -> int:
     else:
         lines = corpus(seed=1, lines=3000)
     sequences = [tok(line).input_ids for line in lines]
-    if not args.model and args.train_steps:
+    if tiny and args.train_steps:
         loss = fine_tune(engine, sequences, args.train_steps, args.seed)
         print(f"fine-tuned the tiny generator for {args.train_steps} steps (loss {loss:.2f})")
-    if not args.model:
+    if tiny:
         for_inference(engine.model, args.device)  # models.cpu_prepack, as --model loads
     rng = random.Random(args.seed + 1)
-    prompts = [tok(f"{rng.choice(ASKS)} {rng.choice(SUBJECTS)}.").input_ids for _ in range(args.prompts)]
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [tok(f"{rng.choice(ASKS)} {rng.choice(SUBJECTS)}.").input_ids for _ in range(args.num_prompts)]
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
     base = TrigramMatrix.from_sequences(sequences)
     methods = [
         ("autoregressive", None),
@@ -168,7 +159,7 @@ def main(argv=None) -> int:
         ("aded", ADEDDrafter(base.copy(), iterations=args.iterations, depth=args.draft_depth,
                              candidates=args.candidates, adaptive=True, seed=args.seed)),
     ]
-    run_lookup("warm-up", engine, None, prompts[:1], sampling)
+    run_method("warm-up", engine, None, prompts[:1], sampling)
     results = []
     for name, drafter in methods:
         results.append(run_method(name, engine, drafter, prompts, sampling))
@@ -186,32 +177,30 @@ def main(argv=None) -> int:
                      "forward_passes": res["forward_passes"], "draft_seconds": round(res["draft_seconds"], 4),
                      "seconds_per_forward_pass": round(res["seconds_per_forward_pass"], 5),
                      "same_output_as_autoregressive": same,
-                     "curve": curve(res["steps"], max(args.new_tokens, 32))})
-    bin_tokens = max(args.new_tokens, 32)
+                     "curve": curve(res["steps"], max(args.max_new_tokens, 32))})
+    bin_tokens = max(args.max_new_tokens, 32)
     print(f"\nmean accepted length by tokens generated so far (bins of {bin_tokens}):")
     print("tokens   " + "  ".join(f"{r['method']:>14}" for r in rows[1:]))
     for i, (edge, _) in enumerate(rows[-1]["curve"]):
         values = [r["curve"][i][1] if i < len(r["curve"]) else float("nan") for r in rows[1:]]
         print(f"{edge:<9}" + "  ".join(f"{v:>14.3f}" for v in values))
-    summary = {"model": args.model or "tiny generator (fine-tuned)", "device": args.device, "prompts": args.prompts,
-               "new_tokens": args.new_tokens, "iterations": args.iterations,
-               "candidates": args.candidates, "draft_depth": args.draft_depth, "methods": rows}
-    for path in (args.json, args.plot):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(summary, f, indent=2)
-    plt = pyplot()
+    write_json(args.json, {"model": model if not tiny else "tiny generator (fine-tuned)", "device": args.device,
+                           "prompts": args.num_prompts, "new_tokens": args.max_new_tokens,
+                           "iterations": args.iterations, "candidates": args.candidates,
+                           "draft_depth": args.draft_depth, "methods": rows}, args)
+    write_png(args.plot, lambda plt: plot(plt, rows[1:]))
+    return 0
 
+
+def plot(plt, rows: list[dict]):
+    """Each drafter's mean accepted length against the tokens generated so far (the paper's Fig. 4a)."""
     fig, ax = plt.subplots(figsize=(5, 3.4))
-    for r in rows[1:]:
+    for r in rows:
         ax.plot([x for x, _ in r["curve"]], [y for _, y in r["curve"]], "o-", label=r["method"])
     ax.set_xlabel("tokens generated so far")
     ax.set_ylabel("mean accepted length")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
-    print(f"wrote {args.json} and {args.plot}")
-    return 0
+    return fig
 
 
 if __name__ == "__main__":

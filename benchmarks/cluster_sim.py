@@ -1,6 +1,6 @@
 """Cluster scale by simulation: can one driver keep 64 generators and 16 reward models busy?
 
-    python -m benchmarks.cluster_sim [--generators 64] [--rewards 16] [--prompts 20000]
+    python -m benchmarks.cluster_sim [--generators 64] [--rewards 16] [--num-prompts 20000]
         [--strategy sbon] [--num-samples 32] [--max-new-tokens 256] [--decision-token 32]
         [--rejection-rate 0.875] [--prompts-per-batch 4] [--batches-in-flight 2]
         [--decode-ms 22] [--decode-row-us 40] [--prefill-ms 60] [--reward-ms 25] [--reward-token-us 4]
@@ -10,8 +10,8 @@ What is real: the build (pipeline.build.plan_build / run_build: input read and v
 planned, pairs selected, every shard committed with its marker, the manifest verified), the
 Coordinator (pipeline.coordinator: batches in flight per generator, round-robin reward models,
 failover machinery), the method's driver-side code (speculative rejection's decision tokens,
-streaming reward sessions, pruning), the actor handles (actors.factory.TimedHandle over
-pipeline.coordinator.Serialized, as ``runtime.local`` builds them) and the actors' timelines.
+streaming reward sessions, pruning), the actor handles (actors.factory.local_generator and
+local_scorer: timed, one call at a time, as ``runtime.local`` builds them) and the actors' timelines.
 
 What is simulated: the models. A generator actor's forward pass is a sleep of an 8B generator's
 decode step on one GPU (``--decode-ms`` per step plus ``--decode-row-us`` per live row; a prefill
@@ -54,6 +54,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks import bench_parser, parse, write_json
 from pipeline.decoding.domain import RowState
 from pipeline.observability import ActorTimeline
 
@@ -197,13 +198,11 @@ class SimScorer:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser("benchmarks.cluster_sim", __doc__, num_prompts=20000,
+                          strategy=dict(default="sbon", choices=["sbon", "best_of_n"]),
+                          num_samples=32, max_new_tokens=256, json=None)
     parser.add_argument("--generators", type=int, default=64)
     parser.add_argument("--rewards", type=int, default=16)
-    parser.add_argument("--prompts", type=int, default=20000)
-    parser.add_argument("--strategy", default="sbon", choices=["sbon", "best_of_n"])
-    parser.add_argument("--num-samples", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--decision-token", type=int, default=32)
     parser.add_argument("--rejection-rate", type=float, default=0.875)
     parser.add_argument("--prompts-per-batch", type=int, default=4)
@@ -218,25 +217,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sweep", help="comma-separated generator counts (rewards scale with them)")
     parser.add_argument("--tokenizer", default=".cache/tiny-models/generator",
                         help="the build plans with a real tokenizer (python -m jobs.make_tiny_models)")
-    parser.add_argument("--json", help="write the figures here")
-    return parser.parse_args(argv)
+    return parse(parser, argv)
 
 
 def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: Path) -> dict:
-    """One build of ``args.prompts`` prompts on ``generators`` / ``rewards`` simulated actors."""
+    """One build of ``args.num_prompts`` prompts on ``generators`` / ``rewards`` simulated actors."""
     import pyarrow.parquet as pq
 
-    from actors.factory import TimedHandle, Workers
+    from actors.factory import Workers, local_generator, local_scorer
     from pipeline.build import plan_build, run_build
     from pipeline.config import load_config
-    from pipeline.coordinator import Serialized
     from pipeline.data.storage import join
     from pipeline.data.writer import OutputStore, side_name
 
     prompts = workdir / "prompts.jsonl"
     if not prompts.exists():
         prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: explain topic {i * 7919 % 100003}."}) + "\n"
-                                   for i in range(args.prompts)))
+                                   for i in range(args.num_prompts)))
     out = workdir / f"out-{generators}"
     overrides = {
         # Planning checks every model's kind: the simulated scorer stands in for the tiny reward model
@@ -255,8 +252,8 @@ def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: P
     config = load_config("configs/demo.yaml", [f"{key}={value}" for key, value in overrides.items()],
                          strategy=args.strategy)
     cost = Cost(args)
-    workers = Workers([TimedHandle(Serialized(SimGenerator(cost))) for _ in range(generators)],
-                      [TimedHandle(Serialized(SimScorer(cost))) for _ in range(rewards)])
+    workers = Workers([local_generator(SimGenerator(cost)) for _ in range(generators)],
+                      [local_scorer(SimScorer(cost)) for _ in range(rewards)])
     cpu_start = time.process_time()
     plan = plan_build(config, overwrite=True)
     cpu_planned = time.process_time()
@@ -277,16 +274,16 @@ def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: P
     run = report["run_seconds"]
     times = report["actor_time"]
     return {
-        "generators": generators, "rewards": rewards, "prompts": args.prompts, "pairs": manifest["pairs"],
+        "generators": generators, "rewards": rewards, "prompts": args.num_prompts, "pairs": manifest["pairs"],
         "run_seconds": run, "startup_seconds": report["startup_seconds"],
         "generator_utilization": round(times["generator"]["busy_seconds"] / (generators * run), 4),
         "generator_forward_share": round(times["generator"]["breakdown_seconds"]["forward"] / (generators * run), 4),
         "reward_utilization": round(times["reward"]["busy_seconds"] / (rewards * run), 4),
         "driver_cpu_plan_seconds": round(cpu_planned - cpu_start, 2),
         "driver_cpu_seconds": round(driver_cpu, 2),
-        "driver_cpu_seconds_per_1000_prompts": round(driver_cpu / args.prompts * 1000, 3),
+        "driver_cpu_seconds_per_1000_prompts": round(driver_cpu / args.num_prompts * 1000, 3),
         "driver_cpu_share": round(driver_cpu / run, 3),
-        "lost": sum(1 for row in range(args.prompts) if row not in seen),
+        "lost": sum(1 for row in range(args.num_prompts) if row not in seen),
         "duplicated": sum(count - 1 for count in seen.values() if count > 1),
         "generated_tokens": report["generated_tokens"],
         "generator_breakdown_seconds": times["generator"]["breakdown_seconds"],
@@ -306,23 +303,15 @@ def main(argv: list[str] | None = None) -> int:
             rewards = max(1, round(args.rewards * generators / args.generators))
             result = simulate(args, generators, rewards, Path(tmp))
             results.append(result)
-            print(f"{generators:>4} generators, {rewards:>3} reward models, {args.prompts} prompts: "
+            print(f"{generators:>4} generators, {rewards:>3} reward models, {args.num_prompts} prompts: "
                   f"generator utilization {result['generator_utilization']:.3f} "
                   f"(forward passes {result['generator_forward_share']:.3f}), "
                   f"reward utilization {result['reward_utilization']:.3f}, "
                   f"driver CPU {result['driver_cpu_seconds_per_1000_prompts']:.2f} s per 1,000 prompts "
                   f"({result['driver_cpu_share']:.0%} of a core), lost {result['lost']}, "
                   f"duplicated {result['duplicated']}, run {result['run_seconds']:.1f}s", flush=True)
-    write_results(args, results)
+    write_json(args.json, {"settings": vars(args), "results": results}, args)
     return 0
-
-
-def write_results(args: argparse.Namespace, results: list[dict]) -> None:
-    """``{"settings": the arguments, "results": results}`` to ``args.json``, when given."""
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
-        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -19,25 +19,24 @@ The figures: pairs, DPO steps, each step's wall time, and the before/after accur
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.efficiency import run_job
+from benchmarks import bench_parser, job_argv, parse, run_job, write_json
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/real.yaml")
-    parser.add_argument("--reward", help="models.reward: a model directory or module:function (default: the config's)")
-    parser.add_argument("--strategy", default="best_of_n")
+def parse_args(argv: list[str] | None):
+    parser = bench_parser("benchmarks.dpo_loop", __doc__, config="configs/real.yaml",
+                          reward=dict(help="models.reward: a model directory or module:function (default: the "
+                                           "config's)"),
+                          strategy="best_of_n", num_samples=dict(default=4, help="N of the pair build"),
+                          max_new_tokens=dict(default=128, help="T of the pair build"),
+                          set=dict(default=[], help="passed to the pair build"), output="out/bench/dpo-loop", json=None)
     parser.add_argument("--train-prompts", default="configs/prompts/ifeval-train.jsonl")
     parser.add_argument("--eval-prompts", default="configs/prompts/ifeval-eval.jsonl")
-    parser.add_argument("--num-samples", type=int, default=4, help="N of the pair build")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="T of the pair build")
     parser.add_argument("--eval-max-new-tokens", type=int, default=192)
     parser.add_argument("--eval-samples", type=int, default=4, help="responses per held-out prompt, before and after")
     parser.add_argument("--epochs", type=float, default=1.0)
@@ -45,11 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=5e-6)
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed to the pair build")
-    parser.add_argument("--output", default="out/bench/dpo-loop")
-    parser.add_argument("--json", help="write the figures here as JSON")
-    return parser.parse_args(argv)
+    return parse(parser, argv)
 
 
 def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: int, chat_template: str) -> dict:
@@ -75,7 +70,7 @@ def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.build import sampling_params
+    from pipeline.coordinator import sampling_params
     from pipeline.config import load_config
     from pipeline.training.dpo import load_pairs, train_dpo
 
@@ -88,11 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                      "generator": config.models.generator, "pair_build": {"num_samples": args.num_samples,
                                                                           "max_new_tokens": args.max_new_tokens}}
     start = time.perf_counter()
-    argv_build = ["--config", args.config, "--strategy", args.strategy, "--prompts", args.train_prompts,
-                  "--output", str(out / "pairs"), "--no-progress"]
-    for override in sets:
-        argv_build += ["--set", override]
-    report = run_job(args.strategy, argv_build, out / "pairs")
+    report = run_job(args.strategy, job_argv(args.config, args.strategy, args.train_prompts, out / "pairs", sets,
+                                             overwrite=False), out / "pairs")
     manifest = json.loads((out / "pairs" / "_manifest.json").read_text())
     # A rerun resumes a finished build (this run then makes no pairs): the manifest counts them all.
     figures["pair_build"].update(pairs=manifest["pairs"], prompts=manifest["prompts_in"],
@@ -124,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out IFEval {name:<6} ({f['responses']} responses, {f['prompts']} prompts): prompt-level "
               f"{100 * f['prompt_level_strict']:.1f}, instruction-level {100 * f['instruction_level_strict']:.1f}, "
               f"mean {f['mean_tokens']} tokens")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=2, default=str))
-        print(f"wrote {args.json}")
+    write_json(args.json, figures, args)
     return 0
 
 

@@ -1,10 +1,10 @@
 """DSBD against multinomial sampling, speculative decoding and beam sampling, same run, same prompts.
 
-    python -m benchmarks.dsbd [--models DIR] [--device cpu|cuda] [--prompts 4] [--samples 1]
-        [--new-tokens 32] [--repeats 2] [--grid quick|paper|wide] [--random-large] [--no-ray]
-        [--prompt-file FILE] [--aded] [--json out/dsbd.json] [--png out/dsbd.png]
+    python -m benchmarks.dsbd [--models tiny|real|DIR] [--device cpu|cuda] [--num-prompts 4] [--num-samples 1]
+        [--max-new-tokens 32] [--repeats 2] [--grid quick|paper|wide] [--random-large] [--no-ray]
+        [--prompts FILE] [--aded] [--json out/bench/dsbd.json] [--plot out/bench/dsbd.png]
 
-Every method decodes the same prompts with the same seeds to exactly --new-tokens tokens (EOS
+Every method decodes the same prompts with the same seeds to exactly --max-new-tokens tokens (EOS
 disabled), in-process (no Ray), with the target through the same tree-verification engine
 (pipeline.engines.tree), so the ratios compare algorithms, not engines. Per method it reports
 tokens/s (best of --repeats, runs interleaved so machine noise hits all alike), target forward
@@ -30,9 +30,9 @@ DSBD in memory mode (gamma 2, t 0.5 and 0.9, each W_S). Then:
 
 Models: --models DIR holds DIR/generator and DIR/draft (e.g. `python -m jobs.bench_models
 --output DIR`, or `python -m jobs.fetch_models --output DIR --draft` for SmolLM2-135M-Instruct and
-its distilled draft), prompts from --prompt-file, else DIR/prompts.jsonl when present, else
-configs/prompts/demo.jsonl, through the generator's chat template when it has one;
-without it the random tiny models are built in a temp dir. Random
+its distilled draft: --models real), prompts from --prompts, else DIR/prompts.jsonl when present, else
+configs/prompts/demo.jsonl, through the generator's chat template when it has one (--num-samples
+seeds each); by default the random tiny models. Random
 weights make perplexity nearly flat, so quality differences there mean little; speed ratios still
 hold. --random-large builds a random-init ~1B target and ~100M draft (bf16 on cuda) so decoding is
 memory-bound as in the paper; it needs a GPU. --random-medium (~40M / ~0.3M) makes the target's
@@ -46,12 +46,10 @@ The draft-placement comparison uses wall time (the DraftActor works in another p
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,7 +62,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import speculative_decode
 from pipeline.engines.draft import HFDrafter
 from pipeline.engines.adapters import TreeSession
-from benchmarks import pyplot
+from benchmarks import bench_parser, model_dirs, model_prompts, parse, read_prompts, write_json, write_png
 
 GRIDS = {"quick": {"W_S": [2, 3, 4], "gamma": [2, 3], "t": [0.7, 0.9]},
          "paper": {"W_S": [2, 3, 4, 5, 6], "gamma": [2, 3], "t": [0.7, 0.9]},
@@ -93,33 +91,25 @@ def load_models(args):
 
         target, draft = build(target_shape), build(draft_shape)
         g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(10, vocab, (32,), generator=g).tolist() for _ in range(args.prompts)]
+        prompts = [torch.randint(10, vocab, (32,), generator=g).tolist() for _ in range(args.num_prompts)]
         args.model_dir = None
         return target, draft, prompts, label
-    source = args.models
-    if source is None:
-        from jobs.make_tiny_models import make_tiny_models
-
-        source = tempfile.mkdtemp(prefix="dsbd-bench-")
-        make_tiny_models(source, seed=0)
-    args.model_dir = source
-    target = AutoModelForCausalLM.from_pretrained(f"{source}/generator", dtype=dtype).to(args.device).eval()
-    draft = AutoModelForCausalLM.from_pretrained(f"{source}/draft", dtype=dtype).to(args.device).eval()
+    models = model_dirs(args.models, ("generator", "draft"))
+    args.model_dir = str(Path(models["generator"]).parent)
+    target = AutoModelForCausalLM.from_pretrained(models["generator"], dtype=dtype).to(args.device).eval()
+    draft = AutoModelForCausalLM.from_pretrained(models["draft"], dtype=dtype).to(args.device).eval()
     from pipeline.engines.hf import load_tokenizer
 
-    tok = load_tokenizer(f"{source}/generator")
+    tok = load_tokenizer(models["generator"])
     # Bench model directories may carry their own prompts (DIR/prompts.jsonl).
-    prompt_file = Path(source) / "prompts.jsonl"
-    prompt_file = Path(args.prompt_file) if args.prompt_file else (
-        prompt_file if prompt_file.exists() else Path("configs/prompts/demo.jsonl"))
-    texts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()
-             if line.strip() and (json.loads(line).get("prompt") or "").strip()]
+    texts = [row["prompt"] for row in read_prompts(args.prompts or model_prompts(args.models))
+             if row["prompt"].strip()]
     if getattr(tok, "chat_template", None):  # as a build formats them (PromptFormatter)
         prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"] for t in texts[:args.prompts]]
+                                           tokenize=True, return_dict=True)["input_ids"] for t in texts[:args.num_prompts]]
     else:
-        prompts = [tok(t).input_ids for t in texts[:args.prompts]]
-    label = f"{source} ({'given' if args.models else 'random tiny models, built here'})"
+        prompts = [tok(t).input_ids for t in texts[:args.num_prompts]]
+    label = f"{args.model_dir} ({'random tiny models' if args.models == 'tiny' else 'given'})"
     return target, draft, prompts, label
 
 
@@ -184,9 +174,9 @@ def pareto(points: list[dict]) -> list[dict]:
     return sorted(front, key=lambda p: p["perplexity"])
 
 
-def plot(results: dict, path: str) -> None:
-    plt = pyplot()
-
+def plot(plt, results: dict):
+    """Tokens/s against perplexity: beam sampling's widths, every DSBD setting and its Pareto front,
+    speculative decoding."""
     fig, ax = plt.subplots(figsize=(6, 4))
     beam = [dict(r, name=n) for n, r in results.items() if n.startswith("beam") or n == "multinomial"]
     dsbd = [dict(r, name=n) for n, r in results.items() if n.startswith("dsbd_ws")]
@@ -203,8 +193,7 @@ def plot(results: dict, path: str) -> None:
     ax.set_xlabel("tokens / s")
     ax.set_ylabel("perplexity under the target (lower is better)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def placement(args, draft_model, target, prompts, seeds, sampling, label) -> dict:
@@ -214,7 +203,7 @@ def placement(args, draft_model, target, prompts, seeds, sampling, label) -> dic
     import ray
 
     from actors.draft import DraftActor
-    from actors.remote import RemoteProxy
+    from actors.remote import RemoteDrafter
 
     source = args.model_dir
     if source is None:
@@ -225,7 +214,7 @@ def placement(args, draft_model, target, prompts, seeds, sampling, label) -> dic
         actor = ray.remote(num_cpus=0, num_gpus=1 if args.device.startswith("cuda") else 0)(DraftActor).remote(
             f"{source}/draft", args.device, "bfloat16" if args.device.startswith("cuda") else "float32", 1)
         ray.get(actor.stats.remote())
-        drafters = {"colocated": HFDrafter(draft_model, args.device), "actor": RemoteProxy(actor)}
+        drafters = {"colocated": HFDrafter(draft_model, args.device), "actor": RemoteDrafter(actor)}
         cfg = {"W_S": 3, "gamma": 2, "t": 0.9, "memory": False}
         best = dict.fromkeys(drafters, 0.0)
         for _ in range(args.repeats):
@@ -240,30 +229,22 @@ def placement(args, draft_model, target, prompts, seeds, sampling, label) -> dic
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", help="directory with generator/ and draft/ (default: random tiny models)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=1, help="seeds per prompt")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser = bench_parser("benchmarks.dsbd", __doc__, models="tiny", device="cpu", num_prompts=4,
+                          num_samples=dict(default=1, help="seeds per prompt"), max_new_tokens=32, repeats=2,
+                          threads=1, prompts=dict(help="prompts JSONL (default: DIR/prompts.jsonl or the demo's)"),
+                          json="out/bench/dsbd.json", plot="out/bench/dsbd.png")
     parser.add_argument("--gamma-spec", type=int, default=3, help="draft tokens per step of speculative decoding")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="quick")
     parser.add_argument("--random-large", action="store_true", help="random-init ~1B target, ~100M draft (GPU)")
     parser.add_argument("--random-medium", action="store_true",
                         help="random-init ~40M target, ~0.3M draft: the target dominates the cost, even on a CPU")
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-ray", action="store_true", help="skip the draft-placement measurement")
-    parser.add_argument("--prompt-file", default=None, help="prompts JSONL (default: DIR/prompts.jsonl or the demo's)")
     parser.add_argument("--aded", action="store_true", help="also speculative decoding and DSBD with ADED drafts")
-    parser.add_argument("--json", default="out/bench/dsbd.json")
-    parser.add_argument("--png", default="out/bench/dsbd.png")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(parser, argv)
     target, draft_model, prompts, label = load_models(args)
     drafter = HFDrafter(draft_model, args.device)
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    seeds = list(range(args.samples))
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    seeds = list(range(args.num_samples))
     todo = methods(args, target.config.vocab_size)
     clock = time.perf_counter if args.device.startswith("cuda") else time.process_time
     warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -307,7 +288,7 @@ def main(argv=None) -> int:
             matched[f"beam_w{w}"] = {"dsbd": None, "speedup": None, "beam_perplexity": beam["perplexity"]}
     memory_rows = ["multinomial", "speculative"] + [n for n in results if n.startswith("dsbd_mem")]
 
-    print(f"models: {label}; device {args.device}; {len(prompts)} prompts x {len(seeds)} seeds x {args.new_tokens} tokens; "
+    print(f"models: {label}; device {args.device}; {len(prompts)} prompts x {len(seeds)} seeds x {args.max_new_tokens} tokens; "
           f"tok/s per {'wall' if args.device.startswith('cuda') else 'CPU'} second")
     print(f"{'method':28s} {'tok/s':>8s} {'fwd/tok':>8s} {'ppl':>9s} {'width':>6s}")
     for name, r in results.items():
@@ -329,15 +310,12 @@ def main(argv=None) -> int:
     if not args.no_ray:
         placement_result = placement(args, draft_model, target, prompts, seeds, sampling, label)
         print(f"\ndraft placement: {json.dumps(placement_result)}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-    plot(results, args.png)
-    with open(args.json, "w") as f:
-        json.dump({"models": label, "device": args.device, "prompts": len(prompts), "samples": len(seeds),
-                   "new_tokens": args.new_tokens, "results": results, "matched_perplexity": matched,
-                   "memory_constrained": {n: results[n] for n in memory_rows}, "placement": placement_result,
-                   "dsbd_pareto_front": [n for n, r in dsbd.items() if r in pareto(list(dsbd.values()))]}, f, indent=2)
-    print(f"\nwrote {args.json} and {args.png}", file=sys.stderr)
+    write_json(args.json, {"models": label, "device": args.device, "prompts": len(prompts), "samples": len(seeds),
+                           "new_tokens": args.max_new_tokens, "results": results, "matched_perplexity": matched,
+                           "memory_constrained": {n: results[n] for n in memory_rows}, "placement": placement_result,
+                           "dsbd_pareto_front": [n for n, r in dsbd.items() if r in pareto(list(dsbd.values()))]},
+               args)
+    write_png(args.plot, lambda plt: plot(plt, results))
     return 0
 
 

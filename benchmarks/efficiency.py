@@ -1,12 +1,12 @@
 """End-to-end efficiency: does speculative rejection's token saving reach the wall clock of a build?
 
-    python -m benchmarks.efficiency [--models .cache/bench-models] [--prompts 24] [--num-samples 16]
+    python -m benchmarks.efficiency [--models bench|DIR] [--num-prompts 24] [--num-samples 16]
         [--max-new-tokens 128] [--decision-token 16] [--rejection-rate 0.875] [--seed 0]
         [--repeats 1] [--set KEY=VALUE ...] [--json FILE]
 
 Runs the same build twice through ``jobs.build_dataset.main``, with Ray actors (the build's
 default; ``--set runtime.local=true`` would run it in-process): Best-of-N and speculative
-rejection (sbon), same prompts (the first ``--prompts`` of MODELS/prompts.jsonl), same seed, same
+rejection (sbon), same prompts (the first ``--num-prompts`` of MODELS/prompts.jsonl), same seed, same
 settings (configs/demo.yaml with the bench models from ``python -m jobs.bench_models --output
 MODELS``, plus every ``--set``). From each run's ``_report.json``:
 
@@ -22,59 +22,37 @@ alternate R times and the fastest run of each is kept, as in benchmarks.scaling.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
+from benchmarks import (bench_parser, fastest, job_argv, model_dirs, model_prompts, parse, read_prompts, run_job,
+                        side_by_side, write_json, write_prompts)
+
 COMPARED = ("best_of_n", "sbon")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=".cache/bench-models",
-                        help="bench models (python -m jobs.bench_models --output DIR): generator, reward, prompts.jsonl")
-    parser.add_argument("--prompts", type=int, default=24, help="how many of MODELS/prompts.jsonl")
-    parser.add_argument("--num-samples", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+def parse_args(argv: list[str] | None):
+    parser = bench_parser("benchmarks.efficiency", __doc__, models="bench", num_prompts=24, num_samples=16,
+                          max_new_tokens=128, seed=0, repeats=1,
+                          set=dict(default=[], help="passed to both builds, e.g. --set runtime.batches_in_flight=4"),
+                          output="out/bench/efficiency", json=None)
     parser.add_argument("--decision-token", type=int, default=16, help="sbon's tau")
     parser.add_argument("--rejection-rate", type=float, default=0.875, help="sbon's alpha")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per strategy; the fastest is kept")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed to both builds, e.g. --set runtime.batches_in_flight=4")
-    parser.add_argument("--output", default="out/bench/efficiency", help="the builds' outputs: OUTPUT/STRATEGY")
-    parser.add_argument("--json", help="write the figures here as JSON")
-    return parser.parse_args(argv)
+    return parse(parser, argv)
 
 
-def build(strategy: str, args: argparse.Namespace, prompts: Path) -> dict:
+def build(strategy: str, args, models: dict[str, str], prompts: Path) -> dict:
     """One build through the build job; its run report."""
-    models, output = Path(args.models), Path(args.output) / strategy
-    argv = ["--config", "configs/demo.yaml", "--strategy", strategy, "--prompts", str(prompts),
-            "--output", str(output), "--num-samples", str(args.num_samples),
-            "--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed), "--overwrite", "--no-progress",
-            "--set", f"models.generator={models / 'generator'}", "--set", f"models.reward={models / 'reward'}"]
+    overrides = [f"models.generator={models['generator']}", f"models.reward={models['reward']}",
+                 f"sampling.num_samples={args.num_samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
+                 f"seed={args.seed}"]
     if strategy == "sbon":
-        argv += ["--set", f"strategy.decision_token={args.decision_token}",
-                 "--set", f"strategy.rejection_rate={args.rejection_rate}"]
-    for override in args.overrides:
-        argv += ["--set", override]
-    return run_job(strategy, argv, output)
-
-
-def run_job(strategy: str, argv: list[str], output: Path) -> dict:
-    """``jobs.build_dataset`` with ``argv`` (its output ``output``); the build's run report."""
-    from jobs.build_dataset import main as build_dataset
-
-    print(f"== {strategy}", flush=True)
-    rc = build_dataset(argv)
-    if rc != 0:
-        raise SystemExit(f"error: the {strategy} build failed (exit code {rc})")
-    return json.loads((output / "_report.json").read_text())
+        overrides += [f"strategy.decision_token={args.decision_token}", f"strategy.rejection_rate={args.rejection_rate}"]
+    output = Path(args.output) / strategy
+    return run_job(strategy, job_argv("configs/demo.yaml", strategy, prompts, output, overrides + args.overrides),
+                   output)
 
 
 def efficiency(bon: dict, sbon: dict) -> dict:
@@ -85,18 +63,15 @@ def efficiency(bon: dict, sbon: dict) -> dict:
             "efficiency": round(speedup * token_rate, 3)}
 
 
-def compare(lines: list[str], repeats: int, build_one: Callable[[str, Path], dict]) -> tuple[dict, dict, dict]:
-    """Both builds on ``lines`` (JSONL prompt rows), ``repeats`` times in alternating order (drift
-    on a shared machine hits both): (every run's report by strategy, the fastest of each, their ratios)."""
+def compare(rows: list[dict], repeats: int, build_one: Callable[[str, Path], dict]) -> tuple[dict, dict, dict]:
+    """Both builds on the prompt ``rows``, ``repeats`` times in alternating order (drift on a shared
+    machine hits both): (every run's report by strategy, the fastest of each by run_seconds, their ratios)."""
     with tempfile.TemporaryDirectory() as tmp:
-        prompts = Path(tmp) / "prompts.jsonl"
-        prompts.write_text("\n".join(lines) + "\n")
-        runs: dict[str, list[dict]] = {s: [] for s in COMPARED}
-        for repeat in range(repeats):
-            for strategy in COMPARED if repeat % 2 == 0 else COMPARED[::-1]:
-                runs[strategy].append(build_one(strategy, prompts))
-    best = {s: min(runs[s], key=lambda r: r["run_seconds"]) for s in COMPARED}
-    return runs, best, efficiency(best["best_of_n"], best["sbon"])
+        prompts = write_prompts(rows, Path(tmp) / "prompts.jsonl")
+        runs = side_by_side({s: (lambda s=s: build_one(s, prompts)) for s in COMPARED}, repeats)
+    best = {s: run.value for s, run in fastest(runs, lambda run: run.value["run_seconds"]).items()}
+    every = {s: [run.value for run in each] for s, each in runs.items()}
+    return every, best, efficiency(best["best_of_n"], best["sbon"])
 
 
 def print_runs(best: dict, ratios: dict, extra: dict[str, str] | None = None, speedup_target: str = "",
@@ -117,25 +92,16 @@ def print_runs(best: dict, ratios: dict, extra: dict[str, str] | None = None, sp
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    models = Path(args.models)
-    if not (models / "generator").is_dir() or not (models / "reward").is_dir():
-        print(f"error: {models}: no bench models (python -m jobs.bench_models --output {models})", file=sys.stderr)
-        return 2
-    lines = [line for line in (models / "prompts.jsonl").read_text().splitlines() if line.strip()][:args.prompts]
-    runs, best, ratios = compare(lines, args.repeats, lambda strategy, prompts: build(strategy, args, prompts))
+    models = model_dirs(args.models)
+    rows = read_prompts(model_prompts(args.models), args.num_prompts)
+    runs, best, ratios = compare(rows, args.repeats, lambda strategy, prompts: build(strategy, args, models, prompts))
 
-    print(f"\n{len(lines)} prompts, N={args.num_samples}, T={args.max_new_tokens}, tau={args.decision_token}, "
+    print(f"\n{len(rows)} prompts, N={args.num_samples}, T={args.max_new_tokens}, tau={args.decision_token}, "
           f"alpha={args.rejection_rate}, seed {args.seed}" + (f", --set {' '.join(args.overrides)}" if args.overrides
                                                                else "") + f" (fastest of {args.repeats})")
     print_runs(best, ratios)
-
-    if args.json:
-        result = {"settings": {k: v for k, v in vars(args).items() if k != "json"}, "prompts": len(lines),
-                  **ratios, "runs": best, "all_runs": runs, "cpu_count": os.cpu_count(),
-                  "load_average": os.getloadavg()}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    write_json(args.json, {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "command")},
+                           "prompts": len(rows), **ratios, "runs": best, "all_runs": runs}, args)
     return 0
 
 

@@ -1,10 +1,10 @@
 """HFEngine decoding throughput: generated tokens per second of one sampling session on CPU.
 
-    python -m benchmarks.hf_throughput --model DIR [--rows 128] [--tokens 128] [--repeats 3] [--threads 2]
-    python -m benchmarks.hf_throughput --model DIR --compare-prepack [--repeats 3]
+    python -m benchmarks.hf_throughput --generator DIR [--rows 128] [--max-new-tokens 128] [--repeats 3] [--threads 2]
+    python -m benchmarks.hf_throughput --generator DIR --compare-prepack [--repeats 3]
 
 Each repeat opens one session of --rows rows (a fixed set of chat prompts, chat template applied,
-sampled --rows / prompts times each), extends it to exactly --tokens tokens per row (temperature
+sampled --rows / prompts times each), extends it to exactly --max-new-tokens tokens per row (temperature
 1, no top-k/top-p, EOS ignored so every row has the same length) and closes it; tokens/s counts the
 generated tokens over the wall clock of open + extend + close, prefill included. A short warm-up
 session (8 tokens) runs first. Prints tokens/s per repeat and their median (issue 14 item 6: >= 0.9x vLLM's
@@ -20,8 +20,6 @@ off / on.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import sys
@@ -30,6 +28,7 @@ import time
 import torch
 import transformers
 
+from benchmarks import bench_parser, model_dirs, parse, write_json
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
 
@@ -133,20 +132,17 @@ def compare_prepack(model_dir: str, rows: int, tokens: int, repeats: int, thread
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="an HF causal LM directory")
+    parser = bench_parser("benchmarks.hf_throughput", __doc__, models="tiny", generator=None, max_new_tokens=128,
+                          repeats=3, threads=2, json=None)
     parser.add_argument("--rows", type=int, default=128)
-    parser.add_argument("--tokens", type=int, default=128, help="new tokens per row")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--no-prepack", action="store_true", help="models.cpu_prepack off")
     parser.add_argument("--compare-prepack", action="store_true",
                         help="cpu_prepack on and off side by side, and the cost of 1-8 token passes")
     parser.add_argument("--pass-repeats", type=int, default=20)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
+    model = model_dirs(args.models, ("generator",), generator=args.generator)["generator"]
     if args.compare_prepack:
-        result = compare_prepack(args.model, args.rows, args.tokens, args.repeats, args.threads, args.pass_repeats)
+        result = compare_prepack(model, args.rows, args.max_new_tokens, args.repeats, args.threads, args.pass_repeats)
         for name in ("prepack", "default"):
             r = result[name]
             passes = ", ".join(f"{fed} tok {ms} ms" for fed, ms in r["pass_ms_by_tokens_fed"].items())
@@ -154,15 +150,12 @@ def main(argv=None) -> int:
         print(f"throughput prepack / default: {result['throughput_ratio_prepack_over_default']}x; "
               f"one-row pass cost default / prepack by tokens fed: {result['pass_cost_ratio_default_over_prepack']}")
     else:
-        result = hf_tokens_per_second(args.model, args.rows, args.tokens, args.repeats, args.threads,
+        result = hf_tokens_per_second(model, args.rows, args.max_new_tokens, args.repeats, args.threads,
                                       prepack=not args.no_prepack)
         for i, rate in enumerate(result["tokens_per_s"]):
             print(f"repeat {i}: {rate:.1f} tokens/s")
-        print(f"median: {result['median_tokens_per_s']:.1f} tokens/s ({args.rows} rows x {args.tokens} tokens)")
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        print(f"median: {result['median_tokens_per_s']:.1f} tokens/s ({args.rows} rows x {args.max_new_tokens} tokens)")
+    write_json(args.json, result, args)
     return 0
 
 

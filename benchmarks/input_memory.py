@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import bench_parser, parse, write_json
 from benchmarks.cluster_sim import parse_args as parse_sim_args
-from benchmarks.cluster_sim import write_results
 
 DUPLICATE_EVERY = 50
 """Row i with i % 50 == 49 repeats the prompt of row i // 2 (a row far earlier, often many shards back)."""
@@ -92,14 +92,13 @@ def _reset_peak() -> None:
 def sim_workers(generators: int, rewards: int, time_scale: float = 0.0):
     """benchmarks.cluster_sim's simulated actors at its default costs, every sleep x ``time_scale``,
     as runtime.local builds its handles."""
-    from actors.factory import TimedHandle, Workers
+    from actors.factory import Workers, local_generator, local_scorer
     from benchmarks.cluster_sim import Cost, SimGenerator, SimScorer
-    from pipeline.coordinator import Serialized
 
     defaults = parse_sim_args([])
     cost = Cost(argparse.Namespace(**{**vars(defaults), "time_scale": time_scale}))
-    return Workers([TimedHandle(Serialized(SimGenerator(cost))) for _ in range(generators)],
-                   [TimedHandle(Serialized(SimScorer(cost))) for _ in range(rewards)])
+    return Workers([local_generator(SimGenerator(cost)) for _ in range(generators)],
+                   [local_scorer(SimScorer(cost)) for _ in range(rewards)])
 
 
 def measure(args: argparse.Namespace, input_path: Path, output: Path, phases: list[str]) -> dict:
@@ -140,13 +139,11 @@ def _maxrss_kib() -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser("benchmarks.input_memory", __doc__, num_samples=2, max_new_tokens=4, json=None)
     parser.add_argument("--rows", default="10000,100000,1000000", help="comma-separated row counts")
     parser.add_argument("--formats", default="jsonl,parquet")
     parser.add_argument("--phases", default="plan,build", help="plan: planning only; build: plan and run")
     parser.add_argument("--shard-size", type=int, default=64)
-    parser.add_argument("--num-samples", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--time-scale", type=float, default=0.0, help="every simulated forward pass x this")
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--rewards", type=int, default=1)
@@ -155,8 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="where the inputs are written and kept (default: a temporary directory)")
     parser.add_argument("--in-process", action="store_true",
                         help="run the one case (one --rows, one --formats) in this process, e.g. under /usr/bin/time -v")
-    parser.add_argument("--json", help="write the figures here")
-    return parser.parse_args(argv)
+    return parse(parser, argv)
 
 
 def _run_case(args: argparse.Namespace, rows: int, fmt: str, workdir: Path) -> dict:
@@ -225,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.append({**_run_case(args, n, fmt, workdir), "format": fmt})
                     print(json.dumps(results[-1]), flush=True)
         _print_table(results, phases)
-    write_results(args, results)
+    write_json(args.json, {"settings": vars(args), "results": results}, args)
     return 0
 
 

@@ -1,16 +1,16 @@
 """Speculative rejection vs Best-of-N on the real models, end to end through the build job.
 
-    python -m benchmarks.real_sbon [--config configs/real.yaml] [--device cpu|cuda] [--prompts 64]
+    python -m benchmarks.real_sbon [--config configs/real.yaml] [--device cpu|cuda] [--num-prompts 64]
         [--generator DIR] [--reward DIR] [--num-samples N] [--max-new-tokens T] [--decision-token TAU]
         [--rejection-rate ALPHA] [--seed 0] [--repeats 1] [--set KEY=VALUE ...] [--sbon-set KEY=VALUE ...]
-        [--prompt-file FILE] [--output out/bench/real-sbon] [--no-judge] [--json FILE]
+        [--prompts FILE] [--output out/bench/real-sbon] [--no-judge] [--json FILE]
 
     # issue 13 item 5, on a GPU:
-    python -m benchmarks.real_sbon --device cuda --prompts 64 --json out/bench/real-sbon-cuda.json
+    python -m benchmarks.real_sbon --device cuda --num-prompts 64 --json out/bench/real-sbon-cuda.json
 
 Runs ``jobs.build_dataset.main`` twice, Best-of-N then speculative rejection (sbon), on
 configs/real.yaml (SmolLM2-135M-Instruct generating, its reward model scoring; ``make real-models``
-or ``python -m jobs.fetch_models``): same prompts (the first ``--prompts`` of the config's
+or ``python -m jobs.fetch_models``): same prompts (the first ``--num-prompts`` of the config's
 data.prompts), same seed, same settings (the config's N = 32, 256 tokens, tau 96, alpha 0.85 unless
 a flag says otherwise, plus every ``--set``). On a CUDA device with no ``--set
 runtime.{generator,reward}.num_gpus=...`` both actors get num_gpus 0.5, so Ray hands them the GPU.
@@ -52,46 +52,41 @@ speedup at normalized score >= 98.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.efficiency import COMPARED, compare, print_runs, run_job
+from benchmarks import bench_parser, fail, job_argv, parse, read_prompts, run_job, write_json
+from benchmarks.efficiency import COMPARED, compare, print_runs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/real.yaml")
-    parser.add_argument("--device", default="cpu", help="models.device of both builds and the judge's device")
-    parser.add_argument("--generator", help="models.generator (default: the config's)")
-    parser.add_argument("--reward", help="models.reward, a model directory or a reward function module:function "
-                        "(default: the config's)")
-    parser.add_argument("--prompts", type=int, default=64, help="how many of the prompt file's rows (first ones)")
-    parser.add_argument("--prompt-file", help="JSONL prompts (default: the config's data.prompts); IFEval's "
-                        "instruction_id_list and kwargs columns make the judge's figures")
-    parser.add_argument("--num-samples", type=int, help="N (default: the config's)")
-    parser.add_argument("--max-new-tokens", type=int, help="default: the config's")
+    parser = bench_parser(
+        "benchmarks.real_sbon", __doc__, config="configs/real.yaml",
+        device=dict(default="cpu", help="models.device of both builds and the judge's device"),
+        generator=dict(help="models.generator (default: the config's)"),
+        reward=dict(help="models.reward, a model directory or a reward function module:function (default: the "
+                         "config's)"),
+        num_prompts=64,
+        prompts=dict(help="JSONL prompts (default: the config's data.prompts); IFEval's instruction_id_list and "
+                          "kwargs columns make the judge's figures"),
+        num_samples=dict(help="N (default: the config's)"), max_new_tokens=dict(help="default: the config's"),
+        seed=dict(help="default: the config's"), repeats=1,
+        set=dict(default=[], help="passed to both builds, e.g. --set runtime.rows_in_flight=256"),
+        output="out/bench/real-sbon", json=None)
     parser.add_argument("--decision-token", type=int, help="sbon's tau (default: the config's)")
     parser.add_argument("--rejection-rate", type=float, help="sbon's alpha (default: the config's)")
-    parser.add_argument("--seed", type=int, help="default: the config's")
-    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per strategy; the fastest is kept")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed to both builds, e.g. --set runtime.rows_in_flight=256")
     parser.add_argument("--sbon-set", dest="sbon_sets", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to the sbon build only, e.g. the memory-budget mode: --sbon-set "
                              "strategy.initial_candidates=64 --sbon-set strategy.max_live_candidates=16")
-    parser.add_argument("--output", default="out/bench/real-sbon", help="the builds' outputs: OUTPUT/STRATEGY")
     parser.add_argument("--no-judge", action="store_true", help="skip the IFEval figures and the random sample")
-    parser.add_argument("--json", help="write the figures here as JSON")
-    return parser.parse_args(argv)
+    return parse(parser, argv)
 
 
 def settings(args: argparse.Namespace) -> tuple[list[str], dict]:
     """The --set overrides both builds share, and the effective settings (from the loaded config)."""
-    from pipeline.build import sampling_params
+    from pipeline.coordinator import sampling_params
     from pipeline.config import load_config
 
     shared = [f"models.device={args.device}"]
@@ -108,7 +103,7 @@ def settings(args: argparse.Namespace) -> tuple[list[str], dict]:
     sbon = load_config(args.config, shared + sbon_overrides(args), strategy="sbon")
     params = sbon.strategy.params
     return shared, {"config": args.config, "device": args.device, "generator": sbon.models.generator,
-                    "reward": sbon.models.reward, "prompts_file": args.prompt_file or sbon.data.prompts,
+                    "reward": sbon.models.reward, "prompts_file": args.prompts or sbon.data.prompts,
                     "num_samples": sbon.sampling.num_samples, "max_new_tokens": sbon.sampling.max_new_tokens,
                     "sampling": sampling_params(sbon), "chat_template": sbon.sampling.chat_template,
                     "decision_token": params.decision_token, "rejection_rate": params.rejection_rate,
@@ -127,12 +122,9 @@ def sbon_overrides(args: argparse.Namespace) -> list[str]:
 def build(strategy: str, args: argparse.Namespace, shared: list[str], prompts: Path) -> dict:
     """One build through the build job; its run report."""
     output = Path(args.output) / strategy
-    argv = ["--config", args.config, "--strategy", strategy, "--prompts", str(prompts), "--output", str(output),
-            "--overwrite", "--no-progress"]
-    for override in shared + (sbon_overrides(args) if strategy == "sbon" else []):
-        argv += ["--set", override]
+    overrides = shared + (sbon_overrides(args) if strategy == "sbon" else [])
     start = time.perf_counter()
-    report = run_job(strategy, argv, output)
+    report = run_job(strategy, job_argv(args.config, strategy, prompts, output, overrides), output)
     print(f"   {strategy}: run {report['run_seconds']:.2f}s, startup {report['startup_seconds']:.1f}s, "
           f"{report['generated_tokens']} tokens (wall {time.perf_counter() - start:.1f}s)", flush=True)
     return report
@@ -199,7 +191,7 @@ def ifeval(pairs: dict[str, dict]) -> dict:
             "pairs_told_apart": apart, "pair_accuracy": round(right / apart, 4) if apart else math.nan}
 
 
-def random_sample(used: dict, lines: list[str], device: str) -> dict[str, list[bool]]:
+def random_sample(used: dict, records: list[dict], device: str) -> dict[str, list[bool]]:
     """prompt_id -> IFEval's per-instruction verdict on one response sampled from the generator
     alone (the builds' sampling settings, candidate 0's seed: one of the builds' own candidates)."""
     from pipeline.data.prompts import PromptFormatter, validate
@@ -207,7 +199,6 @@ def random_sample(used: dict, lines: list[str], device: str) -> dict[str, list[b
     from pipeline.engines.hf import HFEngine
     from pipeline.judge import check
 
-    records = [json.loads(line) for line in lines]
     engine = HFEngine.from_pretrained(used["generator"], device=device)
     sampling = used["sampling"]
     formatter = PromptFormatter(engine.tokenizer, 10**9, chat_template=used["chat_template"])
@@ -227,15 +218,6 @@ def random_figures(sampled: dict[str, list[bool]], common: list[str]) -> dict:
             "compared_prompts": {"prompts": len(common), **accuracy([sampled[p] for p in common if p in sampled])}}
 
 
-def environment(device: str) -> dict:
-    import torch
-
-    env = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-    return env
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shared, used = settings(args)
@@ -243,19 +225,18 @@ def main(argv: list[str] | None = None) -> int:
 
     for key in ("generator", "reward"):
         if not (key == "reward" and is_reward_function(used[key])) and not Path(used[key]).is_dir():
-            print(f"error: {used[key]}: no model directory (make real-models, or --{key} DIR)", file=sys.stderr)
-            return 2
-    lines = [ln for ln in Path(used["prompts_file"]).read_text().splitlines() if ln.strip()][:args.prompts]
-    runs, best, ratios = compare(lines, args.repeats, lambda strategy, prompts: build(strategy, args, shared, prompts))
+            fail(f"{used[key]}: no model directory (make real-models, or --{key} DIR)")
+    rows = read_prompts(used["prompts_file"], args.num_prompts)
+    runs, best, ratios = compare(rows, args.repeats, lambda strategy, prompts: build(strategy, args, shared, prompts))
     pairs = {s: read_pairs(Path(args.output) / s) for s in COMPARED}  # the last run of each (same seed: same pairs)
     scores, common = quality(pairs["best_of_n"], pairs["sbon"])
     verdict = None
     if not args.no_judge:
         both = {s: {p: pairs[s][p] for p in common} for s in COMPARED}
         verdict = {"compared_prompts": len(common), **{s: ifeval(both[s]) for s in COMPARED},
-                   "random_sample": random_figures(random_sample(used, lines, args.device), common)}
+                   "random_sample": random_figures(random_sample(used, rows, args.device), common)}
 
-    print(f"\n{len(lines)} prompts of {used['prompts_file']}, N={used['num_samples']}, T={used['max_new_tokens']}, "
+    print(f"\n{len(rows)} prompts of {used['prompts_file']}, N={used['num_samples']}, T={used['max_new_tokens']}, "
           f"tau={used['decision_token']}, alpha={used['rejection_rate']}, seed {used['seed']}, device {args.device}"
           f" (fastest of {args.repeats}); --set {' '.join(shared)}")
     print_runs(best, ratios, {s: f", {len(pairs[s])} pairs" for s in COMPARED}, speedup_target="  (target >= 2.5)",
@@ -284,13 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  pair accuracy {s_}: {verdict[s_]['pair_accuracy']} over the {verdict[s_]['pairs_told_apart']} "
                   "pairs the judge tells apart (target >= 0.85)")
 
-    if args.json:
-        used = {k: v for k, v in used.items() if k != "sampling"}
-        result = {"settings": used, "prompts": len(lines), "repeats": args.repeats, **ratios, **scores,
-                  "judge": verdict, "runs": best, "all_runs": runs, **environment(args.device)}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    used = {k: v for k, v in used.items() if k != "sampling"}
+    write_json(args.json, {"settings": used, "prompts": len(rows), "repeats": args.repeats, **ratios, **scores,
+                           "judge": verdict, "runs": best, "all_runs": runs}, args)
     return 0
 
 

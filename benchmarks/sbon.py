@@ -1,11 +1,11 @@
 """Speculative rejection vs Best-of-N, same run, same prompts, same seeds: a table shaped like
 Table 1 of "Accelerating Best-of-N via Speculative Rejection".
 
-    python -m benchmarks.sbon [--models DIR] [--n 16 64] [--sr 8:0.9 16:0.8 ...] [--device cpu|cuda]
+    python -m benchmarks.sbon [--models bench|DIR] [--num-samples 16 64] [--sr 8:0.9 16:0.8 ...] [--device cpu|cuda]
     python -m benchmarks.sbon --synthetic 1b --device cuda      # speed only, random ~1B Llama pair
 
 Bench models: DIR/generator and DIR/reward from ``python -m jobs.bench_models
---output DIR`` (built here when missing; cached). Rows, for each N:
+--output DIR`` (built here when missing; cached). Rows, for each N of --num-samples:
 - Best-of-N (the reference: speedup 1, score 100);
 - speculative rejection at each (tau, alpha) of ``--sr`` ("TAU[,TAU...]:ALPHA"; a list of taus
   rejects at each), plus adaptive per-prompt rejection (``--adaptive Z``) next to the fixed alpha
@@ -25,20 +25,19 @@ same seeds every method samples the same candidates as Best-of-N, so the score i
 The headline SR row is also run with full re-scoring instead of streaming reward sessions: the
 ratio of reward-model tokens read is printed, and the scores must agree.
 Targets (issue 6): >= 3x wall-clock speedup at score >= 98, and SR above Best-of-M's score.
-Writes JSON to --json (default sbon.json) and a speedup-score scatter PNG to --png.
+Writes JSON to --json (default sbon.json) and a speedup-score scatter PNG to --plot.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
+
+from benchmarks import bench_parser, model_dirs, model_prompts, parse, read_prompts, write_json, write_png
 
 from pipeline.data.prompts import PromptFormatter, prompt_id
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
@@ -46,9 +45,8 @@ from pipeline.decoding.domain import PromptInput, PromptResult
 from pipeline.decoding.metrics import normalized_score as eq5
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
-from pipeline.engines.hf import DTYPES, HFEngine, load_tokenizer
+from pipeline.engines.hf import DTYPES, HFEngine
 from pipeline.engines.rewards import RewardScorer
-from benchmarks import pyplot
 
 # Random-init Llama pairs for --synthetic: speed is measurable, quality is not.
 SYNTHETIC = {
@@ -117,14 +115,9 @@ def load_models(args):
         print(f"synthetic {args.synthetic}: generator and reward model of {params / 1e6:.0f}M parameters each "
               f"(random weights: speed only)", file=sys.stderr)
         return HFEngine(generator, tok, args.device), RewardScorer(reward, load_tokenizer_copy(tok), args.device)
-    models = Path(args.models)
-    if not (models / "generator" / "config.json").exists():
-        from jobs.bench_models import make_bench_models
-
-        print(f"building the bench models in {models} (cached afterwards)", file=sys.stderr)
-        make_bench_models(models)
-    engine = HFEngine.from_pretrained(str(models / "generator"), device=args.device, dtype=args.dtype)
-    scorer = RewardScorer.from_pretrained(str(models / "reward"), device=args.device, dtype=args.dtype,
+    models = model_dirs(args.models, generator=args.generator, reward=args.reward)
+    engine = HFEngine.from_pretrained(models["generator"], device=args.device, dtype=args.dtype)
+    scorer = RewardScorer.from_pretrained(models["reward"], device=args.device, dtype=args.dtype,
                                           batch_size=args.reward_batch_size)
     return engine, scorer
 
@@ -136,18 +129,13 @@ def load_tokenizer_copy(tok):
     return copy.deepcopy(tok)
 
 
-def read_prompts(args, tokenizer) -> list[PromptInput]:
-    if args.prompts:
-        path = Path(args.prompts)
-    elif args.synthetic:
+def prompt_inputs(args, tokenizer) -> list[PromptInput]:
+    if args.prompts or not args.synthetic:
+        texts = [row["prompt"] for row in read_prompts(args.prompts or model_prompts(args.models))]
+    else:
         from jobs.bench_models import bench_prompts
 
         texts = bench_prompts()
-        path = None
-    else:
-        path = Path(args.models) / "prompts.jsonl"
-    if path is not None:
-        texts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
     # Spread over the products: every 4th prompt is a different product with the first request.
     texts = (texts[::4] + [t for i, t in enumerate(texts) if i % 4])[:args.num_prompts]
     formatter = PromptFormatter(tokenizer, max_prompt_tokens=10**6)
@@ -188,35 +176,27 @@ def table(rows: list[dict], n: int) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=".cache/bench-models", help="bench models dir (generator/, reward/)")
+    parser = bench_parser("benchmarks.sbon", __doc__, models="bench", generator=None, reward=None,
+                          prompts=dict(help="prompt file, JSONL (default: the model set's prompts.jsonl)"),
+                          num_prompts=16, num_samples=dict(type=int, nargs="+", default=[16, 64], help="the Ns compared"),
+                          max_new_tokens=128, repeats=3, seed=0, device="cpu",
+                          dtype=dict(default=None, help="float32 (default on cpu) or bfloat16 (default on cuda)"),
+                          threads=1, json="sbon.json", plot="sbon.png")
     parser.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random-init Llama pair instead (speed only)")
-    parser.add_argument("--prompts", help="JSONL with a prompt column (default: MODELS/prompts.jsonl)")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--n", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--sr", nargs="+", default=["8:0.85", "8:0.9", "8:0.75", "16:0.9"],
                         help="speculative rejection settings TAU[,TAU...]:ALPHA; the first is the headline")
     parser.add_argument("--adaptive", type=float, default=1.0, help="z of adaptive rejection (0: skip)")
     parser.add_argument("--adaptive-taus", default="8,16:0.75", help="TAU,TAU:ALPHA for the adaptive comparison")
     parser.add_argument("--memory", default="64:16:8", help="INITIAL:LIVE:TAU for memory-budget mode ('' skips)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rows-per-batch", type=int, default=256,
                         help="engine batch: prompts per batch = this / N (large enough that compute, not per-step "
                              "overhead, sets the step time)")
     parser.add_argument("--reward-batch-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method; the fastest is kept")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="float32 (default on cpu) or bfloat16 (default on cuda)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default="sbon.json")
-    parser.add_argument("--png", default="sbon.png")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    torch.set_num_threads(args.threads)
     engine, scorer = load_models(args)
-    prompts = read_prompts(args, engine.tokenizer)
+    prompts = prompt_inputs(args, engine.tokenizer)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     go = dict(prompts=prompts, engine=engine, scorer=scorer, sampling=sampling, seed=args.seed,
               rows_per_batch=args.rows_per_batch, repeats=args.repeats)
@@ -228,7 +208,7 @@ def main(argv=None) -> int:
     bon_runs: dict[int, Run] = {}
     points = []
     memory_run = None
-    for n in args.n:
+    for n in args.num_samples:
         bon = bon_runs[n] = run(f"Bo{n}", best_of_n, BestOfNParams(), n=n, **go)
         rows = []
 
@@ -300,19 +280,13 @@ def main(argv=None) -> int:
             summary["speedup_vs_bo_initial"] = bon_runs[initial].seconds / memory_run.seconds
         report["memory_budget"] = summary
         print(f"\nmemory-budget {args.memory}: " + ", ".join(f"{k} {v:.3g}" for k, v in summary.items()))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
-    plot(points, args.png)
-    print(f"wrote {args.json} and {args.png}", file=sys.stderr)
+    write_json(args.json, report, args)
+    write_png(args.plot, lambda plt: plot(plt, points), dpi=150)
     return 0
 
 
-def plot(points, path: str) -> None:
+def plot(plt, points):
     """One panel per N: speedup vs normalized score, each point labelled with its method."""
-    plt = pyplot()
-
     ns = sorted({n for n, _ in points})
     fig, axes = plt.subplots(1, len(ns), figsize=(5.5 * len(ns), 4.5), squeeze=False)
     for ax, n in zip(axes[0], ns):
@@ -325,8 +299,7 @@ def plot(points, path: str) -> None:
         ax.axhline(98, ls="--", c="grey", lw=0.8)
         ax.axvline(3, ls="--", c="grey", lw=0.8)
         ax.set(title=f"N={n}", xlabel="wall-clock speedup over Best-of-N", ylabel="normalized score (Eq. 5)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Throughput with 1 and 2 generator actors on one Ray cluster, and where the actors' time goes.
 
-    python -m benchmarks.scaling [--generator DIR --reward DIR] [--device cpu|cuda] [--actors 1,2]
-        [--prompts 24] [--num-samples 4] [--max-new-tokens 32] [--strategy sbon] [--json FILE]
+    python -m benchmarks.scaling [--models tiny|DIR] [--generator DIR --reward DIR] [--device cpu|cuda]
+        [--actors 1,2] [--num-prompts 48] [--num-samples 4] [--max-new-tokens 48] [--strategy sbon] [--json FILE]
 
-Each actor count runs the same prompts through the real coordinator and Ray actors. All setups
+Each actor count runs the same prompts through the real coordinator and Ray actors, the coordinator
+built as a build builds it (Coordinator.from_config: the same admission policy, runtime.* settings). All setups
 are loaded first (model loading is outside the timed span) and warmed up; timed runs then
 alternate between them (--repeats rounds) and the fastest run of each is kept. Inside every generator actor, hooks
 time each top-level model forward pass (synchronised on CUDA) and each engine call. Reported per
@@ -17,18 +18,14 @@ actor count:
   work inside the engine that is not a forward pass (busy - forward).
 
 On a small shared CPU machine actors compete for the same cores, so the figures there describe
-contention more than the design; they are reported as measured. With no model flags, tiny models
-are built in a temporary directory.
+contention more than the design; they are reported as measured.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import tempfile
 import time
-from pathlib import Path
+
+from benchmarks import bench_parser, fail, model_dirs, parse, ratio_table, side_by_side, write_json
 
 
 def _instrument(actor, device: str) -> None:
@@ -79,18 +76,14 @@ class Setup:
         import ray
 
         from actors import start_workers
-        from pipeline.build import sampling_params
         from pipeline.coordinator import Coordinator
 
         config.runtime.generator_actors = actors
         self.actors = actors
         self.workers = start_workers(config)
-        self.handles = [g.handle for g in self.workers.generators]
+        self.handles = self.workers.handles[:actors]  # Ray actor handles: the generators' first
         ray.get([h.__ray_call__.remote(_instrument, config.models.device) for h in self.handles])
-        self.coordinator = Coordinator(config.strategy.name, config.strategy.params, sampling_params(config),
-                                       config.sampling.num_samples, config.seed, self.workers.generators,
-                                       self.workers.scorers, config.runtime.prompts_per_batch,
-                                       config.runtime.batches_in_flight)
+        self.coordinator = Coordinator.from_config(config, self.workers.generators, self.workers.scorers)
 
     def run(self, prompts) -> dict:
         import ray
@@ -111,82 +104,61 @@ class Setup:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--generator", help="generator model directory (default: tiny models)")
-    parser.add_argument("--reward", help="reward model directory (default: tiny models)")
-    parser.add_argument("--device", default="cpu")
+    parser = bench_parser("benchmarks.scaling", __doc__, models="tiny", generator=None, reward=None, device="cpu",
+                          num_prompts=48, num_samples=4, max_new_tokens=48, repeats=3, json="out/bench/scaling.json")
     parser.add_argument("--actors", default="1,2", help="generator actor counts to compare")
     parser.add_argument("--reward-actors", type=int, default=1)
-    parser.add_argument("--prompts", type=int, default=48)
-    parser.add_argument("--num-samples", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per actor count, alternating; best kept")
     parser.add_argument("--strategy", default="sbon")
     parser.add_argument("--prompts-per-batch", type=int, default=4)
     parser.add_argument("--num-gpus", type=float, default=None, help="GPUs per actor (default: 1 on cuda, else 0)")
-    parser.add_argument("--json", default="out/bench/scaling.json")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
 
     import ray
 
-    from pipeline.config import config_from_dict
+    from pipeline.config import ConfigError, config_from_dict
     from pipeline.data.prompts import PromptFormatter, PromptRow
-
-    counts = [int(n) for n in args.actors.split(",")]
-    tmp = tempfile.TemporaryDirectory()
-    if not (args.generator and args.reward):
-        from jobs.make_tiny_models import make_tiny_models
-
-        tiny = make_tiny_models(tmp.name)
-        args.generator, args.reward = args.generator or str(tiny["generator"]), args.reward or str(tiny["reward"])
-    gpus = args.num_gpus if args.num_gpus is not None else (1.0 if args.device.startswith("cuda") else 0.0)
-    config = config_from_dict({
-        "models": {"generator": args.generator, "reward": args.reward, "device": args.device},
-        "strategy": {"name": args.strategy},
-        "sampling": {"num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens},
-        "runtime": {"generator": {"num_cpus": 1, "num_gpus": gpus}, "reward": {"num_cpus": 1, "num_gpus": gpus},
-                    "reward_actors": args.reward_actors, "prompts_per_batch": args.prompts_per_batch},
-    })
     from pipeline.engines.hf import load_tokenizer
 
-    formatter = PromptFormatter(load_tokenizer(args.generator), 256)
+    counts = [int(n) for n in args.actors.split(",")]
+    models = model_dirs(args.models, generator=args.generator, reward=args.reward)
+    gpus = args.num_gpus if args.num_gpus is not None else (1.0 if args.device.startswith("cuda") else 0.0)
+    try:
+        config = config_from_dict({
+            "models": {**models, "device": args.device},
+            "strategy": {"name": args.strategy},
+            "sampling": {"num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens},
+            "runtime": {"generator": {"num_cpus": 1, "num_gpus": gpus}, "reward": {"num_cpus": 1, "num_gpus": gpus},
+                        "reward_actors": args.reward_actors, "prompts_per_batch": args.prompts_per_batch},
+        })
+    except ConfigError as e:
+        fail(str(e))
+    formatter = PromptFormatter(load_tokenizer(models["generator"]), 256)
     topics = ["lamp", "battery", "blender", "camera", "app", "delivery", "kettle", "phone"]
     prompts = [formatter.prepare(PromptRow(i, f"Write review {i} of the {topics[i % len(topics)]}."))[0]
-               for i in range(args.prompts)]
+               for i in range(args.num_prompts)]
     if not ray.is_initialized():
         # Logical CPUs for every actor, even where the machine has fewer cores: contention is measured.
         ray.init(address="local", num_cpus=sum(counts) + len(counts) * args.reward_actors, _node_ip_address="127.0.0.1",
                  include_dashboard=False, log_to_driver=False)
-    setups = [Setup(config, n) for n in counts]  # all loaded first: runs alternate, noise hits all alike
+    setups = {f"{n} generator actor(s)": Setup(config, n) for n in counts}  # all loaded first: runs alternate
     try:
-        for setup in setups:  # warm-up
+        for setup in setups.values():  # warm-up
             setup.run(prompts[:config.runtime.prompts_per_batch * setup.actors])
-        best: dict[int, dict] = {}
-        for _ in range(args.repeats):
-            for setup in setups:
-                run = setup.run(prompts)
-                if run["prompts_per_second"] > best.get(setup.actors, {}).get("prompts_per_second", 0):
-                    best[setup.actors] = run
+        runs = side_by_side({name: (lambda s=setup: s.run(prompts)) for name, setup in setups.items()}, args.repeats)
     finally:
-        for setup in setups:
+        for setup in setups.values():
             setup.workers.shutdown()
-    runs = [best[n] for n in counts]
-    base = runs[0]
-    for run in runs:
-        run["throughput_ratio_vs_first"] = round(run["prompts_per_second"] / base["prompts_per_second"], 3)
-    result = {"device": args.device, "strategy": args.strategy, "num_samples": args.num_samples,
-              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
-              "load_average": os.getloadavg(), "runs": runs,
-              "forward_share_target": 0.85}
-    for run in runs:
-        print(f"{run['generator_actors']} generator actor(s): {run['prompts_per_second']:.2f} prompts/s, "
-              f"{run['tokens_per_second']:.0f} tokens/s (x{run['throughput_ratio_vs_first']:.2f}), "
-              f"forward share {run['forward_share']:.1%}, busy share {run['busy_share']:.1%}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
-    ray.shutdown()
-    tmp.cleanup()
+        ray.shutdown()
+    best = {name: max((r.value for r in each), key=lambda v: v["prompts_per_second"]) for name, each in runs.items()}
+    ratios = ratio_table({name: v["prompts_per_second"] for name, v in best.items()}, next(iter(best)),
+                         "prompts/s", higher_is_better=True)
+    for name, run in best.items():
+        run["throughput_ratio_vs_first"] = ratios[name]
+        print(f"{name}: {run['tokens_per_second']:.0f} tokens/s, forward share {run['forward_share']:.1%}, "
+              f"busy share {run['busy_share']:.1%}")
+    write_json(args.json, {"device": args.device, "strategy": args.strategy, "num_samples": args.num_samples,
+                           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "runs": list(best.values()),
+                           "forward_share_target": 0.85}, args)
     return 0
 
 

@@ -3,11 +3,11 @@
     python -m benchmarks.sla [--models DIR] [--device cpu|cuda] [--train-prompts 256] [--eval-prompts 64]
         [--max-new-tokens 32] [--hidden-size 256] [--epochs 3] [--learning-rate 1e-3] [--threads 1]
         [--prompts FILE [--eval-prompts-file FILE]] [--no-adapter] [--dpo-steps 0]
-        [--pairs DIR] [--output benchmarks/results/sla.json]
+        [--pairs DIR] [--json benchmarks/results/sla.json] [--plot FILE]
 
 --models DIR holds DIR/generator and DIR/reward (what `python -m jobs.make_tiny_models` and
-`python -m jobs.fetch_models` write); without it, the random-weight tiny models are built in a
-temporary directory. Prompts, two modes:
+`python -m jobs.fetch_models` write; bench and real name those sets); by default the random-weight
+tiny models (of --seed). Prompts, two modes:
 
 - files: --prompts FILE (JSONL with a "prompt" field; the first --train-prompts rows) for the pair
   build, and --eval-prompts-file FILE (default configs/prompts/ifeval-eval.jsonl, the held-out
@@ -36,8 +36,8 @@ The recipe:
    labeling reward model only scores its kept candidate (pipeline.decoding.model_side);
 5. SLA's decoding cost relative to greedy (tokens, sequential forward passes, wall time) next to
    the paper's log_k(N) = d estimate (Eq. 11, N = k^d explored leaves);
-6. AuTRC of the Reward Transformer vs the adapter on the held-out pairs (curves in a PNG;
-   --no-adapter skips the adapter): agreement of partial-response rewards with the labeling reward
+6. AuTRC of the Reward Transformer vs the adapter on the held-out pairs (curves in a PNG, --plot,
+   by default the --json path with .png; --no-adapter skips the adapter): agreement of partial-response rewards with the labeling reward
    model's pair labels, a figure of reward modelling, not of quality.
 
 On the random-weight tiny models the figures exercise the code and mean nothing.
@@ -46,7 +46,6 @@ Targets (issue): SLA win rate >= 70% against greedy; Reward Transformer AuTRC > 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -56,9 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from benchmarks import pyplot
-
+from benchmarks import bench_parser, fail, model_dirs, parse, read_prompts, write_json, write_png
 
 JUDGE = "IFEval strict (pipeline.judge: lm-eval's instruction checkers)"
 HELD_OUT = "configs/prompts/ifeval-eval.jsonl"
@@ -74,7 +71,8 @@ def bench_prompts(train: int, evaluate: int, seed: int, train_file: str | None =
     if train_file or eval_file:
         if not (train_file and eval_file):
             fail("--prompts and --eval-prompts-file go together")
-        chosen = [file_prompts(train_file, train), file_prompts(eval_file, evaluate)]
+        chosen = [[row["prompt"] for row in read_prompts(path, count, exactly=True)]
+                  for path, count in ((train_file, train), (eval_file, evaluate))]
         overlap = set(chosen[0]) & set(chosen[1])
         if overlap:
             fail(f"{eval_file}: {len(overlap)} prompts also in {train_file}")
@@ -86,42 +84,6 @@ def bench_prompts(train: int, evaluate: int, seed: int, train_file: str | None =
     if train + evaluate > len(pool):
         raise SystemExit(f"error: at most {len(pool)} prompts")
     return pool[:train], pool[train:train + evaluate]
-
-
-def fail(message: str):
-    """Bad input: one line on stderr, exit code 2."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def file_rows(path: str, count: int) -> list[tuple[int, dict]]:
-    """The first ``count`` rows (line number, row) of a JSONL file that have a "prompt" string
-    (exit 2 naming the file and row)."""
-    rows = []
-    try:
-        with open(path) as f:
-            for number, line in enumerate(f, 1):
-                if len(rows) == count:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    if not isinstance(row["prompt"], str):
-                        raise TypeError(f"prompt is a {type(row['prompt']).__name__}")
-                except (ValueError, KeyError, TypeError) as e:
-                    fail(f"{path}: row {number}: no \"prompt\" string ({e})")
-                rows.append((number, row))
-    except OSError as e:
-        fail(f"{path}: {e.strerror}")
-    if len(rows) < count:
-        fail(f"{path}: {len(rows)} prompts, {count} asked for")
-    return rows
-
-
-def file_prompts(path: str, count: int) -> list[str]:
-    """The first ``count`` "prompt" strings of a JSONL file (exit 2 naming the file and row)."""
-    return [row["prompt"] for _, row in file_rows(path, count)]
 
 
 def held_out_rows(prompts: list[str], eval_file: str | None, seed: int) -> list[dict]:
@@ -139,14 +101,14 @@ def held_out_rows(prompts: list[str], eval_file: str | None, seed: int) -> list[
         return [{"prompt": r["prompt"], "instruction_id_list": r["instruction_id_list"], "kwargs": r["kwargs"]}
                 for r in make_rows(tuple(prompts), len(prompts), 0, random.Random(seed), set())]
     rows = []
-    for number, row in file_rows(eval_file, len(prompts)):
+    for number, row in enumerate(read_prompts(eval_file, len(prompts), exactly=True), 1):
         try:
             found = instructions(row)
             if found is None:
                 raise ValueError(f"no instruction_id_list/kwargs columns to judge it by (IFEval's data, as {HELD_OUT})")
             check("", *found, row["prompt"])  # builds every checker: an id or kwargs it cannot take raise here
         except ValueError as e:
-            fail(f"{eval_file}: row {number}: {e}")
+            fail(f"{eval_file}: prompt {number}: {e}")
         rows.append({"prompt": row["prompt"], "instruction_id_list": found[0], "kwargs": found[1]})
     return rows
 
@@ -235,9 +197,8 @@ def sla_vs_greedy(model_dir: str, reward, rows: list[dict], args, original=None)
     return report, greedy
 
 
-def plot_autrc(rt: dict, adapter: dict, path: Path) -> None:
-    plt = pyplot()
-
+def plot_autrc(plt, rt: dict, adapter: dict):
+    """Agreement with the final label against the fraction of the response read, both reward models."""
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(rt["autrc_fractions"], rt["autrc_curve"], label=f"Reward Transformer (AuTRC {rt['autrc']:.3f})")
     ax.plot(adapter["autrc_fractions"], adapter["autrc_curve"], label=f"linear adapter (AuTRC {adapter['autrc']:.3f})")
@@ -245,25 +206,25 @@ def plot_autrc(rt: dict, adapter: dict, path: Path) -> None:
     ax.set_ylabel("agreement with the final label")
     ax.set_ylim(0, 1)
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=None, help="directory with generator/ and reward/ (default: random tiny)")
-    parser.add_argument("--device", default="cpu")
+    parser = bench_parser("benchmarks.sla", __doc__,
+                          models=dict(default="tiny", help="tiny (of --seed), bench, real, or a directory with "
+                                                           "generator/ and reward/"),
+                          device="cpu", max_new_tokens=32,
+                          prompts=dict(help="training prompts, JSONL (default: the tiny grammar)"),
+                          num_samples=dict(default=5, help="samples per prompt of the pair build"), seed=0, threads=1,
+                          json="benchmarks/results/sla.json",
+                          plot=dict(help="the AuTRC curves, PNG (default: the --json path with .png)"))
     parser.add_argument("--train-prompts", type=int, default=256)
     parser.add_argument("--eval-prompts", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=256, help="reward channel width (the paper: 256)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--prompts", default=None, help="training prompts, JSONL (default: the tiny grammar)")
     parser.add_argument("--eval-prompts-file", default=None,
                         help=f"held-out prompts with IFEval's columns, JSONL (with --prompts; default {HELD_OUT})")
-    parser.add_argument("--num-samples", type=int, default=5, help="samples per prompt of the pair build")
     parser.add_argument("--temperature", type=float, default=0.8, help="temperature of the pair build")
     parser.add_argument("--no-adapter", action="store_true", help="skip the linear-adapter baseline (AuTRC)")
     parser.add_argument("--dpo-steps", type=int, default=30, help="0 skips setting 2 (DPO)")
@@ -272,13 +233,10 @@ def main(argv=None) -> int:
     parser.add_argument("--search-width", type=int, default=2)
     parser.add_argument("--step-size", type=int, default=10)
     parser.add_argument("--sla-temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--pairs", default=None, metavar="DIR",
                         help="keep the pair build in DIR and reuse it when the settings match")
-    parser.add_argument("--output", default="benchmarks/results/sla.json")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(parser, argv)
+    args.plot = args.plot or str(Path(args.json).with_suffix(".png"))
     with tempfile.TemporaryDirectory(prefix="bench-sla-") as work:
         return run(args, Path(work))
 
@@ -294,13 +252,9 @@ def run(args, work: Path) -> int:
     train_prompts, eval_prompts = bench_prompts(args.train_prompts, args.eval_prompts, args.seed, args.prompts,
                                                 eval_file)
     eval_rows = held_out_rows(eval_prompts, eval_file, args.seed)
-    if args.models:
-        generator, reward, source = str(Path(args.models, "generator")), str(Path(args.models, "reward")), args.models
-    else:
-        from jobs.make_tiny_models import make_tiny_models
-
-        paths = make_tiny_models(work / "models", seed=args.seed)
-        generator, reward, source = str(paths["generator"]), str(paths["reward"]), "random tiny models (make_tiny_models)"
+    models = model_dirs(args.models, seed=args.seed)
+    generator, reward = models["generator"], models["reward"]
+    source = "random tiny models (make_tiny_models)" if args.models == "tiny" else args.models
     print(f"models: {source}; {len(train_prompts)} training prompts, {len(eval_prompts)} held-out prompts", flush=True)
 
     pair_dir, how = pair_build(generator, reward, train_prompts, work, args)
@@ -360,11 +314,9 @@ def run(args, work: Path) -> int:
         "wall_seconds": round(time.perf_counter() - start, 1),
         "device": args.device,
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_json(args.json, figures, args)
     if adapter:
-        plot_autrc(rt, adapter, out.with_suffix(".png"))
+        write_png(args.plot, lambda plt: plot_autrc(plt, rt, adapter))
 
     c = figures["cost_vs_greedy"]
     print(f"SLA (d={d}, k={k}, n={args.step_size}) vs greedy, judged by {JUDGE} on {len(eval_rows)} held-out prompts:")
@@ -385,7 +337,7 @@ def run(args, work: Path) -> int:
         print(f"AuTRC on held-out pairs: Reward Transformer {rt['autrc']:.3f} vs adapter {adapter['autrc']:.3f} "
               f"(pairwise accuracy {rt['pairwise_accuracy']:.1%} vs {adapter['pairwise_accuracy']:.1%})   "
               f"target RT > adapter: {'met' if rt['autrc'] > adapter['autrc'] else 'NOT met'}")
-    print(f"wrote {out}{' and ' + str(out.with_suffix('.png')) if adapter else ''} ({figures['wall_seconds']}s)")
+    print(f"({figures['wall_seconds']}s)")
     return 0
 
 

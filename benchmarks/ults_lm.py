@@ -1,9 +1,9 @@
 """ULTS vs beam search on a language model: mean log-likelihood against node expansions and wall time.
 
-    python -m benchmarks.ults_lm [--model DIR] [--prompts 16] [--new-tokens 20] [--device cpu]
-                                 [--json out/ults_lm.json] [--plot out/ults_lm.png]
+    python -m benchmarks.ults_lm [--models tiny|real|DIR | --generator DIR] [--num-prompts 16]
+                                 [--max-new-tokens 20] [--device cpu] [--json out/ults_lm.json] [--plot out/ults_lm.png]
 
-The ULTS paper's section 5.2 setting on our generator: decode --new-tokens tokens (fixed length, EOS
+The ULTS paper's section 5.2 setting on our generator: decode --max-new-tokens tokens (fixed length, EOS
 ignored, as the paper does so that likelihoods compare), beam search with k in {1, 2, 3, 4, 5, 10}
 against ULTS with the Dirichlet prior (alpha 1e-4) and the empirical prior, epsilon 0.1 and
 k_max in {2, 3, 5, 10} (top-k_max children per expansion, as in the authors' code). Both run on the
@@ -13,65 +13,55 @@ node expansions per prompt, and wall time of the whole batch (prior fitting excl
 reused across runs). The claim to check (paper Fig. 5): ULTS reaches the same or a higher
 log-likelihood than beam search with fewer expansions.
 
-Without --model the tiny generator is built and, since its weights are random (near-uniform softmax),
+On the tiny models (the default) the generator's weights are random (near-uniform softmax), so it is
 fine-tuned briefly on the tiny corpus (--train-steps) so its next-token distributions are peaked like
 a real model's.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import sys
-import tempfile
 import time
 
 import numpy as np
 import torch
 
+from benchmarks import bench_parser, model_dirs, parse, write_json, write_png
 from benchmarks.aded import fine_tune
-from jobs.make_tiny_models import ASKS, SUBJECTS, corpus, make_tiny_models
+from jobs.make_tiny_models import ASKS, SUBJECTS, corpus
 from pipeline.decoding.ults import (DirichletPrior, EmpiricalPrior, ULTSParams, beam_search, collect_softmax,
                                     fit_level_beliefs, ults_search)
 from pipeline.engines.hf import HFEngine, for_inference
 from pipeline.engines.adapters import PathCacheExpander
-from benchmarks import pyplot
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="generator directory (default: the tiny generator, fine-tuned)")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=20)
+    parser = bench_parser("benchmarks.ults_lm", __doc__, models="tiny",
+                          generator=dict(help="generator directory (default: the model set's; the tiny one is "
+                                              "fine-tuned first)"),
+                          num_prompts=16, max_new_tokens=20, device="cpu", threads=1, seed=0, json="out/ults_lm.json",
+                          plot="out/ults_lm.png")
     parser.add_argument("--beams", type=int, nargs="+", default=[1, 2, 3, 4, 5, 10])
     parser.add_argument("--k-max", type=int, nargs="+", default=[2, 3, 5, 10])
     parser.add_argument("--alpha", type=float, default=1e-4)
     parser.add_argument("--epsilon", type=float, default=0.1)
     parser.add_argument("--empirical-samples", type=int, default=256)
     parser.add_argument("--train-steps", type=int, default=40)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="out/ults_lm.json")
-    parser.add_argument("--plot", default="out/ults_lm.png")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(parser, argv)
     torch.manual_seed(args.seed)
-    if args.model:
-        engine = HFEngine.from_pretrained(args.model, device=args.device)
-    else:
-        engine = HFEngine.from_pretrained(str(make_tiny_models(tempfile.mkdtemp(prefix="ults-bench-"))["generator"]),
-                                          device=args.device, prepack=False)  # fine-tuned below, then prepacked
+    tiny = args.generator is None and args.models == "tiny"
+    model = model_dirs(args.models, ("generator",), generator=args.generator)["generator"]
+    engine = HFEngine.from_pretrained(model, device=args.device, prepack=not tiny)  # tiny: fine-tuned, then prepacked
+    if tiny:
         if args.train_steps:
             fine_tune(engine, [engine.tokenizer(line).input_ids for line in corpus(1, 3000)], args.train_steps)
         for_inference(engine.model, args.device)
     tok = engine.tokenizer
     rng = random.Random(args.seed + 1)
-    prompts = [tok(f"{rng.choice(ASKS)} {rng.choice(SUBJECTS)}.").input_ids for _ in range(args.prompts)]
+    prompts = [tok(f"{rng.choice(ASKS)} {rng.choice(SUBJECTS)}.").input_ids for _ in range(args.num_prompts)]
     held_out = [tok(f"{rng.choice(ASKS)} {rng.choice(SUBJECTS)}.").input_ids for _ in range(16)]
-    depth = args.new_tokens
+    depth = args.max_new_tokens
     vocab = int(engine.model.config.vocab_size)
     priors = {
         "dirichlet": DirichletPrior(args.alpha, vocab),
@@ -113,13 +103,14 @@ def main(argv=None) -> int:
         beaten = [b for b in cheaper_or_equal if b[1] <= r["loglik"] + 1e-3]
         print(f"  {r['method']:<22} loglik {r['loglik']:.3f} with {r['expansions']:.1f} expansions: "
               f"at least as good as {len(beaten)}/{len(cheaper_or_equal)} beam settings that expand as many or more")
-    for path in (args.json, args.plot):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"model": args.model or "tiny generator (fine-tuned)", "device": args.device,
-                   "prompts": args.prompts, "new_tokens": depth, "results": results}, f, indent=2)
-    plt = pyplot()
+    write_json(args.json, {"model": model if not tiny else "tiny generator (fine-tuned)", "device": args.device,
+                           "prompts": args.num_prompts, "new_tokens": depth, "results": results}, args)
+    write_png(args.plot, lambda plt: plot(plt, results))
+    return 0
 
+
+def plot(plt, results: list[dict]):
+    """Mean log-likelihood against node expansions and against wall time, one line per method kind."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for kind, marker in (("beam", "o-"), ("ults-dirichlet", "s-"), ("ults-empirical", "^-")):
         rows = sorted((r for r in results if r["kind"] == kind), key=lambda r: r["expansions"])
@@ -130,10 +121,7 @@ def main(argv=None) -> int:
     for ax in axes:
         ax.set_ylabel("mean log-likelihood")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
-    print(f"wrote {args.json} and {args.plot}")
-    return 0
+    return fig
 
 
 if __name__ == "__main__":

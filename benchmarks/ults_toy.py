@@ -16,15 +16,13 @@ No model, no device: --device is accepted for uniformity and ignored.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import numpy as np
 import torch
 
 from pipeline.decoding.ults import DirichletPrior, ULTSParams, beam_search, fit_level_beliefs, ults_search
-from benchmarks import pyplot
+from benchmarks import bench_parser, parse, write_json, write_png
 
 BRANCHING, DEPTH = 8, 5
 
@@ -109,9 +107,9 @@ def dominates(result: dict) -> bool:
     return all(v["loglik"] >= beam_at(result["beam"], v["expansions"]) - 1e-9 for v in result["ults"].values())
 
 
-def plot(results: list[dict], path: str) -> None:
-    plt = pyplot()
-
+def plot(plt, results: list[dict]):
+    """Per alpha: mean log-likelihood against node expansions; beam search's widths as a line, each
+    ULTS epsilon as a point."""
     fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.4), squeeze=False)
     for ax, res in zip(axes[0], results):
         beam = sorted(res["beam"].items())
@@ -125,22 +123,19 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_xlabel("node expansions")
         ax.set_ylabel("log-likelihood")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser("benchmarks.ults_toy", __doc__, seed=0,
+                          device=dict(default="cpu", help="ignored: the toy needs no model"),
+                          json="out/ults_toy.json", plot="out/ults_toy.png")
     parser.add_argument("--trees", type=int, default=100, help="random trees per alpha")
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.2, 0.5, 0.8])
     parser.add_argument("--epsilons", type=float, nargs="+", default=[0.05, 0.1, 0.3])
     parser.add_argument("--widths", type=int, nargs="+", default=list(range(1, 8)))
     parser.add_argument("--belief-samples", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="ignored: the toy needs no model")
-    parser.add_argument("--json", default="out/ults_toy.json")
-    parser.add_argument("--plot", default="out/ults_toy.png")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     results = []
     for alpha in args.alphas:
         res = run_alpha(alpha, args.epsilons, args.widths, args.trees, args.seed, args.belief_samples)
@@ -151,14 +146,8 @@ def main(argv=None) -> int:
                   f"(beam at same budget {beam_at(res['beam'], v['expansions']):8.3f})")
         for width, v in res["beam"].items():
             print(f"  beam k={width:<7} loglik {v['loglik']:8.3f}  expansions {v['expansions']:6.2f}")
-    import os
-
-    for path in (args.json, args.plot):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    plot(results, args.plot)
-    print(f"wrote {args.json} and {args.plot}")
+    write_json(args.json, {"results": results}, args)
+    write_png(args.plot, lambda plt: plot(plt, results))
     return 0
 
 

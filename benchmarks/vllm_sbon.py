@@ -1,19 +1,19 @@
 """Speculative rejection on vLLM (rounds and continuous batching) against Best-of-N on vLLM and on
 our HF engine, end to end through the build job on the real models (issue 14 item 5).
 
-    .venv-vllm/bin/python -m benchmarks.vllm_sbon [--config configs/real.yaml] [--prompts 8]
+    .venv-vllm/bin/python -m benchmarks.vllm_sbon [--config configs/real.yaml] [--num-prompts 8]
         [--runs bon_vllm,sbon_rounds,sbon_continuous,bon_hf] [--set KEY=VALUE ...] [--no-judge]
         [--throughput] [--output out/bench/vllm-sbon] [--json FILE]
 
     make bench-vllm    # the same, in .venv-vllm (make install-vllm, make real-models)
 
 Each run is one ``jobs.build_dataset`` build of configs/real.yaml (SmolLM2-135M-Instruct, its
-reward model, N 32, 256 tokens, tau 96, alpha 0.85) on the first ``--prompts`` prompts, same seed,
+reward model, N 32, 256 tokens, tau 96, alpha 0.85) on the first ``--num-prompts`` prompts, same seed,
 Ray actors as the config places them; only these differ:
 
-- ``bon_vllm``: Best-of-N, models.backend vllm, continuous batching (runtime.merged_decoding: every
+- ``bon_vllm``: Best-of-N, models.backend vllm, continuous batching (runtime.continuous_batching: every
   row of every batch in flight in one vLLM engine: what LLM.generate over all prompts does);
-- ``sbon_rounds``: speculative rejection on vLLM, runtime.merged_decoding false: each batch
+- ``sbon_rounds``: speculative rejection on vLLM, runtime.continuous_batching false: each batch
   (``--rounds-batch`` prompts, default all of them) decodes every row to tau with one
   LLM.generate, scores, and continues the survivors with another (their prefix re-read through
   vLLM's prefix cache): synchronous rounds with a barrier;
@@ -21,12 +21,12 @@ Ray actors as the config places them; only these differ:
   (pipeline.engines.vllm_engine.ContinuousVLLMEngine), one prompt per batch, 16 batches in flight:
   every candidate is its own request, each prompt prunes at its own tau, pruned requests are
   aborted and the next prompts' requests take their place;
-- ``bon_hf``: Best-of-N on our HF engine (merged decoding), the pipeline's default backend;
+- ``bon_hf``: Best-of-N on our HF engine (continuous batching), the pipeline's default backend;
 - ``sbon_continuous_spec``: ``sbon_continuous`` with vLLM's ngram speculative decoding
   (models.speculative: k = ``--spec-tokens`` draft tokens while at most ``--spec-rows`` requests
   decode, pipeline.decoding.speculative.SpeculativeDecoding): the survivors finish speculatively
   once the batch has thinned (issue 14 item 7);
-- ``sbon_hf`` / ``sbon_hf_spec``: speculative rejection on the HF engine (merged decoding), without
+- ``sbon_hf`` / ``sbon_hf_spec``: speculative rejection on the HF engine (continuous batching), without
   and with the same speculative decoding of each batch's finish (prompt lookup verified with
   ADED's exact acceptance: the same candidates as ``sbon_hf``, up to float rounding).
 - ``sbon_continuous_vllm_reward`` / ``bon_vllm_vllm_reward``: ``sbon_continuous`` / ``bon_vllm`` with
@@ -63,7 +63,6 @@ continuous >= 1.2x over rounds; HFEngine >= 0.9x vLLM's tokens/s at 128 x 128.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -71,23 +70,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.efficiency import run_job
-from benchmarks.real_sbon import environment, ifeval, quality, read_pairs
+from benchmarks import bench_parser, fail, job_argv, parse, read_prompts, run_job, write_json, write_prompts
+from benchmarks.real_sbon import ifeval, quality, read_pairs
 
 RUNS = {
-    "bon_vllm": ("best_of_n", ["models.backend=vllm", "runtime.merged_decoding=true"]),
-    "sbon_rounds": ("sbon", ["models.backend=vllm", "runtime.merged_decoding=false", "runtime.batches_in_flight=1"]),
-    "sbon_continuous": ("sbon", ["models.backend=vllm", "runtime.merged_decoding=true", "runtime.prompts_per_batch=1",
+    "bon_vllm": ("best_of_n", ["models.backend=vllm", "runtime.continuous_batching=true"]),
+    "sbon_rounds": ("sbon", ["models.backend=vllm", "runtime.continuous_batching=false", "runtime.batches_in_flight=1"]),
+    "sbon_continuous": ("sbon", ["models.backend=vllm", "runtime.continuous_batching=true", "runtime.prompts_per_batch=1",
                                  "runtime.batches_in_flight=16"]),
-    "bon_hf": ("best_of_n", ["models.backend=hf", "runtime.merged_decoding=true"]),
-    "sbon_continuous_spec": ("sbon", ["models.backend=vllm", "runtime.merged_decoding=true", "runtime.prompts_per_batch=1",
+    "bon_hf": ("best_of_n", ["models.backend=hf", "runtime.continuous_batching=true"]),
+    "sbon_continuous_spec": ("sbon", ["models.backend=vllm", "runtime.continuous_batching=true", "runtime.prompts_per_batch=1",
                                       "runtime.batches_in_flight=16", "SPEC"]),
-    "sbon_hf": ("sbon", ["models.backend=hf", "runtime.merged_decoding=true"]),
-    "sbon_hf_spec": ("sbon", ["models.backend=hf", "runtime.merged_decoding=true", "SPEC"]),
-    "sbon_continuous_vllm_reward": ("sbon", ["models.backend=vllm", "runtime.merged_decoding=true",
+    "sbon_hf": ("sbon", ["models.backend=hf", "runtime.continuous_batching=true"]),
+    "sbon_hf_spec": ("sbon", ["models.backend=hf", "runtime.continuous_batching=true", "SPEC"]),
+    "sbon_continuous_vllm_reward": ("sbon", ["models.backend=vllm", "runtime.continuous_batching=true",
                                              "runtime.prompts_per_batch=1", "runtime.batches_in_flight=16",
                                              "VLLM_REWARD"]),
-    "bon_vllm_vllm_reward": ("best_of_n", ["models.backend=vllm", "runtime.merged_decoding=true", "VLLM_REWARD"]),
+    "bon_vllm_vllm_reward": ("best_of_n", ["models.backend=vllm", "runtime.continuous_batching=true", "VLLM_REWARD"]),
 }
 VLLM_REWARD_SUFFIX = "_vllm_reward"
 DEFAULT_RUNS = ["bon_vllm", "sbon_rounds", "sbon_continuous", "bon_hf"]
@@ -95,9 +94,11 @@ BASELINE = "bon_vllm"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/real.yaml")
-    parser.add_argument("--prompts", type=int, default=8, help="how many of the config's data.prompts (first ones)")
+    parser = bench_parser("benchmarks.vllm_sbon", __doc__, config="configs/real.yaml",
+                          num_prompts=dict(default=8, help="how many of the config's data.prompts (first ones)"),
+                          set=dict(default=[], help="passed to every build (strategy.* ones to the sbon builds "
+                                   "only), e.g. --set sampling.num_samples=16 --set strategy.decision_token=64"),
+                          output="out/bench/vllm-sbon", json=None)
     parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--spec-tokens", type=int, default=4, help="the *_spec runs' draft tokens per step")
     parser.add_argument("--spec-rows", type=int, default=16, help="the *_spec runs' most live rows that speculate")
@@ -105,16 +106,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the *_vllm_reward runs' models.reward_vllm.gpu_memory_utilization (on CPU: of the "
                              "node's memory, weights included)")
     parser.add_argument("--rounds-batch", type=int, help="sbon_rounds' prompts per batch (default: all of them)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed to every build (strategy.* ones to the sbon builds only), "
-                             "e.g. --set sampling.num_samples=16 --set strategy.decision_token=64")
-    parser.add_argument("--output", default="out/bench/vllm-sbon", help="the builds' outputs: OUTPUT/RUN")
     parser.add_argument("--no-judge", action="store_true", help="skip the IFEval figures")
     parser.add_argument("--throughput", action="store_true", help="also time raw decoding at 128 rows x 128 tokens")
     parser.add_argument("--hf-python", default=".venv/bin/python" if Path(".venv/bin/python").exists() else sys.executable,
                         help="--throughput's Python for the HF engine (default: the product's .venv)")
-    parser.add_argument("--json", help="write the figures here as JSON")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = [r for r in args.runs if r not in RUNS]
     if unknown:
@@ -134,13 +130,9 @@ def build(name: str, args: argparse.Namespace, prompts: Path, count: int) -> dic
         overrides = [o for o in overrides if o != "VLLM_REWARD"] + [
             "models.reward_backend=vllm", f"models.reward_vllm.gpu_memory_utilization={args.reward_kv_fraction}"]
     output = Path(args.output) / name
-    argv = ["--config", args.config, "--strategy", strategy, "--prompts", str(prompts), "--output", str(output),
-            "--overwrite", "--no-progress"]
     overrides = overrides + [o for o in args.overrides if strategy == "sbon" or not o.startswith("strategy.")]
-    for override in overrides:
-        argv += ["--set", override]
     start = time.perf_counter()
-    report = run_job(name, argv, output)
+    report = run_job(name, job_argv(args.config, strategy, prompts, output, overrides), output)
     report["tokens_per_second"] = round(report["generated_tokens"] / report["run_seconds"], 1)
     report["overrides"] = overrides
     print(f"   {name}: run {report['run_seconds']:.2f}s, startup {report['startup_seconds']:.1f}s, "
@@ -184,8 +176,8 @@ def hf_in_its_venv(python: str, model: str, rows: int, tokens: int, repeats: int
     runs there, with the transformers our package resolves to; .venv-vllm pins an older one)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "hf.json"
-        subprocess.run([python, "-m", "benchmarks.hf_throughput", "--model", model, "--rows", str(rows),
-                        "--tokens", str(tokens), "--repeats", str(repeats), "--json", str(out)], check=True)
+        subprocess.run([python, "-m", "benchmarks.hf_throughput", "--generator", model, "--rows", str(rows),
+                        "--max-new-tokens", str(tokens), "--repeats", str(repeats), "--json", str(out)], check=True)
         return {**json.loads(out.read_text()), "python": python}
 
 
@@ -233,32 +225,27 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import load_config
 
     args = parse_args(argv)
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     config = load_config(args.config, args.overrides, strategy="sbon")
     from pipeline.engines.rewards import is_reward_function
 
     for path in (config.models.generator, config.models.reward):
         if not (path == config.models.reward and is_reward_function(path)) and not Path(path).is_dir():
-            print(f"error: {path}: no model directory (make real-models)", file=sys.stderr)
-            return 2
-    lines = [ln for ln in Path(config.data.prompts).read_text().splitlines() if ln.strip()][:args.prompts]
+            fail(f"{path}: no model directory (make real-models)")
+    rows = read_prompts(config.data.prompts, args.num_prompts)
     reports = {}
     with tempfile.TemporaryDirectory() as tmp:
-        prompts = Path(tmp) / "prompts.jsonl"
-        prompts.write_text("\n".join(lines) + "\n")
+        prompts = write_prompts(rows, Path(tmp) / "prompts.jsonl")
         for name in args.runs:
-            reports[name] = build(name, args, prompts, len(lines))
+            reports[name] = build(name, args, prompts, len(rows))
 
     params = config.strategy.params
-    print(f"\n{len(lines)} prompts of {config.data.prompts}, N={config.sampling.num_samples}, "
+    print(f"\n{len(rows)} prompts of {config.data.prompts}, N={config.sampling.num_samples}, "
           f"T={config.sampling.max_new_tokens}, tau={params.decision_token}, alpha={params.rejection_rate}, "
           f"seed {config.seed}; --set {' '.join(args.overrides) or '(none)'}")
     for name, report in reports.items():
         print(f"{name:<16} run {report['run_seconds']:8.2f}s  {report['generated_tokens']:8d} tokens  "
               f"{report['tokens_per_second']:7.1f} tok/s  (startup {report['startup_seconds']:.1f}s)")
-    command = " ".join(["python -m benchmarks.vllm_sbon", *(sys.argv[1:] if argv is None else argv)])
-    result = {"prompts": len(lines), "config": args.config, "overrides": args.overrides, "runs": reports, "ratios": {},
-              "date": started, "command": command}
+    result = {"prompts": len(rows), "config": args.config, "overrides": args.overrides, "runs": reports, "ratios": {}}
     if BASELINE in reports:
         base = reports[BASELINE]
         for name, report in reports.items():
@@ -309,11 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{100 * verdict['sbon']['chosen']['instruction_level_strict']:.1f} / {verdict['sbon']['pair_accuracy']}")
     if args.throughput:
         result["throughput"] = throughput(config.models.generator, args.hf_python)
-    if args.json:
-        result.update(environment(config.models.device))
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    write_json(args.json, result, args)
     return 0
 
 

@@ -16,10 +16,11 @@ tells apart, the share where the chosen response follows more instructions.
 
 With --generator: decoding methods against greedy (pipeline.evaluation) on the --prompts rows, each
 response judged by IFEval against its row's instructions; --reward is the reward model the
-methods choose candidates with (it judges nothing). --generator is the policy (a Reward Transformer
+strategies choose candidates with (it judges nothing). --generator is the policy (a Reward Transformer
 directory for `sla`). Methods: the baselines greedy, temperature, top_p, top_k and beam, and every
-strategy of the registry (pipeline.strategies); default: greedy, temperature, top_p, top_k, beam, sla,
-sbon (sla only when the generator has a trained reward channel). Prints win / tie / loss against greedy, the
+strategy of the registry (pipeline.strategies); default: the baselines, sla and sbon. A strategy
+whose registry check fails on --generator (sla without a trained reward channel) is refused when
+named, and skipped with a note by default. Prints win / tie / loss against greedy, the
 win rate (wins + ties/2, Table 1 of the SLA paper), IFEval accuracy and the decoding cost relative
 to greedy (tokens and wall time).
 
@@ -49,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     epilog = (f"methods (--methods): the baselines {', '.join([*SAMPLING, 'beam'])}, and the strategies:\n"
               f"{strategies_text().split(chr(10), 1)[1]}\n"
-              f"default: {','.join(DEFAULT_METHODS)} (sla only with a trained reward channel)\n"
+              f"default: {','.join(DEFAULT_METHODS)} (a strategy --generator cannot serve is skipped)\n"
               "exit codes: 0 done; 2 a user error (input, models, methods), one line on stderr")
     parser = job_parser("bon-evaluate", __doc__, epilog=epilog)
     source = parser.add_mutually_exclusive_group(required=True)
@@ -89,16 +90,25 @@ def read_instructions(uri: str, column: str) -> dict[str, dict]:
 
 
 def read_pairs(output: str, allow_partial: bool) -> list[dict]:
-    """The build's pair rows, from its committed shards only (OutputStore.committed_parts)."""
+    """The build's pair rows, from its committed shards only (OutputStore.read_committed); with
+    ``allow_partial``, one line on stderr says what of the build was left out. InputError when
+    ``output`` is no build."""
     import pyarrow.parquet as pq
 
-    from pipeline.data.writer import OutputStore
+    from pipeline.data.writer import BUILD_FILES, OutputStore, partial_read_line
 
-    store = OutputStore(output)
+    store = OutputStore.open_build(output)
+    if store is None:
+        raise InputError(f"{output}: not a build's output (none of {', '.join(BUILD_FILES)}); --pairs takes a "
+                         "bon-build --output")
+    read = store.read_committed(allow_partial=allow_partial)
     rows = []
-    for part in store.committed_parts(allow_partial=allow_partial):
+    for part in read.parts:
         with store.fs.open(part, "rb") as f:
             rows += pq.read_table(f).to_pylist()
+    line = partial_read_line(output, len(rows), [read])
+    if line:
+        log.info("%s", line)
     return rows
 
 
@@ -148,11 +158,36 @@ def load_prompts(uri: str, column: str, tokenizer, max_new_tokens: int, limit: i
     return prompts[:limit] if limit else prompts
 
 
+FLAGS = {"models.generator": "--generator", "models.reward": "--reward"}
+"""The config keys a strategy's model check names, as this job's flags."""
+
+
+def servable(method: str, args, sla_params) -> str | None:
+    """Why --generator cannot serve ``method`` (one line naming the flag), or None when it can: a
+    baseline always can; a strategy when its registry record's model check passes (SLA: a trained
+    reward channel), with the settings the comparison runs it with."""
+    from pipeline.build import MODEL_FILES
+    from pipeline.config import ConfigError, ModelsConfig
+    from pipeline.evaluation import strategy_settings
+    from pipeline.strategies import STRATEGIES
+
+    record = STRATEGIES.get(method)
+    if record is None or record.check_models is None:
+        return None
+    params, _, _ = strategy_settings(record, args.max_new_tokens, sla_params, args.sla_temperature, args.num_samples)
+    try:
+        record.check_models(params, ModelsConfig(generator=args.generator, reward=args.reward), MODEL_FILES)
+    except ConfigError as exc:
+        # The check names the config key (models.generator); this job's user set its flag.
+        key, _, why = str(exc).partition(": ")
+        return f"{FLAGS.get(key, key)}: {why}"
+    return None
+
+
 def compare_methods(args) -> tuple[dict, str] | int:
     """The --generator figures and their table, or exit code 2 after one line on stderr."""
     from pipeline.config import ConfigError
     from pipeline.decoding.sla import SLAParams
-    from pipeline.engines.reward_transformer import has_trained_channel
     from pipeline.evaluation import CHOICES, DEFAULT_METHODS, compare, format_report
 
     try:
@@ -160,19 +195,23 @@ def compare_methods(args) -> tuple[dict, str] | int:
             if getattr(args, flag) is None:
                 raise ConfigError(f"--{flag}: required with --generator")
         sla_params = SLAParams(args.search_depth, args.search_width, args.step_size)
-        trained = has_trained_channel(args.generator)
         if args.methods:
             methods = [m.strip() for m in args.methods.split(",") if m.strip()]
             unknown = [m for m in methods if m not in CHOICES]
             if unknown:
                 raise ConfigError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(CHOICES)}")
-            if "sla" in methods and not trained:
-                raise ConfigError(f"--generator: 'sla' needs a trained reward channel, {args.generator!r} has none "
-                                  "(train one with bon-train-reward-transformer)")
+            for method in methods:
+                why = servable(method, args, sla_params)
+                if why:
+                    raise ConfigError(why)
         else:
-            methods = [m for m in DEFAULT_METHODS if m != "sla" or trained]
-            if not trained:
-                log.info("note: %s has no trained reward channel; sla skipped", args.generator)
+            methods = []
+            for method in DEFAULT_METHODS:
+                why = servable(method, args, sla_params)
+                if why:
+                    log.info("note: %s skipped (%s)", method, why)
+                else:
+                    methods.append(method)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

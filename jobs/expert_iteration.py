@@ -215,6 +215,14 @@ def train(args, pairs: Path, generator: str, model: Path, r: int) -> dict:
     return metrics
 
 
+def finished(pairs: Path) -> bool:
+    """Whether a round's build is done: its output store says it finished (_SUCCESS)."""
+    from pipeline.data.writer import OutputStore
+
+    store = OutputStore.open_build(str(pairs))
+    return store is not None and store.succeeded()
+
+
 def save(progress_file: Path, progress: dict) -> None:
     """Whole or not at all: a run killed mid-write leaves the previous record."""
     tmp = progress_file.with_name(f".tmp-{os.getpid()}-{progress_file.name}")
@@ -244,7 +252,7 @@ def run_rounds(args, out: Path, progress: dict, sid: str) -> str:
                   "generator_stamp": model_stamp(generator)}
         record = schedule["rounds"].setdefault(str(r), {})
         same = all(record.get(k) == v for k, v in wanted.items())
-        built = same and not stale and "build" in record and (pairs / "_SUCCESS").exists()
+        built = same and not stale and "build" in record and finished(pairs)
         if not built:
             # A record with other hashes means the pairs on disk are another round's: replace them. The
             # same hashes with no finished build mean an interrupted one: it resumes shard by shard.

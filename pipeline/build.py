@@ -39,13 +39,32 @@ from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import FirstRows, PromptFormatter, PromptSource, Reject, hub_dataset_id, validate
 from pipeline.data.storage import access_errors, check_access
 from pipeline.data.writer import ExtraColumns, OutputStore, check_location, fingerprint, part_name
-from pipeline.decoding.sampling import SamplingParams
+from pipeline.engines.backends import BACKENDS, backend
 from pipeline.engines.hf import TOKENIZER_KEYS, load_tokenizer
 from pipeline.engines.rewards import is_reward_function, load_reward_function
 from pipeline.errors import BatchFailed, InputError, ShardFailed
 from pipeline.strategies import lookup
 
 log = logging.getLogger(__name__)
+
+
+class _ModelFiles:
+    """The model-file readers the strategy registry's plan-time checks take (pipeline.strategies.ModelFiles)."""
+
+    @staticmethod
+    def has_trained_channel(path: str) -> bool:
+        from pipeline.engines.reward_transformer import has_trained_channel
+
+        return has_trained_channel(path)
+
+    @staticmethod
+    def load_trigram(path: str):
+        from pipeline.engines.trigram import load_trigram
+
+        return load_trigram(path)
+
+
+MODEL_FILES = _ModelFiles()
 
 
 @dataclass
@@ -82,11 +101,6 @@ def config_hash(config: Config) -> str:
     for key in ("prompts", "output", "storage_options", "split", "subset", "revision"):
         content["data"].pop(key)
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()
-
-
-def sampling_params(config: Config) -> SamplingParams:
-    s = config.sampling
-    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
 WINDOW_ROUNDS = 64
@@ -191,7 +205,7 @@ def check_models(config: Config) -> tuple:
     if record.uses_draft and models.draft:
         contexts.append(_context(_model_config("draft", models.draft, "causal", load("draft"))) or contexts[0])
     if record.check_models is not None:
-        record.check_models(config.strategy.params, models)
+        record.check_models(config.strategy.params, models, MODEL_FILES)
     return tokenizer, min(contexts)
 
 
@@ -214,11 +228,12 @@ def check_engines(config: Config) -> None:
     """Plan time: the device and engine settings can be had and are ones the engines take.
 
     - models.device cuda: in-process (runtime.local) this process must see a GPU; on Ray each actor
-      that loads a model on the HF backend must ask for GPUs (runtime.<role>.num_gpus > 0), since
-      Ray hides every GPU from an actor that asked for none. A vLLM engine asks for its own
-      (actors.factory.actor_resources).
-    - models.vllm / models.reward_vllm: every key a ``vllm.EngineArgs`` field (where vLLM is installed
-      on the driver; on a driver without it the actor reports a bad key when it starts);
+      that loads a model must ask for GPUs (runtime.<role>.num_gpus > 0), since Ray hides every GPU
+      from an actor that asked for none, unless its backend's engine asks for its own (vLLM:
+      Backend.spans_gpus, actors.factory.actor_resources).
+    - a backend's engine settings (models.vllm / models.reward_vllm, Backend.role_settings_key):
+      noted when the role runs on another backend; every key a ``vllm.EngineArgs`` field (where vLLM
+      is installed on the driver; on a driver without it the actor reports a bad key when it starts);
     - models.hf.attn_implementation: one transformers knows (or a Hub kernel, ``org/repo``)."""
     import torch
 
@@ -227,27 +242,25 @@ def check_engines(config: Config) -> None:
         if rt.local and not torch.cuda.is_available():
             raise ConfigError(f"models.device: {models.device}, but this process sees no GPU (torch.cuda.is_available() "
                               "is false); use models.device cpu, or run on a GPU machine")
-        roles = [("generator", models.backend)]
+        # Each role whose actors load a model, and whether its engine asks Ray for GPUs of its own.
+        roles = [("generator", backend(models.backend).spans_gpus)]
         if not is_reward_function(models.reward):
-            roles.append(("reward", models.reward_backend))
+            roles.append(("reward", backend(models.reward_backend).spans_gpus))
         if lookup(config.strategy.name).uses_draft and models.draft and rt.draft_placement == "actor":
-            roles.append(("draft", "hf"))
-        for role, backend in roles:
-            if not rt.local and backend == "hf" and getattr(rt, role).num_gpus <= 0:
+            roles.append(("draft", False))  # a draft model loads as pipeline.engines.draft.HFDrafter
+        for role, own_gpus in roles:
+            if not rt.local and not own_gpus and getattr(rt, role).num_gpus <= 0:
                 raise ConfigError(f"models.device: {models.device}, but runtime.{role}.num_gpus is 0: Ray gives an "
                                   f"actor that asks for no GPU none; set runtime.{role}.num_gpus (e.g. 1, or 0.5 to share)")
-    for key, backend in (("vllm", models.backend), ("reward_vllm", models.reward_backend)):
-        settings = getattr(models, key)
-        if settings and backend != "vllm":
-            log.info(f"note: models.{key} is set but the {'generator' if key == 'vllm' else 'reward model'} runs on "
-                     f"backend {backend}; it is not used")
-        if settings and backend == "vllm":
-            known = _vllm_engine_keys()
-            for name in settings:
-                if known is not None and name not in known:
-                    close = difflib.get_close_matches(name, known, n=1)
-                    hint = f" (did you mean {close[0]}?)" if close else ""
-                    raise ConfigError(f"models.{key}.{name}: not a vLLM engine argument{hint}")
+    for role, name in (("generator", models.backend), ("reward", models.reward_backend)):
+        used = backend(name).role_settings_key(role)
+        for key in dict.fromkeys(b.role_settings_key(role) for b in BACKENDS.values() if b.role_settings_key(role)):
+            settings = getattr(models, key)
+            if settings and key != used:
+                log.info(f"note: models.{key} is set but the {'generator' if role == 'generator' else 'reward model'} "
+                         f"runs on backend {name}; it is not used")
+            elif settings:
+                _check_vllm_settings(key, settings)
     attn = models.hf.attn_implementation
     if attn and "/" not in attn:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -256,6 +269,16 @@ def check_engines(config: Config) -> None:
         if attn not in known and attn.split("|")[-1] not in known:
             raise ConfigError(f"models.hf.attn_implementation: {attn!r}: expected one of {', '.join(known)} "
                               "(or a Hub kernel org/repo)")
+
+
+def _check_vllm_settings(key: str, settings: dict) -> None:
+    """``models.<key>``: every key a ``vllm.LLM`` keyword (where vLLM is installed here)."""
+    known = _vllm_engine_keys()
+    for name in settings:
+        if known is not None and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"models.{key}.{name}: not a vLLM engine argument{hint}")
 
 
 def _vllm_engine_keys() -> set[str] | None:
@@ -434,153 +457,199 @@ def run_build(plan: BuildPlan, workers, progress: bool = True) -> dict:
 
 
 def _run(plan: BuildPlan, workers, progress: bool) -> dict:
-    from pipeline.observability import BuildMetrics, ProgressBars, ShardLog, pairs_per_hour, round_seconds
-
-    config, store, runtime = plan.config, plan.store, plan.config.runtime
-    metrics = BuildMetrics(started=plan.started)
-    progress = progress and sys.stderr.isatty()  # elsewhere (ray job submit, CI, a file): a log line per shard
-    bars = ProgressBars(plan.rows_to_run, config.strategy.name, enabled=progress)
-    shard_log = ShardLog(len(plan.pending), plan.rows_to_run, bars=progress)
-    origin: dict[str, tuple[_Shard, int, bool]] = {}
-    """prompt_id -> (shard, source_row, truncated), for the prompts of the windows being run."""
-    # Startup (planning, cluster, actors, model loads) ends here: the workers are up, and the first
-    # batches go out as soon as the first window is read and the coordinator is asked for results.
-    run_started = last_commit = time.perf_counter()
-    quarantined = truncated_prompts = prompts_run = 0
-
-    def commit(shard: _Shard) -> None:
-        nonlocal last_commit, quarantined
-        shard.pairs.sort(key=lambda p: p["source_row"])
-        shard.rejects.sort(key=lambda r: r["source_row"])
-        shard.stats.update(pairs=len(shard.pairs), rejects=len(shard.rejects))
-        store.commit_shard(shard.index, shard.pairs, shard.rejects, shard.fingerprint, plan.config_hash,
-                           dict(shard.stats), shard.quarantine, config.data.output_format, plan.extra)
-        quarantined += len(shard.quarantine)
-        metrics.shard_committed()
-        shard_log.shard_committed(shard.index, len(shard.pairs), len(shard.rejects))
-        last_commit = time.perf_counter()
-
-    def sync_restarts() -> None:
-        restarts = workers.restarts() if hasattr(workers, "restarts") else 0
-        metrics.actor_restarted(restarts - metrics.totals["actor_restarts"])
-
-    def on_retry(failure: BatchFailed) -> None:
-        shards = sorted({origin[pid][0].index for pid in failure.prompt_ids})
-        sync_restarts()
-        log.warning(f"{failure.cause}; actor replaced (or already), shard(s) {shards} batch resubmitted "
-                    f"(attempt {failure.attempts + 1} of {runtime.max_attempts})")
-
-    def start(window: list[tuple[_Shard, list[tuple]]]) -> list:
-        """The window's prompts, in input order; its shards with nothing to run commit now."""
-        nonlocal truncated_prompts
-        prompts = []
-        for shard, shard_prompts in window:
-            for prompt, source_row, truncated in shard_prompts:
-                origin[prompt.prompt_id] = (shard, source_row, truncated)
-                prompts.append(prompt)
-                truncated_prompts += truncated
-            if shard.too_long:  # planning counted them in the bars' total; formatting rejected them
-                for bar in (bars.prompts, bars.pairs):
-                    bar.total -= shard.too_long
-                    bar.refresh()
-            if shard.expected == 0:
-                commit(shard)
-        return prompts
-
-    coordinator = Coordinator(config.strategy.name, config.strategy.params, sampling_params(config),
-                              config.sampling.num_samples, config.seed, workers.generators, workers.scorers,
-                              runtime.prompts_per_batch, runtime.batches_in_flight,
-                              max_attempts=runtime.max_attempts, on_retry=on_retry,
-                              rows_in_flight=runtime.rows_in_flight)
-    in_flight = len(workers.generators) * runtime.batches_in_flight * runtime.prompts_per_batch
-    windows = _windows(_pending_shards(plan), WINDOW_ROUNDS * in_flight)
-    pairs_made = tokens = bon_tokens = 0
+    run = _BuildRun(plan, workers, progress)
     try:
+        run.run_windows()
+    except BatchFailed as exc:
+        raise ShardFailed(run.failed_shards(exc)) from None
+    finally:
+        run.bars.close()
+    run.sync_restarts()
+    return run.finish()
+
+
+class _BuildRun:
+    """One run of a plan's pending shards: the counters its steps share, and the steps. A window of
+    shards starts (start_window), each prompt's result is recorded into its shard (record_result),
+    a shard commits once its last prompt is in (commit_shard), a batch retried after a fault is
+    logged (on_retry), and at the end the manifest, run report, dataset card and _SUCCESS are
+    written (finish)."""
+
+    def __init__(self, plan: BuildPlan, workers, progress: bool):
+        from pipeline.observability import BuildMetrics, ProgressBars, ShardLog
+
+        self.plan, self.workers, self.config = plan, workers, plan.config
+        self.metrics = BuildMetrics(started=plan.started)
+        progress = progress and sys.stderr.isatty()  # elsewhere (ray job submit, CI, a file): a log line per shard
+        self.bars = ProgressBars(plan.rows_to_run, self.config.strategy.name, enabled=progress)
+        self.shard_log = ShardLog(len(plan.pending), plan.rows_to_run, bars=progress)
+        self.origin: dict[str, tuple[_Shard, int, bool]] = {}
+        """prompt_id -> (shard, source_row, truncated), for the prompts of the windows being run."""
+        # Startup (planning, cluster, actors, model loads) ends here: the workers are up, and the first
+        # batches go out as soon as the first window is read and the coordinator is asked for results.
+        self.run_started = self.last_commit = time.perf_counter()
+        self.quarantined = self.truncated_prompts = self.prompts_run = 0
+        self.pairs_made = self.tokens = self.bon_tokens = 0
+        self.coordinator = Coordinator.from_config(self.config, workers.generators, workers.scorers,
+                                                   on_retry=self.on_retry)
+        runtime = self.config.runtime
+        self.in_flight = len(workers.generators) * runtime.batches_in_flight * runtime.prompts_per_batch
+        """Prompts the generators hold in flight at once."""
+
+    def run_windows(self) -> None:
+        """Every pending shard, a window at a time (see WINDOW_ROUNDS); the next window is read while
+        the last batches of the one before finish."""
+        windows = _windows(_pending_shards(self.plan), WINDOW_ROUNDS * self.in_flight)
         window = next(windows, [])
         while window:
-            prompts = start(window)
+            prompts = self.start_window(window)
             ahead = None  # the next window once read ([]: the input is done)
-            for done, result in enumerate(coordinator.run(prompts), start=1):
-                shard, source_row, truncated = origin.pop(result.prompt.prompt_id)
-                _record(shard, result, source_row)
-                pair, reason = select_pair(result, config.strategy.name, config.data.min_margin,
-                                           config.data.output_format, config.data.rejected)
-                if pair is None:
-                    shard.rejects.append(_reject_row(Reject(source_row, reason, result.prompt.raw_prompt[:1000],
-                                                            result.prompt.prompt_id), "pairing",
-                                                     result.generated_tokens, result.bon_equivalent_tokens))
-                else:
-                    pair.update(prompt_truncated=truncated, source_row=source_row,
-                                **plan.extra.values(result.prompt.columns))
-                    shard.pairs.append(pair)
-                    pairs_made += 1
-                shard.done += 1
-                tokens += result.generated_tokens
-                bon_tokens += result.bon_equivalent_tokens
-                metrics.prompt_done(pair is not None, result.generated_tokens, result.bon_equivalent_tokens)
-                bars.update(pair is not None, result.bon_equivalent_tokens - result.generated_tokens)
-                shard_log.prompt_done(pair is not None)
-                if shard.done == shard.expected:
-                    commit(shard)
-                if ahead is None and done >= len(prompts) - in_flight:
+            for done, result in enumerate(self.coordinator.run(prompts), start=1):
+                self.record_result(result)
+                if ahead is None and done >= len(prompts) - self.in_flight:
                     # Every batch of the window is out: read the next window while they finish.
                     ahead = next(windows, [])
-            prompts_run += len(prompts)
+            self.prompts_run += len(prompts)
             unfinished = [shard.index for shard, _ in window if shard.done != shard.expected]
             if unfinished:
                 raise RuntimeError(f"shards {unfinished} did not receive all their prompts")
             window = ahead if ahead is not None else next(windows, [])
-    except BatchFailed as exc:
-        shards = sorted({origin[pid][0].index for pid in exc.prompt_ids})
-        raise ShardFailed(f"shard(s) {', '.join(part_name(k) for k in shards)} failed after {exc.attempts} "
-                           f"attempts: {exc.cause}; committed shards are kept, a rerun resumes") from None
-    finally:
-        bars.close()
-    sync_restarts()
 
-    # _SUCCESS only after every marker is checked: summarize reads them all through verify.
-    # verify also checks every marker's config hash: shards of another config never get _SUCCESS.
-    manifest = summarize(store, store.verify(plan.num_shards, plan.config_hash), plan.num_shards, plan.prompts_in)
-    wall = time.perf_counter() - plan.started
-    run_stats = workers.stats()
-    if "actor_time" in run_stats:
-        run_stats["actor_time"] = round_seconds(run_stats["actor_time"])
-    written = set(plan.pending)
-    manifest.update(wall_seconds=round(wall, 3), startup_seconds=round(run_started - plan.started, 3),
-                    run_seconds=round(last_commit - run_started, 3), config=config.redacted_dict(),
-                    config_hash=plan.config_hash, shards_written=list(plan.pending),
-                    shards_skipped=[k for k in range(plan.num_shards) if k not in written],
-                    prompts_truncated=truncated_prompts, run_stats=run_stats, pairs_this_run=pairs_made,
-                    input=plan.source.provenance, input_files_skipped=dict(plan.source.skipped), extra_columns=plan.extra.describe(),
-                    extra_columns_left_out=sorted(plan.extra.left_out))
-    # The rate of this run only: resumed shards cost it nothing. One definition for every figure.
-    metrics.set_rate(wall)
-    manifest["pairs_per_minute"] = round(pairs_per_hour(pairs_made, wall) / 60, 2)
-    report = {
-        "pairs": pairs_made, "prompts": prompts_run, "wall_seconds": round(wall, 3),
-        # wall = startup (planning, cluster, actors, model loads: up to the first batch dispatched)
-        # + run (to the last shard committed) + the final checks and the manifest.
-        "startup_seconds": manifest["startup_seconds"], "run_seconds": manifest["run_seconds"],
-        # Where each role's actors spent their span (actors.factory.actor_time_of); None for
-        # workers that keep no timeline.
-        "actor_time": run_stats.get("actor_time"),
-        "pairs_per_hour": pairs_per_hour(pairs_made, wall),
-        "generated_tokens": tokens, "bon_equivalent_tokens": bon_tokens, "tokens_saved": bon_tokens - tokens,
-        "tokens_per_pair": round(tokens / pairs_made, 2) if pairs_made else None,
-        "actor_restarts": metrics.totals["actor_restarts"], "batch_retries": coordinator.retries,
-        "shards_written": len(plan.pending), "shards_skipped": plan.num_shards - len(plan.pending),
-        "quarantined_candidates": quarantined,
-        "metrics": dict(metrics.totals),
-    }
-    manifest["report"] = "_report.json"
-    from pipeline.data.card import provenance, write_card
-    manifest["provenance"] = provenance(config)  # once per build, here on the driver
-    # README.md, the dataset card that datasets.load_dataset(OUT) reads (None: a user's README is in the way).
-    manifest["dataset_card"] = "README.md" if write_card(store, manifest) else None
-    store.write_manifest(manifest)
-    store.write_json("_report.json", report)
-    store.write_success({"shards": plan.num_shards, "pairs": manifest["pairs"], "config_hash": plan.config_hash})
-    return manifest
+    def start_window(self, window: list[tuple[_Shard, list[tuple]]]) -> list:
+        """The window's prompts, in input order; its shards with nothing to run commit now."""
+        prompts = []
+        for shard, shard_prompts in window:
+            for prompt, source_row, truncated in shard_prompts:
+                self.origin[prompt.prompt_id] = (shard, source_row, truncated)
+                prompts.append(prompt)
+                self.truncated_prompts += truncated
+            if shard.too_long:  # planning counted them in the bars' total; formatting rejected them
+                for bar in (self.bars.prompts, self.bars.pairs):
+                    bar.total -= shard.too_long
+                    bar.refresh()
+            if shard.expected == 0:
+                self.commit_shard(shard)
+        return prompts
+
+    def record_result(self, result) -> None:
+        """One prompt's candidates: its pair (or reject) into its shard, the counters and progress
+        updated; the shard commits if this was its last prompt."""
+        data = self.config.data
+        shard, source_row, truncated = self.origin.pop(result.prompt.prompt_id)
+        _record(shard, result, source_row)
+        pair, reason = select_pair(result, self.config.strategy.name, data.min_margin, data.output_format,
+                                   data.rejected)
+        if pair is None:
+            shard.rejects.append(_reject_row(Reject(source_row, reason, result.prompt.raw_prompt[:1000],
+                                                    result.prompt.prompt_id), "pairing",
+                                             result.generated_tokens, result.bon_equivalent_tokens))
+        else:
+            pair.update(prompt_truncated=truncated, source_row=source_row,
+                        **self.plan.extra.values(result.prompt.columns))
+            shard.pairs.append(pair)
+            self.pairs_made += 1
+        shard.done += 1
+        self.tokens += result.generated_tokens
+        self.bon_tokens += result.bon_equivalent_tokens
+        self.metrics.prompt_done(pair is not None, result.generated_tokens, result.bon_equivalent_tokens)
+        self.bars.update(pair is not None, result.bon_equivalent_tokens - result.generated_tokens)
+        self.shard_log.prompt_done(pair is not None)
+        if shard.done == shard.expected:
+            self.commit_shard(shard)
+
+    def commit_shard(self, shard: _Shard) -> None:
+        """Write the shard's pairs, rejects and quarantine, then its marker (OutputStore.commit_shard)."""
+        shard.pairs.sort(key=lambda p: p["source_row"])
+        shard.rejects.sort(key=lambda r: r["source_row"])
+        shard.stats.update(pairs=len(shard.pairs), rejects=len(shard.rejects))
+        self.plan.store.commit_shard(shard.index, shard.pairs, shard.rejects, shard.fingerprint,
+                                     self.plan.config_hash, dict(shard.stats), shard.quarantine,
+                                     self.config.data.output_format, self.plan.extra)
+        self.quarantined += len(shard.quarantine)
+        self.metrics.shard_committed()
+        self.shard_log.shard_committed(shard.index, len(shard.pairs), len(shard.rejects))
+        self.last_commit = time.perf_counter()
+
+    def sync_restarts(self) -> None:
+        """The metrics' actor restarts caught up with the workers'."""
+        self.metrics.actor_restarted(self.workers.restarts() - self.metrics.totals["actor_restarts"])
+
+    def on_retry(self, failure: BatchFailed) -> None:
+        """The coordinator reruns a batch after a fault: say which shards it holds."""
+        shards = sorted({self.origin[pid][0].index for pid in failure.prompt_ids})
+        self.sync_restarts()
+        log.warning(f"{failure.cause}; actor replaced (or already), shard(s) {shards} batch resubmitted "
+                    f"(attempt {failure.attempts + 1} of {self.config.runtime.max_attempts})")
+
+    def failed_shards(self, failure: BatchFailed) -> str:
+        """ShardFailed's message for a batch out of attempts."""
+        shards = sorted({self.origin[pid][0].index for pid in failure.prompt_ids})
+        return (f"shard(s) {', '.join(part_name(k) for k in shards)} failed after {failure.attempts} "
+                f"attempts: {failure.cause}; committed shards are kept, a rerun resumes")
+
+    def finish(self) -> dict:
+        """Every marker checked, then the manifest (recomputed from all of them), the run report, the
+        dataset card and _SUCCESS last; returns the manifest."""
+        from pipeline.data.card import provenance, write_card
+        from pipeline.observability import pairs_per_hour
+
+        plan, store = self.plan, self.plan.store
+        # _SUCCESS only after every marker is checked: summarize reads them all through verify.
+        # verify also checks every marker's config hash: shards of another config never get _SUCCESS.
+        manifest = summarize(store, store.verify(plan.num_shards, plan.config_hash), plan.num_shards, plan.prompts_in)
+        wall = time.perf_counter() - plan.started
+        run_stats = self._run_stats()
+        written = set(plan.pending)
+        manifest.update(wall_seconds=round(wall, 3), startup_seconds=round(self.run_started - plan.started, 3),
+                        run_seconds=round(self.last_commit - self.run_started, 3), config=self.config.redacted_dict(),
+                        config_hash=plan.config_hash, shards_written=list(plan.pending),
+                        shards_skipped=[k for k in range(plan.num_shards) if k not in written],
+                        prompts_truncated=self.truncated_prompts, run_stats=run_stats, pairs_this_run=self.pairs_made,
+                        input=plan.source.provenance, input_files_skipped=dict(plan.source.skipped),
+                        extra_columns=plan.extra.describe(), extra_columns_left_out=sorted(plan.extra.left_out))
+        # The rate of this run only: resumed shards cost it nothing. One definition for every figure.
+        self.metrics.set_rate(wall)
+        manifest["pairs_per_minute"] = round(pairs_per_hour(self.pairs_made, wall) / 60, 2)
+        report = self._report(manifest, wall, run_stats)
+        manifest["report"] = "_report.json"
+        manifest["provenance"] = provenance(self.config)  # once per build, here on the driver
+        # README.md, the dataset card that datasets.load_dataset(OUT) reads (None: a user's README is in the way).
+        manifest["dataset_card"] = "README.md" if write_card(store, manifest) else None
+        store.write_manifest(manifest)
+        store.write_json("_report.json", report)
+        store.write_success({"shards": plan.num_shards, "pairs": manifest["pairs"], "config_hash": plan.config_hash})
+        return manifest
+
+    def _run_stats(self) -> dict:
+        """The workers' totals (Workers.stats), their actor times rounded."""
+        from pipeline.observability import round_seconds
+
+        run_stats = self.workers.stats()
+        if "actor_time" in run_stats:
+            run_stats["actor_time"] = round_seconds(run_stats["actor_time"])
+        return run_stats
+
+    def _report(self, manifest: dict, wall: float, run_stats: dict) -> dict:
+        """The run report (_report.json): this run's figures, where the manifest describes the output."""
+        from pipeline.observability import pairs_per_hour
+
+        pairs, tokens, bon_tokens, plan = self.pairs_made, self.tokens, self.bon_tokens, self.plan
+        return {
+            "pairs": pairs, "prompts": self.prompts_run, "wall_seconds": round(wall, 3),
+            # wall = startup (planning, cluster, actors, model loads: up to the first batch dispatched)
+            # + run (to the last shard committed) + the final checks and the manifest.
+            "startup_seconds": manifest["startup_seconds"], "run_seconds": manifest["run_seconds"],
+            # Where each role's actors spent their span (actors.factory.actor_time_of); None for
+            # workers that keep no timeline.
+            "actor_time": run_stats.get("actor_time"),
+            "pairs_per_hour": pairs_per_hour(pairs, wall),
+            "generated_tokens": tokens, "bon_equivalent_tokens": bon_tokens, "tokens_saved": bon_tokens - tokens,
+            "tokens_per_pair": round(tokens / pairs, 2) if pairs else None,
+            "actor_restarts": self.metrics.totals["actor_restarts"], "batch_retries": self.coordinator.retries,
+            "shards_written": len(plan.pending), "shards_skipped": plan.num_shards - len(plan.pending),
+            "quarantined_candidates": self.quarantined,
+            "metrics": dict(self.metrics.totals),
+        }
 
 
 def summarize(store: OutputStore, markers: Iterable[tuple[int, dict]], num_shards: int, prompts_in: int) -> dict:

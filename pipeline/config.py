@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from pipeline.decoding.speculative import SpeculativeDecoding
+from pipeline.engines.backends import backend
 from pipeline.errors import ConfigError
 from pipeline.strategies import STRATEGIES, lookup
 
@@ -90,8 +91,9 @@ class ModelsConfig:
     device: str = "cpu"
     """Torch device inside each actor: cpu, cuda, cuda:0, ..."""
     backend: str = "hf"
-    """Generator backend: hf (every strategy) or vllm (the strategies whose record lists it: best_of_n
-    and sbon; `make install-vllm` on CPU, `pip install .[vllm]` on GPU)."""
+    """Generator backend (pipeline.engines.backends): hf (every strategy) or vllm (the strategies that
+    drive sessions from the coordinator: best_of_n and sbon; `make install-vllm` on CPU,
+    `pip install .[vllm]` on GPU)."""
     reward_backend: str = "hf"
     """Reward-model backend: hf, or vllm (vLLM's pooling runner with prefix caching, for a
     sequence-classification reward model; any generator backend). A reward function
@@ -120,8 +122,7 @@ class ModelsConfig:
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ConfigError(f"models.dtype: expected float32, bfloat16, float16 or auto, got {self.dtype!r}")
         for key in ("backend", "reward_backend"):
-            if getattr(self, key) not in ("hf", "vllm"):
-                raise ConfigError(f"models.{key}: expected hf or vllm, got {getattr(self, key)!r}")
+            backend(getattr(self, key), f"models.{key}")
         for key in ("vllm", "reward_vllm"):
             for name, value in getattr(self, key).items():
                 if name in ("model", "tokenizer", "runner", "task", "convert"):
@@ -134,10 +135,9 @@ class ModelsConfig:
     def vllm_settings(self, role: str) -> dict | None:
         """``role``'s ``vllm.LLM`` keywords (generator: vllm; reward: reward_vllm) where that role runs
         on vLLM; None where it runs on the HF engine."""
-        backend = self.backend if role == "generator" else self.reward_backend if role == "reward" else "hf"
-        if backend != "vllm":
-            return None
-        return self.vllm if role == "generator" else self.reward_vllm
+        name = self.backend if role == "generator" else self.reward_backend if role == "reward" else "hf"
+        key = backend(name).role_settings_key(role)
+        return None if key is None else getattr(self, key)
 
     def engine_gpus(self, role: str) -> int:
         """GPUs one vLLM engine of ``role`` (generator or reward) spans: tensor_parallel_size x
@@ -270,31 +270,32 @@ class RuntimeConfig:
     """Resources of each DraftActor (placement actor): num_gpus 1 for its own GPU, a fraction to share."""
     prompts_per_batch: int = 2
     """Prompts decoded together in one engine batch (rows = prompts_per_batch * num_samples): one
-    session, scored together at each decision token. With merged decoding, batches share the
+    session, scored together at each decision token. With continuous batching, batches share the
     generator's steps anyway, and small batches let rows_in_flight admit work in small steps."""
     batches_in_flight: int = 16
     """Batches in flight per generator actor, so one generates while another is being scored; with
-    rows_in_flight, the most batches a generator takes at once (and, with merged decoding, the
+    rows_in_flight, the most batches a generator takes at once (and, with continuous batching, the
     calls a Ray generator actor serves at once)."""
     rows_in_flight: int = 128
     """Candidate rows to keep decoding per generator actor: a generator takes a new batch whenever
     the live rows of its batches (opened, minus those pruned, finished or closed) drop below this,
-    up to batches_in_flight batches. With merged_decoding, the rows that speculative rejection
+    up to batches_in_flight batches. With continuous_batching, the rows that speculative rejection
     frees at a decision token are refilled at once by the next prompts. 0: batches_in_flight alone
     decides."""
-    merged_decoding: bool = True
-    """The HF generator takes its batches' calls concurrently and decodes the rows of every batch
-    being extended in one forward pass per step (pipeline/engines/hf.py); each batch still reaches
-    its decision tokens on its own schedule. Reproducibility: rows sample from their own seeded
-    generators, so the same seed and the same batch composition give identical candidates; but a
-    row's logits depend slightly on which rows share its forward pass (padding and kernel choice:
-    up to ~1.3e-4 measured on a real model), so when batches merge differently (timing, other
-    batches in flight) a sampled token may rarely differ from the unmerged run's, and the response
-    diverges from there; the distribution of candidates is the same. With
-    models.backend vllm: continuous batching (pipeline/engines/vllm_engine.py): a request per row
-    for its whole response, pruned rows aborted, every batch's rows in one vLLM engine; candidates
-    are then those of Best-of-N for the same seeds. false: one call at a time, each batch decoded
-    alone (vLLM: rounds of LLM.generate)."""
+    continuous_batching: bool = True
+    """The generator takes its batches' calls concurrently and decodes the rows of every batch in one
+    continuous batch. HF: one forward pass per step over the live rows of every batch being extended
+    (the step loop, pipeline/engines/step_loop.py); each batch still reaches its decision tokens on
+    its own schedule. vLLM: a request per row for its whole response, pruned rows aborted, every
+    batch's rows in one vLLM engine (pipeline/engines/vllm_engine.py); candidates are then those of
+    Best-of-N for the same seeds. false: one call at a time, each batch decoded alone (HF: the same
+    step loop, one batch in it at a time; vLLM: rounds of LLM.generate). Reproducibility on HF: rows
+    sample from their own seeded generators, so the same seed and the same batch composition give
+    identical candidates; but a row's logits depend slightly on which rows share its forward pass
+    (padding and kernel choice: up to ~1.3e-4 measured on a real model), so when batches share
+    steps differently (timing, other batches in flight) a sampled token may rarely differ, and the
+    response diverges from there; the distribution of candidates is the same. Called
+    merged_decoding before; that key is still read, with a warning."""
     reward_batch_size: int = 32
     """Sequences per reward-model forward pass."""
     local: bool = False
@@ -479,8 +480,29 @@ def _names(types) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
+RENAMED_KEYS = {("runtime", "merged_decoding"): "continuous_batching"}
+"""Keys renamed since a release: (section, old name) -> new name. The old name is still read, with a
+warning; both at once must agree."""
+
+
+def _renamed(raw: dict) -> dict:
+    """``raw`` with every old key of RENAMED_KEYS moved to its new name (a warning line each)."""
+    for (section, old), new in RENAMED_KEYS.items():
+        node = raw.get(section)
+        if not isinstance(node, dict) or old not in node:
+            continue
+        node = raw[section] = dict(node)
+        value = node.pop(old)
+        if new in node and node[new] != value:
+            raise ConfigError(f"{section}.{old}: renamed {section}.{new}, and both are set, differently; "
+                              f"keep {section}.{new}")
+        node.setdefault(new, value)
+        log.warning(f"{section}.{old} is renamed {section}.{new}; read as {section}.{new}: {value}")
+    return raw
+
+
 def config_from_dict(raw: dict) -> Config:
-    raw = dict(raw or {})
+    raw = _renamed(dict(raw or {}))
     strategy = dict(raw.pop("strategy", None) or {})
     name = strategy.pop("name", StrategyConfig.name)
     # StrategyConfig checks the name and builds the parameter dataclass from the flat mapping.
@@ -494,8 +516,9 @@ def config_from_dict(raw: dict) -> Config:
         check_sampling(cfg.sampling)
     if cfg.models.backend not in lookup(name).backends:
         served = sorted(n for n, m in STRATEGIES.items() if cfg.models.backend in m.backends)
+        others = [b for b in lookup(name).backends]
         raise ConfigError(f"models.backend: {cfg.models.backend} serves {', '.join(served)} only, "
-                          f"not strategy {name!r}; use backend hf")
+                          f"not strategy {name!r}; use backend {' or '.join(others)}")
     return cfg
 
 

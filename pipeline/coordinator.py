@@ -6,23 +6,25 @@ waits for the reward model at a decision token, another is decoding on the same 
 actor sits idle. With ``rows_in_flight`` a generator also takes a new batch only while its batches'
 live rows (as their open / extend(keep) / close calls and the rows they report finished show them)
 number fewer than that: a batch that prunes its candidates makes room for the next batch at once,
-and with merged decoding (pipeline.engines.hf) the rows of every batch in flight share each step,
-so the generator stays full. A batch keeps its generator for its whole life (the KV cache lives there);
-stateless reward calls are spread round-robin, and a streaming reward session (its reward-side KV
-cache) stays on the reward handle that opened it.
+and with continuous batching (pipeline.engines.hf's step loop) the rows of every batch in flight
+share each step, so the generator stays full. A batch keeps its generator for its whole life (the
+KV cache lives there); stateless reward calls are spread round-robin, and a streaming reward
+session (its reward-side KV cache) stays on the reward handle that opened it.
 
-Handles are anything that satisfies the Generator / Scorer protocols: Ray actor proxies in
-production (actors.RemoteProxy), plain in-process engines wrapped in ``Serialized`` in tests.
+Handles are the layered chain actors.factory assembles (its docstring gives the whole order). The
+coordinator adds the two outer layers, per batch: ``handle.pinned()``, the handle bound to the
+actor that holds the batch's session (in-process, the handle itself), and over it, with
+``rows_in_flight``, ``_CountedRows``, which reports the batch's live rows to the admission.
 
 Faults: a handle whose actor died or hung raises WorkerFailure ("hung": a call ran longer than
 runtime.call_timeout_s from when the actor started it; time queued on the actor does not count,
 see actors.remote). The coordinator then asks the failure to recover (the proxy replaces its actor,
 once, however many batches saw it fail) and runs the whole batch again from the start: its KV cache
-died with the actor, and per-row seeds make the rerun produce the same candidates (with merged
-decoding, up to the rare token that differs when the batch shares its passes with other batches:
-runtime.merged_decoding in pipeline.config). This wraps whole strategy calls, so it covers every call pattern
-(open/extend/close, score, or one ``generator.search``). After ``max_attempts`` the batch raises
-BatchFailed, naming its prompts.
+died with the actor, and per-row seeds make the rerun produce the same candidates (with continuous
+batching, up to the rare token that differs when the batch shares its passes with other batches:
+runtime.continuous_batching in pipeline.config). This wraps whole strategy calls, so it covers every
+call pattern (open/extend/close, score, or one ``generator.search``). After ``max_attempts`` the
+batch raises BatchFailed, naming its prompts.
 """
 
 from __future__ import annotations
@@ -32,28 +34,17 @@ import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
-from pipeline.decoding.domain import Generator, PromptInput, PromptResult, Scorer
+from pipeline.config import Config
+from pipeline.decoding.domain import Generator, PromptInput, PromptResult, Scorer, SearchOutput
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import BatchFailed, WorkerFailure
 from pipeline.strategies import lookup
 
 
-class Serialized:
-    """Lets several coordinator threads share one in-process engine, one call at a time,
-    the way a Ray actor serves its callers."""
-
-    def __init__(self, target: Any):
-        self._target = target
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name: str):
-        method = getattr(self._target, name)
-
-        def call(*args, **kwargs):
-            with self._lock:
-                return method(*args, **kwargs)
-
-        return call
+def sampling_params(config: Config) -> SamplingParams:
+    """The sampling every candidate of a build is drawn with (config.sampling)."""
+    s = config.sampling
+    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
 class _Admission:
@@ -94,19 +85,16 @@ class _Admission:
 class _CountedRows:
     """A generator as one batch's strategy sees it, reporting the batch's live rows to the admission:
     a session's rows count from its open, drop to ``keep`` when an extend prunes, to the unfinished
-    rows an extend returns, and to none at its close (or when the batch ends, however it ends)."""
+    rows an extend returns, and to none at its close (or when the batch ends, however it ends). A
+    search counts its rows for as long as it runs. The outermost layer of the handle chain."""
 
     def __init__(self, generator: Generator, admission: _Admission, index: int, reserved: int):
         self._generator, self._admission, self._index = generator, admission, index
-        # session -> its live rows; None: the rows the batch was admitted with, until its first open
-        self._sessions: dict[str | None, int] = {None: reserved}
+        # session (or a running search's own key) -> its live rows; None: the rows the batch was
+        # admitted with, until its first open or search
+        self._sessions: dict[object, int] = {None: reserved}
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._generator, name)
-
-    def _set(self, session: str | None, rows: int) -> None:
+    def _set(self, session: object, rows: int) -> None:
         self._admission.add_rows(self._index, rows - self._sessions.get(session, 0))
         self._sessions[session] = rows
 
@@ -127,14 +115,15 @@ class _CountedRows:
         self._set(session, 0)
         return self._generator.close(session)
 
-    def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-               sampling: SamplingParams, params) -> list:
+    def search(self, search: Callable[..., list[SearchOutput]], prompts: list[list[int]], num_samples: int,
+               seeds: list[int], sampling: SamplingParams, params) -> list[SearchOutput]:
+        call = object()  # this search's key: a batch may run more than one
         self._set(None, 0)
-        self._set(method, len(seeds))
+        self._set(call, len(seeds))
         try:
-            return self._generator.search(method, prompts, num_samples, seeds, sampling, params)
+            return self._generator.search(search, prompts, num_samples, seeds, sampling, params)
         finally:
-            self._set(method, 0)
+            self._set(call, 0)
 
     def release(self) -> None:
         """The batch ended: whatever it did not close no longer counts."""
@@ -143,6 +132,9 @@ class _CountedRows:
 
 
 class _RoundRobin:
+    """The scorers as one Scorer: each stateless call to the next handle in turn; a streaming
+    session's calls to the pinned handle that opened it."""
+
     def __init__(self, scorers: list[Scorer]):
         self._cycle = itertools.cycle(scorers)
         self._lock = threading.Lock()
@@ -159,7 +151,7 @@ class _RoundRobin:
             scorer = next(self._cycle)
             # Pinned like a generator batch: if this actor is replaced, the session's later calls
             # fail over (WorkerFailure, batch retried) instead of asking a new actor without the cache.
-            scorer = self._sessions[session] = scorer.pinned() if hasattr(scorer, "pinned") else scorer
+            scorer = self._sessions[session] = scorer.pinned()
         scorer.open(session, prompts, num_samples, columns=columns)
 
     def extend(self, session: str, rows: list[int], responses: list[str],
@@ -177,7 +169,8 @@ class Coordinator:
                  generators: list[Generator], scorers: list[Scorer], prompts_per_batch: int = 4,
                  batches_in_flight: int = 2, max_attempts: int = 1,
                  on_retry: Callable[[BatchFailed], None] = lambda failure: None, rows_in_flight: int = 0):
-        """``rows_in_flight`` > 0: a generator takes a new batch only while fewer candidate rows than
+        """``generators`` / ``scorers``: handles with ``pinned()`` (actors.factory's chain).
+        ``rows_in_flight`` > 0: a generator takes a new batch only while fewer candidate rows than
         that are live on it (see the module docstring); 0: ``batches_in_flight`` alone decides."""
         if not generators or not scorers:
             raise ValueError("need at least one generator and one scorer")
@@ -196,14 +189,26 @@ class Coordinator:
         self.on_retry = on_retry
         self.retries = 0
 
+    @classmethod
+    def from_config(cls, config: Config, generators: list[Generator], scorers: list[Scorer],
+                    on_retry: Callable[[BatchFailed], None] | None = None) -> Coordinator:
+        """The coordinator a build runs: ``config``'s strategy, sampling, seed, and every runtime
+        setting that decides how batches are admitted and retried (prompts_per_batch,
+        batches_in_flight, rows_in_flight, max_attempts), so that whatever runs one (a build, a
+        benchmark) measures the same policy."""
+        rt = config.runtime
+        return cls(config.strategy.name, config.strategy.params, sampling_params(config),
+                   config.sampling.num_samples, config.seed, generators, scorers, rt.prompts_per_batch,
+                   rt.batches_in_flight, max_attempts=rt.max_attempts, rows_in_flight=rt.rows_in_flight,
+                   on_retry=on_retry or (lambda failure: None))
+
     def _run_batch(self, batch: list[PromptInput], admission: _Admission) -> list[PromptResult]:
         for attempt in range(1, self.max_attempts + 1):
             reserved = len(batch) * self.num_samples if self.rows_in_flight else 0
             index = admission.acquire(reserved)
-            generator = self.generators[index]
-            # A batch's session lives in one actor: pin the batch to it (Ray proxies), so a batch
-            # that outlives a replacement fails over too, rather than asking the new actor.
-            generator = generator.pinned() if hasattr(generator, "pinned") else generator
+            # A batch's session lives in one actor: pin the batch to it, so a batch that outlives a
+            # replacement fails over too, rather than asking the new actor.
+            generator = self.generators[index].pinned()
             if self.rows_in_flight:
                 generator = _CountedRows(generator, admission, index, reserved)
             try:

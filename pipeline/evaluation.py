@@ -11,7 +11,9 @@ Responses and preference pairs (what jobs.evaluate reports for a build):
 
 Decoding methods compared against greedy decoding, as in Table 1 of "Streaming Looking Ahead with
 Token-level Self-reward", with IFEval in place of the paper's reward-model judge: one response per
-prompt and method, each scored by the fraction of its prompt's instructions it follows.
+prompt and method, each scored by the fraction of its prompt's instructions it follows. A *method*
+here is what a row of that table decodes with: a baseline (greedy, temperature, top_p, top_k,
+beam: this module's own) or a *strategy*, a decoding method of the registry (pipeline.strategies).
 
 - win rate against greedy = (wins + ties / 2) / prompts, a tie being an equal score (the paper's
   definition; identical responses tie); each method's IFEval accuracy beside it;
@@ -19,12 +21,12 @@ prompt and method, each scored by the fraction of its prompt's instructions it f
   same ratio of wall time (both measured in this run, on the same model and prompts).
 
 Methods and their settings follow section 5: temperature 0.8, top-p 0.9, top-k 50, beam search
-with 4 beams (the sampling baselines), and any method of the registry (pipeline.strategies), run
-through its record as a build runs it, with the build's reward (``scorer``) choosing among
-candidates: SLA (d, k, n from SLAParams; children sampled at ``sla_temperature``; one search per
-prompt) and speculative rejection (Best-of-N with early stopping, N = ``num_samples``) by default;
-the others with their default parameters and N = ``num_samples``. A method's response is its best
-completed candidate by that reward; the judge sees only the text.
+with 4 beams (the baselines), and any strategy of the registry, run through its record as a build
+runs it, with the build's reward (``scorer``) choosing among candidates (strategy_settings): SLA
+(d, k, n from SLAParams; children sampled at ``sla_temperature``; one search per prompt) and
+speculative rejection (Best-of-N with early stopping, N = ``num_samples``) by default; the others
+with their default parameters and N = ``num_samples``. A strategy's response is its best completed
+candidate by that reward; the judge sees only the text.
 """
 
 from __future__ import annotations
@@ -42,17 +44,25 @@ from pipeline.decoding.domain import PromptInput
 from pipeline.decoding.sampling import SamplingParams, row_seed
 from pipeline.decoding.sla import SLAParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams
-from pipeline.strategies import STRATEGIES as REGISTRY
-from pipeline.strategies import lookup as registered
+from pipeline.strategies import STRATEGIES, Strategy, lookup
 
 # The baselines: sampling settings of section 5 (HFEngine.generate), and HF beam search.
 SAMPLING = {"greedy": {"temperature": 0.0}, "temperature": {"temperature": 0.8}, "top_p": {"top_p": 0.9},
             "top_k": {"top_k": 50}}
 BEAMS = 4
-CHOICES = (*SAMPLING, "beam", *REGISTRY)
-"""Everything ``decode`` runs: the baselines, then every registered method."""
-DEFAULT_METHODS = ("greedy", "temperature", "top_p", "top_k", "beam", "sla", "sbon")
-"""What jobs.evaluate compares when not told (Table 1's rows, plus speculative rejection)."""
+CHOICES = (*SAMPLING, "beam", *STRATEGIES)
+"""Every method ``decode`` runs: the baselines, then every registered strategy."""
+
+
+def strategy_with(params: type) -> str:
+    """The name of the registered strategy whose parameters are ``params`` (its registry record
+    names it, not this module)."""
+    return next(name for name, record in STRATEGIES.items() if record.params is params)
+
+
+DEFAULT_METHODS = (*SAMPLING, "beam", strategy_with(SLAParams), strategy_with(SpeculativeRejectionParams))
+"""What jobs.evaluate compares when not told: Table 1's rows (the baselines and SLA), plus
+speculative rejection."""
 INSTRUCTION_COLUMNS = ("instruction_id_list", "kwargs")
 """The columns (IFEval's data) that say what a prompt asks; a build keeps them beside its pairs
 when its input has them (data.extra_columns)."""
@@ -126,9 +136,26 @@ class MethodRun:
         return [sum(f) / len(f) for f in self.followed]
 
 
+def strategy_settings(record: Strategy, max_new_tokens: int, sla_params: SLAParams | None = None,
+                      sla_temperature: float = 1.0, num_samples: int = 8):
+    """(params, sampling, candidates per prompt) the comparison runs strategy ``record`` with, told
+    apart by its parameter class: SLA ``sla_params`` with children sampled at ``sla_temperature``,
+    one search per prompt; speculative rejection a decision token at a quarter of the response,
+    rejection rate 0.5, N = ``num_samples``; any other strategy its default parameters, N =
+    ``num_samples``."""
+    sampling = SamplingParams(max_new_tokens=max_new_tokens)
+    if record.params is SLAParams:
+        return sla_params or SLAParams(), SamplingParams(max_new_tokens=max_new_tokens, temperature=sla_temperature), 1
+    if record.params is SpeculativeRejectionParams:
+        return (SpeculativeRejectionParams(decision_token=max(1, max_new_tokens // 4), rejection_rate=0.5), sampling,
+                num_samples)
+    return record.params(), sampling, num_samples
+
+
 def decode(method: str, engine, scorer, prompts: list[PromptInput], max_new_tokens: int, seed: int = 0,
            sla_params: SLAParams | None = None, sla_temperature: float = 1.0, num_samples: int = 8) -> MethodRun:
-    """One response per prompt with ``method`` on ``engine`` (an HFEngine)."""
+    """One response per prompt with ``method`` (a baseline or a registered strategy) on ``engine``
+    (an HFEngine)."""
     ids = [p.token_ids for p in prompts]
     seeds = [row_seed(seed, p.prompt_id, 0) for p in prompts]
     passes = engine.forward_passes
@@ -138,14 +165,9 @@ def decode(method: str, engine, scorer, prompts: list[PromptInput], max_new_toke
         texts, tokens = [r.text for r in rows], sum(len(r.token_ids) for r in rows)
     elif method == "beam":
         texts, tokens = _beam_search(engine, ids, max_new_tokens)
-    elif method in REGISTRY:
-        record = registered(method)
-        params, sampling, n = record.params(), SamplingParams(max_new_tokens=max_new_tokens), num_samples
-        if method == "sla":  # one search per prompt, children at sla_temperature
-            params, n = sla_params or SLAParams(), 1
-            sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=sla_temperature)
-        elif method == "sbon":
-            params = SpeculativeRejectionParams(decision_token=max(1, max_new_tokens // 4), rejection_rate=0.5)
+    elif method in STRATEGIES:
+        record = lookup(method)
+        params, sampling, n = strategy_settings(record, max_new_tokens, sla_params, sla_temperature, num_samples)
         results = record.run(prompts, engine, scorer, params, sampling, n, seed)
         # The best completed candidate by the reward (every one failing: the first, so no prompt is lost).
         texts = [max((c for c in r.candidates if c.completed and not c.failed), key=lambda c: c.score,
@@ -204,7 +226,7 @@ def summarize(run: MethodRun, baseline: MethodRun) -> dict:
 
 def judged(method: str, engine, scorer, prompts: list[PromptInput], max_new_tokens: int, seed: int = 0,
            **kwargs) -> MethodRun:
-    """``decode`` (``scorer`` is the reward its method chooses with) plus the IFEval judge's verdict
+    """``decode`` (``scorer`` is the reward a strategy chooses with) plus the IFEval judge's verdict
     on every response, against the instructions in each prompt's columns (PromptInput.columns:
     instruction_id_list and kwargs; ValueError naming the prompt when they are missing)."""
     asked = []
@@ -220,7 +242,7 @@ def judged(method: str, engine, scorer, prompts: list[PromptInput], max_new_toke
 
 def compare(engine, scorer, prompts: list[PromptInput], methods: list[str], max_new_tokens: int, seed: int = 0,
             **kwargs) -> dict:
-    """Run greedy (the baseline) and ``methods`` (``scorer``: the reward they choose with), judge
+    """Run greedy (the baseline) and ``methods`` (``scorer``: the reward strategies choose with), judge
     every response with IFEval, and report each method's win rate, accuracy and cost relative to
     greedy."""
     baseline = judged("greedy", engine, scorer, prompts, max_new_tokens, seed, **kwargs)

@@ -143,11 +143,6 @@ class ProgressBars:
 
 # -- where the actors' time goes ------------------------------------------------------------
 
-TIMED_CALLS = frozenset({"open", "extend", "close", "search", "score"})
-"""The actor methods that are work (GeneratorActor's and RewardActor's): they take a ``timing``
-argument and make up the actor's timeline. ``stats`` is not one."""
-
-
 @dataclass
 class CallTiming:
     """What the driver sends along with each work call, so that the actor can tell the time a call
@@ -162,8 +157,11 @@ class CallTiming:
 
 
 class CallLedger:
-    """The driver's side of one actor slot: stamps each work call with its CallTiming and totals
-    the round trips. Thread-safe (every coordinator thread calls through it)."""
+    """The driver's side of one actor slot, the timing layer of the handle chain (actors.factory):
+    stamps each work call with its CallTiming and totals the round trips. Work calls are those that
+    make up an actor's timeline (GeneratorActor's and RewardActor's open, extend, close, search,
+    score: each takes a ``timing`` argument); ``stats`` is not one. Thread-safe (every coordinator
+    thread calls through it)."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -175,6 +173,7 @@ class CallLedger:
         self._lock = threading.Lock()
 
     def call(self, method: Callable[..., Any], *args, **kwargs) -> Any:
+        """``method(*args, timing=..., **kwargs)``, its round trip counted."""
         with self._lock:
             returned, self._returned = self._returned, []
         sent = time.time()

@@ -1,28 +1,46 @@
-"""The method registry: one record per decoding method, and the only table of them. Config (names
-and parameter classes), plan-time model checks, the actor factory (draft models), the engines
-(model-side searches), the vLLM check and evaluation all read it.
+"""The strategy registry: one record per decoding strategy (a method of one of the papers), and the
+only table of them. Config (names and parameter classes), plan-time model checks, the actor factory
+(draft models), the coordinator (what a batch runs) and the evaluation all read it. Engines never do:
+a model-side strategy's search function travels to the engine with the call (``Generator.search``).
 
-Adding a method = one file in pipeline/decoding (its params dataclass, its algorithm, and for a
-model-side method a ``search(host, prompts, num_samples, seeds, sampling, params)`` over a small
-host Protocol that pipeline.engines.adapters.HFSearchHost satisfies) plus one record below.
+Adding a strategy = one file in pipeline/decoding (its params dataclass, its algorithm, and for a
+model-side strategy a ``search(host, prompts, num_samples, seeds, sampling, params)`` over a small
+host Protocol that pipeline.engines.adapters.HFSearchHost satisfies) plus one record below; and a
+golden record (tests/test_golden.py).
 
-Two kinds of method:
+Two kinds of strategy:
 - coordinator-side (``run`` given): the algorithm drives a Generator session from the coordinator,
-  e.g. speculative rejection's decode / score / prune rounds;
+  e.g. speculative rejection's decode / score / prune rounds; it needs an engine that serves
+  sessions;
 - model-side (``search`` given): the algorithm makes many small model calls per token, so it runs
   wholly inside the generator's process (``Generator.search``); its ``run`` is then
-  pipeline.decoding.model_side.run_model_side, which sends the batch, checks the counts and scores
-  every candidate.
+  pipeline.decoding.model_side.run_model_side, which sends the batch with the search function,
+  checks the counts and scores every candidate; it needs an engine that serves search.
+
+Which backends serve a strategy follows from what each backend declares it serves
+(pipeline.engines.backends).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from pipeline.decoding import aded, best_of_n, dsbd, sla, speculative_rejection, ults
 from pipeline.decoding.model_side import model_side_strategy
+from pipeline.engines.backends import BACKENDS, SEARCH, SESSIONS
 from pipeline.errors import ConfigError
+
+
+class ModelFiles(Protocol):
+    """What the plan-time checks read from model files, given by the caller (pipeline.build.MODEL_FILES):
+    the registry itself imports no engine."""
+
+    def has_trained_channel(self, path: str) -> bool:
+        """A Reward Transformer directory with a trained reward channel."""
+
+    def load_trigram(self, path: str) -> Any:
+        """A saved tri-gram matrix; ValueError naming the problem otherwise."""
 
 
 @dataclass(frozen=True)
@@ -43,48 +61,51 @@ class Strategy:
     """Other names accepted for it."""
     uses_draft: bool = False
     """Loads models.draft (when set) as the engine's drafter."""
-    backends: frozenset[str] = frozenset({"hf"})
-    """Generator backends that serve it (models.backend)."""
-    check_models: Callable[[Any, Any], None] | None = field(default=None)
-    """Plan time, before any actor starts: fn(params, models config) raises ConfigError when the
-    models cannot serve the method (a missing reward channel, a bad tri-gram file)."""
+    check_models: Callable[[Any, Any, ModelFiles], None] | None = field(default=None)
+    """Plan time, before any actor starts: fn(params, models config, model files) raises ConfigError
+    when the models cannot serve the strategy (a missing reward channel, a bad tri-gram file)."""
 
     def __post_init__(self):
         if (self.run is None) == (self.search is None):
             raise ValueError(f"method {self.name}: give exactly one of run (coordinator side) or search (model side)")
         if self.run is None:
-            object.__setattr__(self, "run", model_side_strategy(self.name))
+            object.__setattr__(self, "run", model_side_strategy(self.name, self.search))
+
+    @property
+    def needs(self) -> str:
+        """What an engine must serve to run it (pipeline.engines.backends): SEARCH or SESSIONS."""
+        return SEARCH if self.search is not None else SESSIONS
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The generator backends that serve it (models.backend), in registry order."""
+        return tuple(name for name, b in BACKENDS.items() if self.needs in b.serves)
 
 
-def check_trained_channel(params: Any, models: Any) -> None:
+def check_trained_channel(params: Any, models: Any, files: ModelFiles) -> None:
     """SLA reads rewards from the generator's own channel: refuse a generator without a trained one."""
-    from pipeline.engines.reward_transformer import CHANNEL_WEIGHTS, has_trained_channel
-
     path = models.generator
-    if "://" not in path and not has_trained_channel(path):
+    if "://" not in path and not files.has_trained_channel(path):
         raise ConfigError(f"models.generator: strategy 'sla' needs a Reward Transformer with a trained reward "
-                          f"channel, but {path!r} has no trained {CHANNEL_WEIGHTS}; train one with "
-                          f"python -m jobs.train_reward_transformer")
+                          f"channel, but {path!r} has none; train one with bon-train-reward-transformer "
+                          f"(python -m jobs.train_reward_transformer)")
 
 
-def check_trigram_file(params: Any, models: Any) -> None:
+def check_trigram_file(params: Any, models: Any, files: ModelFiles) -> None:
     """``strategy.trigram`` (aded, and dsbd without a draft model) must be a saved tri-gram matrix."""
-    from pipeline.engines.trigram import load_trigram
-
     if params.trigram and "://" not in params.trigram:
         try:
-            load_trigram(params.trigram)
+            files.load_trigram(params.trigram)
         except ValueError as exc:
             raise ConfigError(f"strategy.trigram: {exc}") from None
 
 
 STRATEGIES: dict[str, Strategy] = {m.name: m for m in (
     Strategy("best_of_n", best_of_n.BestOfNParams, "Best-of-N: sample N to the end, score each (the baseline)",
-           run=best_of_n.best_of_n, backends=frozenset({"hf", "vllm"})),
+           run=best_of_n.best_of_n),
     Strategy("sbon", speculative_rejection.SpeculativeRejectionParams,
            "speculative rejection: stop the lowest partial rewards at decision tokens",
-           run=speculative_rejection.speculative_rejection, aliases=("speculative_rejection",),
-           backends=frozenset({"hf", "vllm"})),
+           run=speculative_rejection.speculative_rejection, aliases=("speculative_rejection",)),
     Strategy("ults", ults.ULTSParams, "uncertainty-guided likelihood-tree search (the num_samples best leaves)",
            search=ults.search),
     Strategy("aded", aded.ADEDParams, "Best-of-N sampling sped up by ADED drafts (distribution unchanged)",

@@ -2,6 +2,11 @@
 
 - no import cycle among the modules of pipeline/, actors/, jobs/ and benchmarks/, counting
   module-level and function-level imports alike;
+- no upward arrow: every module sits in one layer of LAYERS (data flows down, results flow back
+  up) and imports only from its own layer or the layers below, at any depth (an engine never
+  imports the strategy registry; the registry never imports an engine);
+- one backend registry (pipeline.engines.backends): the strategies' backends follow from what each
+  backend declares it serves, and nothing else lists the backends;
 - pipeline/decoding is pure: it imports nothing from engines, config, data, training, actors, jobs,
   ray, vllm or transformers, opens no files and keeps no module-global mutable state;
 - one method registry: every method's record is complete, and nothing else keeps a table of them.
@@ -16,6 +21,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pipeline", "actors", "jobs", "benchmarks")
+LAYERS = (
+    ("pipeline.errors",),
+    ("pipeline.decoding",),
+    ("pipeline.data.storage", "pipeline.data.prompts", "pipeline.data.pairs", "pipeline.data.writer"),
+    ("pipeline.engines",),
+    ("pipeline.strategies",),
+    ("pipeline.config",),
+    ("pipeline.observability", "pipeline.judge"),
+    ("pipeline.coordinator", "pipeline.data.card", "pipeline.training", "pipeline.evaluation"),
+    ("pipeline.build",),
+    ("actors",),
+    ("jobs",),
+    ("benchmarks",),
+)
+"""The layers, bottom first: a module's layer is that of the longest prefix naming it. Files and
+errors at the bottom; the pure algorithms; data in and out (no models); the engines (models); the
+strategy registry over the algorithms; the config over the registry; then what runs strategies
+(coordinator), builds, actors, jobs and benchmarks."""
 FORBIDDEN_IN_DECODING = ("pipeline.engines", "pipeline.config", "pipeline.data", "pipeline.training",
                          "pipeline.strategies", "pipeline.build", "pipeline.coordinator", "pipeline.evaluation",
                          "actors", "jobs", "benchmarks", "ray", "vllm", "transformers")
@@ -118,6 +141,37 @@ def test_no_import_cycles():
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+def layer(module: str) -> int:
+    """The index in LAYERS of ``module``'s layer (longest matching prefix)."""
+    best, found = -1, None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    if found is None:
+        raise AssertionError(f"{module}: in no layer of LAYERS; add it where it belongs")
+    return found
+
+
+def upward_arrows(edges: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer above its own."""
+    return sorted(f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+                  for a, targets in edges.items() for b in targets if layer(b) > layer(a))
+
+
+def test_upward_arrow_finder_finds_a_planted_arrow():
+    edges = {"pipeline.engines.hf": {"pipeline.strategies", "pipeline.decoding.tree"},
+             "pipeline.strategies": {"pipeline.engines.backends"}}
+    assert upward_arrows(edges) == ["pipeline.engines.hf (layer 3) imports pipeline.strategies (layer 4)"]
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer("pipeline.newthing")
+
+
+def test_no_upward_arrows():
+    found = upward_arrows(graph())
+    assert not found, "imports from a layer above: " + "; ".join(found)
+
+
 def decoding_files() -> list[Path]:
     return sorted((ROOT / "pipeline" / "decoding").glob("*.py"))
 
@@ -162,20 +216,46 @@ def test_purity_check_catches_a_planted_violation(tmp_path):
         test_decoding_opens_no_files_and_keeps_no_global_state(reads)
 
 
-def test_every_method_has_one_complete_record():
+def test_every_strategy_has_one_complete_record():
+    from pipeline.engines.backends import BACKENDS, SEARCH, SESSIONS
     from pipeline.strategies import STRATEGIES, lookup
 
-    assert set(STRATEGIES) == {"best_of_n", "sbon", "ults", "aded", "sla", "dsbd"}
+    assert STRATEGIES and all(isinstance(name, str) for name in STRATEGIES)
     for name, record in STRATEGIES.items():
-        assert record.name == name and callable(record.run)
+        assert record.name == name and callable(record.run) and record.summary
         assert lookup(name) is record
         for alias in record.aliases:
             assert lookup(alias) is record
-        assert record.backends <= {"hf", "vllm"} and "hf" in record.backends
         assert record.search is None or callable(record.search)
-    assert lookup("speculative_rejection") is STRATEGIES["sbon"]
-    assert {n for n, r in STRATEGIES.items() if r.uses_draft} == {"dsbd"}
-    assert {n for n, r in STRATEGIES.items() if "vllm" in r.backends} == {"best_of_n", "sbon"}
+        assert record.needs == (SEARCH if record.search is not None else SESSIONS)
+        # Its backends are exactly those that serve what it needs, and at least one does.
+        assert record.backends == tuple(b for b, r in BACKENDS.items() if record.needs in r.serves)
+        assert record.backends, f"{name}: no backend serves {record.needs}"
+        assert not hasattr(type(record), "__dataclass_fields__") or "backends" not in record.__dataclass_fields__
+
+
+def test_one_backend_registry():
+    """Backend names are listed once (pipeline.engines.backends.BACKENDS): no other module compares
+    a backend setting with a name, and actors load engines through the registry."""
+    import re
+
+    from pipeline.engines.backends import BACKENDS
+
+    names = "|".join(BACKENDS)
+    compare = re.compile(rf"""(backend\w*\s*(==|!=|in)\s*\(?["']({names})["'])|(\(["']({names})["'], ["']({names})["']\))""")
+    for module, path in modules().items():
+        if module == "pipeline.engines.backends":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not compare.search(line), f"{path.relative_to(ROOT)}:{number} lists backends: {line.strip()}"
+
+
+def test_engines_do_not_look_strategies_up():
+    """An engine runs the search function it is given (Generator.search): no engine module names the
+    strategy registry, even in a string or a function-level import."""
+    for path in sorted((ROOT / "pipeline" / "engines").glob("*.py")):
+        text = path.read_text()
+        assert "pipeline.strategies" not in text and "STRATEGIES" not in text, path.name
 
 
 def test_no_second_table_of_methods():

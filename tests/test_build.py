@@ -236,10 +236,9 @@ class NonFiniteScorer:
 
 
 def test_non_finite_rewards_are_quarantined_and_left_out_of_statistics(tiny_models, engine, scorer, tmp_path):
-    from actors.factory import Workers
+    from actors.factory import Workers, local_generator, local_scorer
     from pipeline.build import plan_build, run_build
     from pipeline.config import load_config
-    from pipeline.coordinator import Serialized
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:3]])
     args = build_args(tiny_models, prompts, tmp_path / "out", tau=None)
@@ -248,7 +247,8 @@ def test_non_finite_rewards_are_quarantined_and_left_out_of_statistics(tiny_mode
         f"data.prompts={prompts}", f"data.output={tmp_path / 'out'}", "sampling.num_samples=4",
         "sampling.max_new_tokens=24"], strategy="best_of_n")
     flaky = NonFiniteScorer(scorer)
-    manifest = run_build(plan_build(config), Workers([Serialized(engine)], [Serialized(flaky)]), progress=False)
+    workers = Workers([local_generator(engine, timed=False)], [local_scorer(flaky, timed=False)])
+    manifest = run_build(plan_build(config), workers, progress=False)
     quarantine = pq.read_table(tmp_path / "out" / "_quarantine" / "part-00000.parquet").to_pylist()
     assert sorted({q["score"] for q in quarantine}) == ["-inf", "inf", "nan"]
     assert manifest["candidates_quarantined"] == len(quarantine) == 2 + 4 + 1

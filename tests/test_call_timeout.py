@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 class SlowActor:
-    """Each call takes ``seconds``, one at a time (a GeneratorActor without merged decoding: a
+    """Each call takes ``seconds``, one at a time (a GeneratorActor without continuous batching: a
     model-side search per call)."""
 
     def search(self, seconds: float) -> float:
@@ -48,7 +48,7 @@ def test_calls_queued_behind_a_slow_call_do_not_time_out(cluster):
     slots = proxy(timeout_s=2.0)
     with ThreadPoolExecutor(3) as pool:
         started = time.monotonic()
-        results = list(pool.map(lambda _: slots.search(1.2), range(3)))
+        results = list(pool.map(lambda _: slots.call("search", 1.2), range(3)))
         elapsed = time.monotonic() - started
     assert results == [1.2] * 3
     assert elapsed > 3.0  # they did run one after another: the last was queued past its timeout
@@ -61,11 +61,11 @@ def test_a_call_that_runs_past_its_timeout_is_still_a_hang(cluster):
     sent (the queueing counted) and not after it ends (30 s)."""
     slots = proxy(timeout_s=3.0)
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(slots.search, 2.0)
+        first = pool.submit(slots.call, "search", 2.0)
         time.sleep(0.1)  # the long call is sent second: it waits in the queue first
         started = time.monotonic()
         with pytest.raises(WorkerFailure, match=r"generator 0 actor hung: search\(\) ran over 3s after it started"):
-            slots.search(30.0)
+            slots.call("search", 30.0)
         failed_after = time.monotonic() - started
         assert first.result() == 2.0
     # Load can only delay the kill: the lower bound separates "timed from the start" (>= 4.9 s)

@@ -12,7 +12,7 @@ from benchmarks.cluster_sim import main
 @pytest.mark.parametrize("strategy", ["sbon", "best_of_n"])
 def test_simulated_cluster_loses_and_duplicates_nothing(strategy, tiny_models, tmp_path):
     out = tmp_path / "sim.json"
-    rc = main(["--generators", "4", "--rewards", "2", "--prompts", "90", "--shard-size", "20", "--strategy", strategy,
+    rc = main(["--generators", "4", "--rewards", "2", "--num-prompts", "90", "--shard-size", "20", "--strategy", strategy,
                "--num-samples", "8", "--max-new-tokens", "64", "--decision-token", "8", "--time-scale", "0.002",
                "--tokenizer", str(tiny_models["generator"]), "--json", str(out)])
     assert rc == 0
@@ -29,7 +29,7 @@ def test_simulated_cluster_loses_and_duplicates_nothing(strategy, tiny_models, t
 
 def test_sweep_reports_one_result_per_generator_count(tiny_models, tmp_path):
     out = tmp_path / "sweep.json"
-    assert main(["--sweep", "1,2", "--generators", "2", "--rewards", "2", "--prompts", "24", "--shard-size", "8",
+    assert main(["--sweep", "1,2", "--generators", "2", "--rewards", "2", "--num-prompts", "24", "--shard-size", "8",
                  "--num-samples", "4", "--max-new-tokens", "16", "--decision-token", "4", "--time-scale", "0.002",
                  "--tokenizer", str(tiny_models["generator"]), "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]

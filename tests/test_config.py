@@ -59,3 +59,36 @@ def test_missing_config_file_is_a_config_error(tmp_path):
     bad.write_text("models: [unclosed\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(str(bad))
+
+
+def test_merged_decoding_is_read_as_continuous_batching_with_a_warning(caplog):
+    """runtime.merged_decoding (the old name) still works: a warning line, and the value lands on
+    runtime.continuous_batching; both set differently is an error naming the old key."""
+    with caplog.at_level("WARNING", logger="pipeline.config"):
+        cfg = config_from_dict({"runtime": {"merged_decoding": False}})
+    assert cfg.runtime.continuous_batching is False
+    assert "runtime.merged_decoding is renamed runtime.continuous_batching" in caplog.text
+    assert not hasattr(cfg.runtime, "merged_decoding")
+    assert config_from_dict({"runtime": {"merged_decoding": True, "continuous_batching": True}}).runtime.continuous_batching
+    with pytest.raises(ConfigError, match=r"runtime\.merged_decoding: renamed runtime\.continuous_batching"):
+        config_from_dict({"runtime": {"merged_decoding": False, "continuous_batching": True}})
+    assert load_config(None, ["runtime.merged_decoding=false"]).runtime.continuous_batching is False
+    assert "merged_decoding" not in cfg.to_dict()["runtime"]
+
+
+def test_backends_come_from_the_backend_registry():
+    from pipeline.engines.backends import BACKENDS
+    from pipeline.strategies import STRATEGIES
+
+    with pytest.raises(ConfigError, match="models.backend: expected hf or vllm, got 'tgi'"):
+        config_from_dict({"models": {"backend": "tgi"}})
+    with pytest.raises(ConfigError, match="models.reward_backend"):
+        config_from_dict({"models": {"reward_backend": "tgi"}})
+    for name, record in STRATEGIES.items():
+        for backend in BACKENDS:
+            raw = {"strategy": {"name": name}, "models": {"backend": backend}}
+            if backend in record.backends:
+                assert config_from_dict(raw).models.backend == backend
+            else:
+                with pytest.raises(ConfigError, match=f"serves .* only, not strategy '{name}'"):
+                    config_from_dict(raw)

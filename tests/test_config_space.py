@@ -33,7 +33,7 @@ SAMPLE_BASED = {"best_of_n", "sbon", "aded"}
 @pytest.fixture(scope="module")
 def space(tiny_models, tmp_path_factory):
     """Models (the tiny ones, plus a Reward Transformer with a channel for SLA), a prompt file of
-    good and bad rows, and in-process workers cached per (method, merged decoding): loading models
+    good and bad rows, and in-process workers cached per (method, continuous batching): loading models
     is most of a tiny build's cost, and a worker serves any number of builds."""
     from pipeline.engines.hf import load_tokenizer
     from pipeline.engines.reward_transformer import RewardTransformer
@@ -74,7 +74,7 @@ def build(space: dict, config) -> dict:
     from actors import start_workers
     from pipeline.build import plan_build, run_build
 
-    key = (config.strategy.name, config.runtime.merged_decoding, config.models.generator)
+    key = (config.strategy.name, config.runtime.continuous_batching, config.models.generator)
     if key not in space["workers"]:
         space["workers"][key] = start_workers(config)
     plan = plan_build(config)
@@ -132,7 +132,7 @@ runtime_settings = st.fixed_dictionaries({
     "prompts_per_batch": st.integers(1, 4),
     "batches_in_flight": st.integers(1, 4),
     "rows_in_flight": st.sampled_from([0, 1, 4, 64]),
-    "merged_decoding": st.booleans(),
+    "continuous_batching": st.booleans(),
 })
 common = dict(num_samples=st.integers(2, 5), max_new_tokens=st.integers(1, 14), runtime=runtime_settings,
               shard_size=st.integers(1, 13))
@@ -198,13 +198,13 @@ FOUND = [
     # issue 27: every decision token at or past max_new_tokens crashed with KeyError: 0.
     ("sbon", 4, 16, {"decision_token": 16}, {}, 8, "built"),
     ("sbon", 3, 6, {"decision_token": [6, 9]}, {}, 4, "built"),
-    ("sbon", 3, 1, {"decision_token": 1, "keep_lowest": False}, {"merged_decoding": False}, 1, "built"),
+    ("sbon", 3, 1, {"decision_token": 1, "keep_lowest": False}, {"continuous_batching": False}, 1, "built"),
     # hypothesis: initial_candidates < num_samples raised ValueError mid-build; now refused by config.
     ("sbon", 5, 8, {"decision_token": 4, "initial_candidates": 2}, {}, 3, "refused"),
     # hypothesis: memory-budget mode with no decision point started initial_candidates rows and
     # counted the screened ones' tokens; now plain Best-of-N.
     ("sbon", 2, 1, {"decision_token": 1, "rejection_rate": 0.0, "keep_lowest": False, "initial_candidates": 3},
-     {"prompts_per_batch": 1, "batches_in_flight": 1, "rows_in_flight": 0, "merged_decoding": False}, 1, "built"),
+     {"prompts_per_batch": 1, "batches_in_flight": 1, "rows_in_flight": 0, "continuous_batching": False}, 1, "built"),
     # memory-budget mode with keep_lowest (tests/test_decoding.py checks that exactly the budget goes on).
     ("sbon", 4, 12, {"decision_token": 3, "initial_candidates": 6, "max_live_candidates": 2}, {}, 4, "built"),
 ]

@@ -1,11 +1,13 @@
 """Coordinator scheduling without Ray: rows in flight decide when a generator takes the next batch,
-and merged decoding (pipeline.engines.hf) under the coordinator's threads changes no candidate."""
+a search's rows count while it runs, and continuous batching (pipeline.engines.hf's step loop) under
+the coordinator's threads changes no candidate."""
 
 import threading
 
 import pytest
 
-from pipeline.coordinator import Coordinator, Serialized, _Admission, _CountedRows
+from actors.factory import local_generator, local_scorer
+from pipeline.coordinator import Coordinator, _Admission, _CountedRows
 from pipeline.decoding.domain import PromptInput, RowState
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams
@@ -69,26 +71,56 @@ def test_batches_in_flight_still_caps_a_generator_and_release_returns_the_rows()
     assert admission._rows[counted[0]._index] == 4  # the released batch's rows left with it
 
 
+class Searching:
+    """A generator whose search runs until the test lets it end."""
+
+    def __init__(self):
+        self.started, self.end = threading.Event(), threading.Event()
+
+    def search(self, search, prompts, num_samples, seeds, sampling, params):
+        self.started.set()
+        assert self.end.wait(5.0)
+        return search(prompts, num_samples)
+
+
+def test_a_search_counts_its_rows_while_it_runs():
+    admission = _Admission(generators=1, batches=8, rows=10)
+    generator = Searching()
+    counted = _CountedRows(generator, admission, admission.acquire(4), reserved=4)
+    results = []
+    running = threading.Thread(target=lambda: results.append(counted.search(
+        lambda prompts, n: ["done"] * len(prompts), [[1], [2], [3]], 2, list(range(6)), SamplingParams(), None)),
+        daemon=True)
+    running.start()
+    assert generator.started.wait(1.0)
+    assert admission._rows == [6]  # the batch's 4 reserved rows gave way to the search's 6
+    generator.end.set()
+    running.join(1.0)
+    assert results == [["done"] * 3] and admission._rows == [0]
+
+
 def prompts(engine, n=6):
     return [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in enumerate(GOOD_PROMPTS[:n])]
 
 
-def test_merged_decoding_under_the_coordinator_gives_the_same_candidates(engine, scorer):
+def test_continuous_batching_under_the_coordinator_gives_the_same_candidates(engine, scorer):
     params = SpeculativeRejectionParams(decision_token=[3, 6], rejection_rate=0.5)
     sampling = SamplingParams(max_new_tokens=12)
 
     def run(generator, **kwargs):
-        coordinator = Coordinator("sbon", params, sampling, 4, 0, [generator], [Serialized(scorer)], **kwargs)
+        coordinator = Coordinator("sbon", params, sampling, 4, 0, [generator], [local_scorer(scorer, timed=False)],
+                                  **kwargs)
         return {r.prompt.prompt_id: [(c.token_ids, c.text, c.score, c.stopped_early) for c in r.candidates]
                 for r in coordinator.run(prompts(engine))}
 
-    expected = run(Serialized(engine), prompts_per_batch=2, batches_in_flight=1)
-    merged = HFEngine(engine.model, engine.tokenizer, merged=True)
-    got = run(merged, prompts_per_batch=1, batches_in_flight=6, rows_in_flight=10)
+    expected = run(local_generator(engine, timed=False), prompts_per_batch=2, batches_in_flight=1)
+    shared = HFEngine(engine.model, engine.tokenizer)
+    got = run(local_generator(shared, concurrent=True, timed=False), prompts_per_batch=1, batches_in_flight=6,
+              rows_in_flight=10)
     # Candidates are identical; the reward model scores other batches, so scores agree to rounding.
     assert {k: [c[:2] + c[3:] for c in v] for k, v in got.items()} == {k: [c[:2] + c[3:] for c in v]
                                                                         for k, v in expected.items()}
     for prompt_id, candidates in got.items():
         assert [c[2] for c in candidates] == pytest.approx([c[2] for c in expected[prompt_id]], abs=1e-5)
     assert any(c[3] for v in got.values() for c in v)  # precondition: some candidates were stopped early
-    assert merged.sessions == {} and merged._merged is None
+    assert shared.sessions == {}

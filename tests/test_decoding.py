@@ -4,6 +4,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from pipeline.config import ConfigError, config_from_dict
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
@@ -204,9 +205,18 @@ def test_alpha_zero_equals_best_of_n_on_real_models(engine, scorer):
 
 
 def _ancestral(host, prompts, num_samples, seeds, sampling, params):
-    """A model-side method for the test: plain sampling, run inside the engine."""
+    """A model-side method for the test: plain sampling, run inside the engine on its model runner
+    (a search runs between the engine's steps, so it may not call the engine itself)."""
     from pipeline.decoding.domain import SearchOutput
-    rows = host.engine.generate(prompts, num_samples, seeds, sampling)
+    runner = host.engine.runner
+    with torch.inference_mode():
+        state = runner.prefill(prompts, num_samples, seeds, sampling)
+        state.until = sampling.max_new_tokens
+        while not state.extended():
+            width = len(state.batch.next_position)
+            finished = set(runner.step(state.batch, [state], list(range(width)))[0])
+            state.batch.select([i for i in range(width) if i not in finished])
+    rows = runner.report(state, list(state.tokens))
     per = [rows[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
     return [SearchOutput(rows=r, generated_tokens=sum(len(x.token_ids) for x in r) + 1, stats={"calls": 1})
             for r in per]
@@ -243,7 +253,7 @@ def test_model_side_strategy_refuses_wrong_row_counts(engine, scorer, monkeypatc
     ps = [PromptInput("a", "Hi", "Hi", engine.tokenizer("Hi").input_ids)]
     with pytest.raises(RuntimeError, match="expected 2 rows"):
         record.run(ps, engine, scorer, None, SamplingParams(max_new_tokens=4), 2, 0)
-    with pytest.raises(ValueError, match="unknown model-side method"):
+    with pytest.raises(TypeError, match="got 'nope'"):  # the engine runs a function, it looks up no name
         engine.search("nope", [[1, 2]], 1, [0], SamplingParams(max_new_tokens=2), None)
 
 

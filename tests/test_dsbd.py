@@ -515,6 +515,7 @@ def test_dsbd_aded_drafter_starts_from_strategy_trigram(engine, tmp_path):
     from pipeline.decoding.trigram import TrigramMatrix
     from pipeline.engines.adapters import HFSearchHost
     from pipeline.engines.trigram import load_trigram, save_trigram
+    from pipeline.build import MODEL_FILES
     from pipeline.strategies import lookup
 
     prompt = engine.tokenizer("Write a review of the lamp.").input_ids
@@ -522,7 +523,7 @@ def test_dsbd_aded_drafter_starts_from_strategy_trigram(engine, tmp_path):
     save_trigram(TrigramMatrix.from_sequences([prompt + prompt]), path)
     params = DSBDParams(draft_width=2, num_draft_layers=2, trigram=path)
     check = lookup("dsbd").check_models
-    check(params, None)
+    check(params, None, MODEL_FILES)
     host = HFSearchHost(engine)
     out = dsbd_search(host, [prompt], 1, [3], SamplingParams(max_new_tokens=4, ignore_eos=True), params)
     assert len(out[0].rows[0].token_ids) == 4
@@ -530,11 +531,11 @@ def test_dsbd_aded_drafter_starts_from_strategy_trigram(engine, tmp_path):
     assert len(drafter.initial) == len(load_trigram(path)) > 0
     (tmp_path / "bad.npz").write_bytes(b"no")
     with pytest.raises(ConfigError, match="strategy.trigram"):
-        check(DSBDParams(trigram=str(tmp_path / "bad.npz")), None)
+        check(DSBDParams(trigram=str(tmp_path / "bad.npz")), None, MODEL_FILES)
 
 
 def test_dsbd_benchmark_runs_the_aded_rows_on_prompt_file_prompts(tiny_models, tmp_path):
-    """benchmarks.dsbd --aded --prompt-file: speculative decoding and DSBD with ADED drafts next to
+    """benchmarks.dsbd --aded --prompts: speculative decoding and DSBD with ADED drafts next to
     the draft model's, each row saying which drafter ran."""
     import json
 
@@ -543,9 +544,9 @@ def test_dsbd_benchmark_runs_the_aded_rows_on_prompt_file_prompts(tiny_models, t
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Describe how the lamp works."}])
     out = tmp_path / "dsbd.json"
-    assert bench.main(["--models", str(tiny_models["generator"].parent), "--prompt-file", str(prompts),
-                       "--prompts", "1", "--new-tokens", "5", "--repeats", "1", "--aded", "--no-ray",
-                       "--json", str(out), "--png", str(tmp_path / "dsbd.png")]) == 0
+    assert bench.main(["--models", str(tiny_models["generator"].parent), "--prompts", str(prompts),
+                       "--num-prompts", "1", "--max-new-tokens", "5", "--repeats", "1", "--aded", "--no-ray",
+                       "--json", str(out), "--plot", str(tmp_path / "dsbd.png")]) == 0
     results = json.loads(out.read_text())["results"]
     aded = {n: r for n, r in results.items() if r["drafter"] == "aded"}
     assert set(aded) == {"speculative_aded", "dsbd_aded_ws2_g3_t0.9", "dsbd_aded_ws3_g3_t0.9"}

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from actors import start_workers  # noqa: E402
 from jobs.build_dataset import main  # noqa: E402
 from pipeline.config import config_from_dict  # noqa: E402
+from pipeline.decoding import dsbd  # noqa: E402
 from pipeline.decoding.dsbd import DSBDParams  # noqa: E402
 from pipeline.decoding.sampling import SamplingParams  # noqa: E402
 from tests.conftest import GOOD_PROMPTS, write_jsonl  # noqa: E402
@@ -34,7 +35,7 @@ def config(tiny_models, placement: str, local: bool = False, draft: bool = True)
 
 def test_dsbd_without_a_draft_model_starts_workers_that_draft_with_aded(tiny_models):
     workers = start_workers(config(tiny_models, "colocated", local=True, draft=False))
-    out = workers.generators[0].search("dsbd", [[1, 40, 41]], 1, [0], SamplingParams(max_new_tokens=4),
+    out = workers.generators[0].search(dsbd.search, [[1, 40, 41]], 1, [0], SamplingParams(max_new_tokens=4),
                                        DSBDParams(draft_width=2))
     assert len(out[0].rows[0].token_ids) <= 4 and out[0].stats["drafted_tokens"] > 0
 

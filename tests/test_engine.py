@@ -88,9 +88,10 @@ def _sbon_like(engine, name, prompts, width, seeds, sampling, pause=0.0):
     return [(r.row, r.token_ids, r.text, r.finished) for r in first + rest], counters
 
 
-def test_merged_decoding_makes_the_same_candidates_as_separate_batches(tiny_models):
-    """Sessions on concurrent threads share the merged step loop (rows join, prune, hit EOS and leave
-    at different steps), and every row's tokens and text equal the unmerged engine's."""
+def test_concurrent_sessions_make_the_same_candidates_as_one_at_a_time(tiny_models):
+    """Sessions on concurrent threads share the step loop's batch (rows join, prune, hit EOS and
+    leave at different steps), and every row's tokens and text equal those of the sessions run one
+    at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     base = HFEngine.from_pretrained(str(tiny_models["generator"]))
@@ -101,7 +102,7 @@ def test_merged_decoding_makes_the_same_candidates_as_separate_batches(tiny_mode
     eos = max({t for r in sampled for t in r.token_ids[2:]}, key=lambda t: sum(r.token_ids.count(t) for r in sampled))
     base.model.generation_config.eos_token_id = eos
     alone = HFEngine(base.model, base.tokenizer)
-    merged = HFEngine(base.model, base.tokenizer, merged=True)
+    shared = HFEngine(base.model, base.tokenizer)
     texts = ["Write a review of the lamp", "Explain why the phone broke so quickly today", "Describe the blender",
              "Tell me if the camera is good", "Summarize the app", "A note about the delivery, please, today"]
     jobs = [(f"s{i}", [ids(base, t) for t in texts[i:i + 1 + i % 2]], 3 + i % 3, 0.01 * (i % 3))
@@ -110,50 +111,69 @@ def test_merged_decoding_makes_the_same_candidates_as_separate_batches(tiny_mode
             for i, (name, p, w, pause) in enumerate(jobs)]
     expected = [_sbon_like(alone, name, p, w, seeds, sampling) for name, p, w, seeds, _ in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        got = list(pool.map(lambda job: _sbon_like(merged, job[0], job[1], job[2], job[3], sampling, job[4]), jobs))
+        got = list(pool.map(lambda job: _sbon_like(shared, job[0], job[1], job[2], job[3], sampling, job[4]), jobs))
     assert [g[0] for g in got] == [e[0] for e in expected]
     assert [g[1]["generated_tokens"] for g in got] == [e[1]["generated_tokens"] for e in expected]
     assert any(finished for rows, _ in expected for *_, finished in rows)  # precondition: EOS happened
-    # The sessions shared forward passes: fewer in all than their own counts add up to.
-    assert merged.forward_passes < sum(c["forward_passes"] for _, c in got)
-    assert merged.sessions == {} and merged._members == [] and merged._merged is None
+    # One at a time, each step decodes one session; together, the sessions shared forward passes.
+    assert alone.forward_passes == sum(c["forward_passes"] for _, c in expected)
+    assert shared.forward_passes < sum(c["forward_passes"] for _, c in got)
+    assert shared.sessions == {} and shared.loop._members == [] and shared.loop._batch is None
 
 
-def test_merged_decoding_hands_a_model_error_to_every_call_in_the_step(tiny_models):
-    engine = HFEngine.from_pretrained(str(tiny_models["generator"]), merged=True)
+def test_the_step_loop_hands_a_model_error_to_every_call_in_the_step(tiny_models):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = HFEngine.from_pretrained(str(tiny_models["generator"]))
     prompt = ids(engine, "Write a review")
     engine.open("a", [prompt], 2, [1, 2], SAMPLE)
+    engine.open("b", [prompt], 3, [3, 4, 5], SAMPLE)
     forward = engine.model.forward
     engine.model.forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("device lost"))
     try:
-        import pytest
-
-        with pytest.raises(RuntimeError, match="device lost"):
-            engine.extend("a", until=4)
+        with ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(engine.extend, name, 4) for name in ("a", "b")]
+            for call in calls:
+                with pytest.raises(RuntimeError, match="device lost"):
+                    call.result()
     finally:
         engine.model.forward = forward
-    assert engine._members == [] and engine._merged is None and engine._driving is None
-    engine.open("b", [prompt], 2, [1, 2], SAMPLE)  # the loop still serves
-    assert len(engine.extend("b", until=4)) == 2
+    assert engine.loop._members == [] and engine.loop._batch is None and engine.loop._driving is None
+    engine.open("c", [prompt], 2, [1, 2], SAMPLE)  # the loop still serves
+    assert len(engine.extend("c", until=4)) == 2
 
 
-def test_merged_decoding_refuses_a_call_from_inside_its_own_model_work(tiny_models, monkeypatch):
-    """A model-side method runs between steps, as the loop's driver: an engine call from it would
+def test_the_step_loop_refuses_a_call_from_inside_its_own_model_work(tiny_models):
+    """A model-side search runs between steps, as the loop's driver: an engine call from it would
     wait for itself, so it fails at once instead of hanging."""
-    import pytest
-
     from pipeline.decoding.best_of_n import BestOfNParams
-    from pipeline.strategies import STRATEGIES, Strategy
 
     def nested(host, token_ids, num_samples, seeds, sampling, params):
         return host.engine.generate(token_ids, num_samples, seeds, sampling)
 
-    monkeypatch.setitem(STRATEGIES, "nested", Strategy("nested", BestOfNParams, "test method", search=nested))
-    engine = HFEngine.from_pretrained(str(tiny_models["generator"]), merged=True)
+    engine = HFEngine.from_pretrained(str(tiny_models["generator"]))
     prompt = ids(engine, "Write a review")
     with pytest.raises(RuntimeError, match="would wait for itself"):
-        engine.search("nested", [prompt], 2, [1, 2], SAMPLE, BestOfNParams())
+        engine.search(nested, [prompt], 2, [1, 2], SAMPLE, BestOfNParams())
     assert len(engine.generate([prompt], 2, [1, 2], SAMPLE)) == 2  # the engine still serves
+
+
+def test_search_takes_the_search_function_and_refuses_a_name(engine):
+    """The engine runs the function it is given, with its search host; a strategy's name is no
+    function (the engine looks nothing up)."""
+    from pipeline.decoding.best_of_n import BestOfNParams
+
+    seen = []
+
+    def search(host, token_ids, num_samples, seeds, sampling, params):
+        seen.append((host, token_ids, num_samples, seeds, params, torch.is_inference_mode_enabled()))
+        return ["done"]
+
+    params = BestOfNParams()
+    assert engine.search(search, [[1, 2]], 2, [3, 4], SAMPLE, params) == ["done"]
+    assert seen == [(engine.search_host, [[1, 2]], 2, [3, 4], params, False)]
+    with pytest.raises(TypeError, match="got 'ults'"):
+        engine.search("ults", [[1, 2]], 2, [3, 4], SAMPLE, params)
 
 
 def _speculative(k=4, max_rows=16):
@@ -187,7 +207,7 @@ def test_speculative_decoding_makes_the_same_rows_in_fewer_forward_passes(tiny_m
     assert [r.token_ids for r in fast.generate(prompts[1:], 3, [0, 1, 2], greedy)] == \
         [r.token_ids for r in plain.generate(prompts[1:], 3, [0, 1, 2], greedy)]
     assert fast.forward_passes < plain.forward_passes
-    # More live rows than max_rows: plain steps, the same passes as without it.
+    # More live rows than max_rows when the extend starts: plain steps, the same passes as without it.
     wide = HFEngine(base.model, base.tokenizer, speculative=_speculative(max_rows=2))
     wide.generate(prompts[1:], 3, [0, 1, 2], greedy)
     assert wide.forward_passes == plain.forward_passes
@@ -195,8 +215,8 @@ def test_speculative_decoding_makes_the_same_rows_in_fewer_forward_passes(tiny_m
 
 def test_speculative_decoding_finishes_only_the_rows_after_the_last_decision_token(tiny_models):
     """sbon's pattern (a decision token, prune, finish to the cap): the extend to the decision token
-    decodes plainly, the finish speculates; rows, EOS and counters equal plain decoding's, unmerged
-    and merged (sessions on threads)."""
+    decodes plainly, the finish speculates; rows, EOS and counters equal plain decoding's, with the
+    sessions one at a time and on concurrent threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     base = HFEngine.from_pretrained(str(tiny_models["generator"]))
@@ -209,18 +229,18 @@ def test_speculative_decoding_finishes_only_the_rows_after_the_last_decision_tok
     expected = [_sbon_like(plain, name, p, w, seeds, sampling) for name, p, w, seeds in jobs]
     fast = HFEngine(base.model, base.tokenizer, speculative=_speculative())
     steps = []
-    speculative_step = fast._speculative_step
-    fast._speculative_step = lambda state: steps.append(len(state.tokens[state.rows[0]])) or speculative_step(state)
+    speculative_step = fast.runner.speculative_step
+    fast.runner.speculative_step = lambda state: steps.append(len(state.tokens[state.rows[0]])) or speculative_step(state)
     got = [_sbon_like(fast, name, p, w, seeds, sampling) for name, p, w, seeds in jobs]
     assert [g[0] for g in got] == [e[0] for e in expected]
     assert [g[1]["generated_tokens"] for g in got] == [e[1]["generated_tokens"] for e in expected]
     assert steps and min(steps) >= 3  # only the finishes (after the decision token at 3) speculated
     assert any(finished and len(tokens) < 20 for rows, _ in expected for _, tokens, _, finished in rows)  # EOS
-    merged = HFEngine(base.model, base.tokenizer, merged=True, speculative=_speculative())
+    shared = HFEngine(base.model, base.tokenizer, speculative=_speculative())
     with ThreadPoolExecutor(len(jobs)) as pool:
-        threaded = list(pool.map(lambda job: _sbon_like(merged, *job, sampling), jobs))
+        threaded = list(pool.map(lambda job: _sbon_like(shared, *job, sampling), jobs))
     assert [g[0] for g in threaded] == [e[0] for e in expected]
-    assert merged.sessions == {} and merged._members == [] and merged._driving is None
+    assert shared.sessions == {} and shared.loop._members == [] and shared.loop._driving is None
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")

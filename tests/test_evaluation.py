@@ -143,7 +143,11 @@ def test_job_reads_committed_shards_only(tmp_path, capsys):
     assert main(["--pairs", str(out), "--allow-partial", "--report", str(report_file)]) == 0
     report = json.loads(report_file.read_text())
     assert report["pairs"] == 2 and report["pairs_told_apart"] == 2 and report["pair_accuracy"] == 0.5
+    capsys.readouterr()
     assert main(["--pairs", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'nothing'}: not a build's output") and err.count("\n") == 1
+    assert not (tmp_path / "nothing").exists()  # reading a build never creates one
 
 
 def test_job_unknown_instruction_is_one_line(tmp_path, capsys):

@@ -155,7 +155,15 @@ def test_evaluate_refuses_sla_without_channel(tiny_models, tmp_path, capsys):
     assert evaluate_main(["--generator", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
                           "--prompts", str(prompts), "--methods", "greedy,sla"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --generator:") and "trained reward channel" in err
+    assert err.startswith("error: --generator: strategy 'sla' needs") and "trained reward channel" in err
+    assert err.count("\n") == 1
+    # Not named: skipped with a note, the other default methods compared.
+    report = tmp_path / "eval.json"
+    assert evaluate_main(["--generator", str(tiny_models["generator"]), "--reward", str(tiny_models["reward"]),
+                          "--prompts", str(prompts), "--max-new-tokens", "4", "--num-samples", "2",
+                          "--report", str(report)]) == 0
+    assert list(json.loads(report.read_text())["methods"]) == ["greedy", "temperature", "top_p", "top_k", "beam", "sbon"]
+    assert "note: sla skipped (--generator: strategy 'sla' needs" in capsys.readouterr().err
     assert evaluate_main(["--generator", str(tmp_path / "nope"), "--reward", str(tiny_models["reward"]),
                           "--prompts", str(prompts), "--methods", "greedy"]) == 2
     err = capsys.readouterr().err

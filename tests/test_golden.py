@@ -20,21 +20,30 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.build_dataset import main
+from pipeline.data.writer import OutputStore
+from pipeline.strategies import STRATEGIES
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 GOLDEN = Path(__file__).parent / "golden" / "pairs.json"
 
-# (case name, strategy, extra --set overrides). dsbd runs twice: with the draft model, and with
-# no draft model (ADED drafts).
-CASES = [
-    ("best_of_n", "best_of_n", []),
-    ("sbon", "sbon", ["strategy.decision_token=4", "strategy.rejection_rate=0.5"]),
-    ("ults", "ults", ["strategy.branching=3"]),
-    ("aded", "aded", ["strategy.iterations=20"]),
-    ("sla", "sla", ["strategy.step_size=3"]),
-    ("dsbd_draft", "dsbd", ["strategy.draft_width=2"]),
-    ("dsbd_aded", "dsbd", ["strategy.draft_width=2", "models.draft="]),
-]
+GOLDEN_CASES = {
+    "best_of_n": {"best_of_n": []},
+    "sbon": {"sbon": ["strategy.decision_token=4", "strategy.rejection_rate=0.5"]},
+    "ults": {"ults": ["strategy.branching=3"]},
+    "aded": {"aded": ["strategy.iterations=20"]},
+    "sla": {"sla": ["strategy.step_size=3"]},
+    "dsbd": {"dsbd_draft": ["strategy.draft_width=2"], "dsbd_aded": ["strategy.draft_width=2", "models.draft="]},
+}
+"""Registered strategy -> {golden case: its extra --set overrides}. dsbd has two cases: with the
+draft model, and with no draft model (ADED drafts)."""
+CASES = [(case, strategy, overrides) for strategy, cases in GOLDEN_CASES.items() for case, overrides in cases.items()]
+
+
+def test_every_registered_strategy_has_a_recorded_golden_case():
+    """A strategy added to the registry without a golden case (and its recorded output) fails here."""
+    assert sorted(GOLDEN_CASES) == sorted(STRATEGIES)
+    recorded = json.loads(GOLDEN.read_text())
+    assert all(cases and set(cases) <= set(recorded) for cases in GOLDEN_CASES.values())
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +73,7 @@ def build_pairs(tiny_models, reward_transformer, tmp_path, strategy: str, overri
         args += ["--set", item]
     assert main(args) == 0
     rows = []
-    for part in sorted((tmp_path / "out").glob("train-*.parquet")):
+    for part in OutputStore.open_build(str(tmp_path / "out")).committed_parts():
         rows += pq.read_table(part).to_pylist()
     keys = ("prompt_id", "chosen", "rejected", "chosen_score", "rejected_score", "num_candidates",
             "generated_tokens")

@@ -7,9 +7,10 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from actors import start_workers  # noqa: E402
+from actors.factory import local_generator, local_scorer  # noqa: E402
 from jobs.build_dataset import main  # noqa: E402
 from pipeline.config import config_from_dict  # noqa: E402
-from pipeline.coordinator import Coordinator, Serialized  # noqa: E402
+from pipeline.coordinator import Coordinator  # noqa: E402
 from pipeline.decoding.domain import PromptInput  # noqa: E402
 from pipeline.decoding.sampling import SamplingParams  # noqa: E402
 from tests.conftest import GOOD_PROMPTS, MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl  # noqa: E402
@@ -33,7 +34,8 @@ def prompts(engine, n=5):
 def test_ray_actors_give_the_same_candidates_as_in_process(cluster, tiny_models, engine, scorer):
     cfg = config(tiny_models)
     sampling = SamplingParams(max_new_tokens=16)
-    local = Coordinator("sbon", cfg.strategy.params, sampling, 4, 0, [Serialized(engine)], [Serialized(scorer)], 2, 2)
+    local = Coordinator("sbon", cfg.strategy.params, sampling, 4, 0, [local_generator(engine, timed=False)],
+                        [local_scorer(scorer, timed=False)], 2, 2)
     expected = {r.prompt.prompt_id: [(c.text, c.stopped_early) for c in r.candidates] for r in local.run(prompts(engine))}
     workers = start_workers(cfg)
     try:
@@ -46,13 +48,14 @@ def test_ray_actors_give_the_same_candidates_as_in_process(cluster, tiny_models,
     assert stats["generated_tokens"] > 0 and stats["reward_forward_passes"] > 0
 
 
-def test_merged_decoding_on_a_threaded_actor_gives_the_same_candidates(cluster, tiny_models, engine, scorer):
+def test_continuous_batching_on_a_threaded_actor_gives_the_same_candidates(cluster, tiny_models, engine, scorer):
     """Batches admitted by rows in flight share the actor's decoding steps (a threaded actor): the
     candidates are those of one batch at a time in-process, in fewer forward passes."""
-    cfg = config(tiny_models, merged_decoding=True, batches_in_flight=4, rows_in_flight=10, prompts_per_batch=1)
+    cfg = config(tiny_models, continuous_batching=True, batches_in_flight=4, rows_in_flight=10, prompts_per_batch=1)
     sampling = SamplingParams(max_new_tokens=16)
     passes = engine.forward_passes
-    local = Coordinator("sbon", cfg.strategy.params, sampling, 4, 0, [Serialized(engine)], [Serialized(scorer)], 1, 1)
+    local = Coordinator("sbon", cfg.strategy.params, sampling, 4, 0, [local_generator(engine, timed=False)],
+                        [local_scorer(scorer, timed=False)], 1, 1)
     expected = {r.prompt.prompt_id: [(c.token_ids, c.stopped_early) for c in r.candidates]
                 for r in local.run(prompts(engine))}
     alone = engine.forward_passes - passes

@@ -1,6 +1,7 @@
-"""Readers of a build read committed output only (issue 27, item 3): a killed build is refused with
-one line unless --allow-partial, which reads exactly the committed shards and says how many; a part
-file with no commit marker is never read; a user's own pairs files read as before."""
+"""Readers of a build read committed output only, through its output store (issues 27 and 29): a
+killed build is refused with one line unless --allow-partial, which reads exactly the committed
+shards and says how many; a part file with no commit marker is never read; a user's own pairs
+files read as before. A real killed build: tests/test_killed_build.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from jobs.build_dataset import main as build_main
 from jobs.train_reward_transformer import main as train_main
 from pipeline.errors import InputError
-from pipeline.data.writer import IncompleteBuild
+from pipeline.data.writer import IncompleteBuild, OutputStore
 from pipeline.training.dpo import load_pairs
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
@@ -81,6 +82,8 @@ def test_a_stray_or_damaged_part_file_in_a_finished_build(finished, tmp_path):
     shutil.copy(out / "train-00000.parquet", out / "train-00001.parquet")
     with pytest.raises(IncompleteBuild, match="shard\\(s\\) 1 no longer match their commit markers"):
         load_pairs(str(out))
+    with pytest.raises(IncompleteBuild, match="shard\\(s\\) 1 no longer match"):  # the store's short form too
+        OutputStore(str(out)).committed_parts()
     lines = []
     assert len(load_pairs(str(out), allow_partial=True, say=lines.append)) == 4
     assert "read 2 of its 3 committed shards" in lines[0] and "skipped shard(s) 1" in lines[0]

@@ -160,7 +160,7 @@ def test_s3_settings_reach_ray_workers_and_an_s3_build_resumes(cluster, tiny_mod
 
                 return os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_SECRET_ACCESS_KEY")
 
-            seen = ray.get(workers.generators[0].handle.__ray_call__.remote(worker_env))
+            seen = ray.get(workers.handles[0].__ray_call__.remote(worker_env))
         finally:
             workers.shutdown()
         assert seen[0] == endpoint and seen[1] != options["secret"]  # storage_options never reach a worker

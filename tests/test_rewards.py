@@ -88,10 +88,11 @@ def test_streaming_falls_back_to_rescoring_for_encoder_reward_models(tiny_models
 
 
 def test_coordinator_keeps_a_reward_session_on_the_scorer_that_opened_it(scorer, tiny_models):
+    from actors.factory import local_scorer
     from pipeline.coordinator import _RoundRobin
 
     other = RewardScorer.from_pretrained(str(tiny_models["reward"]))
-    pool = _RoundRobin([scorer, other])
+    pool = _RoundRobin([local_scorer(scorer, timed=False), local_scorer(other, timed=False)])
     pool.open("a", ["How good is the lamp?"], 2)
     pool.open("b", ["Review the jacket for me."], 2)
     assert ("a" in scorer.sessions) != ("a" in other.sessions)

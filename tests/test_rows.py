@@ -151,9 +151,9 @@ def test_gather_from_snapshots_resumes_rows(engine):
 
 
 def test_concat_and_split_keep_each_rows_logits(engine):
-    """Merged decoding's re-cuts: batches of different cache lengths concatenated (left-padded to
-    the longest) and split back decode each row as its own batch does, within 1e-5; a split part
-    drops the leading columns none of its rows attends to."""
+    """The step loop's re-cuts of its shared batch: batches of different cache lengths concatenated
+    (left-padded to the longest) and split back decode each row as its own batch does, within 1e-5;
+    a split part drops the leading columns none of its rows attends to."""
     model = engine.model
     groups = ((PROMPTS[:2], 2), ([[1, 70, 71, 72, 73, 74, 75, 76, 77, 78]], 1), (PROMPTS[2:], 3))  # 4 + 1 + 3 rows
 
@@ -166,17 +166,17 @@ def test_concat_and_split_keep_each_rows_logits(engine):
         return out
 
     separate, twins = batches(), batches()
-    merged = RowBatch.concat(twins)
-    assert_consistent(merged)
-    assert merged.attention_mask.shape[1] == max(r.attention_mask.shape[1] for r in separate)
+    shared = RowBatch.concat(twins)
+    assert_consistent(shared)
+    assert shared.attention_mask.shape[1] == max(r.attention_mask.shape[1] for r in separate)
 
     def step(batches: list[RowBatch], token: int) -> list[torch.Tensor]:
         return [b.feed(torch.full((len(b.next_position), 1), token), logits_to_keep=1).logits[:, -1] for b in batches]
 
     for token in (7, 8):
-        torch.testing.assert_close(torch.cat(step([merged], token)), torch.cat(step(separate, token)), atol=1e-5,
+        torch.testing.assert_close(torch.cat(step([shared], token)), torch.cat(step(separate, token)), atol=1e-5,
                                    rtol=0)
-    parts = merged.split([[0, 1, 2, 3], [4], [5, 7], []])  # the last batch's middle row drops out
+    parts = shared.split([[0, 1, 2, 3], [4], [5, 7], []])  # the last batch's middle row drops out
     separate[2].select([0, 2])
     for part, alone in zip(parts[:3], separate):
         assert_consistent(part)

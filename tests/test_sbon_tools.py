@@ -183,9 +183,9 @@ def test_trained_bench_models_toy_build_is_cached(tmp_path):
 def test_sbon_benchmark_runs_on_a_synthetic_pair(tmp_path, capsys):
     from benchmarks.sbon import main
 
-    rc = main(["--synthetic", "tiny", "--num-prompts", "2", "--n", "4", "--sr", "4:0.5", "--adaptive", "0",
+    rc = main(["--synthetic", "tiny", "--num-prompts", "2", "--num-samples", "4", "--sr", "4:0.5", "--adaptive", "0",
                "--memory", "8:4:4", "--max-new-tokens", "10", "--repeats", "1", "--json", str(tmp_path / "s.json"),
-               "--png", str(tmp_path / "s.png")])
+               "--plot", str(tmp_path / "s.png")])
     assert rc == 0
     out = capsys.readouterr().out
     assert "Bo4" in out and "streaming / re-scoring reward-model tokens" in out

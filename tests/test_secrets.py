@@ -150,7 +150,7 @@ def test_s3_build_on_ray_leaves_no_secret_in_output_logs_or_workers(cluster, tin
 
                 return dict(os.environ)
 
-            env = ray.get(workers.generators[0].handle.__ray_call__.remote(environment))
+            env = ray.get(workers.handles[0].__ray_call__.remote(environment))
         finally:
             workers.shutdown()
         assert env["AWS_ENDPOINT_URL"] == endpoint

@@ -133,8 +133,10 @@ def test_params_are_validated():
 
 
 def test_sla_refuses_a_model_without_trained_channel(engine):
+    from pipeline.decoding import sla
+
     with pytest.raises(ValueError, match="trained reward channel"):
-        engine.search("sla", [[1, 5, 6]], 2, [0, 1], SamplingParams(max_new_tokens=4), SLAParams())
+        engine.search(sla.search, [[1, 5, 6]], 2, [0, 1], SamplingParams(max_new_tokens=4), SLAParams())
 
 
 def test_sla_benchmark_prompt_files(tmp_path, capsys):

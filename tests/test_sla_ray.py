@@ -6,8 +6,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from actors import start_workers  # noqa: E402
+from actors.factory import local_generator, local_scorer  # noqa: E402
 from pipeline.config import config_from_dict  # noqa: E402
-from pipeline.coordinator import Coordinator, Serialized  # noqa: E402
+from pipeline.coordinator import Coordinator  # noqa: E402
 from pipeline.decoding.domain import PromptInput  # noqa: E402
 from pipeline.decoding.sampling import SamplingParams  # noqa: E402
 from pipeline.engines.hf import HFEngine, load_tokenizer  # noqa: E402
@@ -34,7 +35,8 @@ def test_sla_on_ray_actors_matches_in_process(cluster, tiny_models, scorer, tmp_
     sampling = SamplingParams(max_new_tokens=10)
     prompts = [PromptInput(f"id{i}", t, t, tok(t).input_ids) for i, t in enumerate(GOOD_PROMPTS[:3])]
     engine = HFEngine.from_pretrained(str(tmp_path / "rt"))
-    local = Coordinator("sla", cfg.strategy.params, sampling, 2, 0, [Serialized(engine)], [Serialized(scorer)], 2, 1)
+    local = Coordinator("sla", cfg.strategy.params, sampling, 2, 0, [local_generator(engine, timed=False)],
+                        [local_scorer(scorer, timed=False)], 2, 1)
     expected = {r.prompt.prompt_id: [c.text for c in r.candidates] for r in local.run(prompts)}
     workers = start_workers(cfg)
     try:

@@ -203,9 +203,20 @@ def test_a_reward_function_scores_a_vllm_build(tiny_models, tmp_path, strategy):
             assert p[f"{side}_score"] == pytest.approx(p[side].count(letter) + len(p[side]) * 1e-3)
 
 
-def test_model_side_methods_are_refused_by_the_vllm_backend():
-    with pytest.raises(ValueError, match="not the model-side method 'dsbd'"):
-        fake_engine().search("dsbd", [[1, 2]], 2, [0, 1], None, None)
+def test_model_side_strategies_are_refused_by_the_vllm_backend():
+    """The vLLM backend serves sessions only: its engine is no SearchEngine, and a generator actor on
+    it refuses a search (config refuses the pairing before that: tests/test_config.py)."""
+    from actors.generator import GeneratorActor
+    from pipeline.decoding import dsbd
+    from pipeline.engines.backends import BACKENDS, SEARCH, Engine, SearchEngine
+
+    assert SEARCH not in BACKENDS["vllm"].serves
+    engine = fake_engine()
+    assert isinstance(engine, Engine) and not isinstance(engine, SearchEngine)
+    actor = GeneratorActor.__new__(GeneratorActor)  # the actor's guard alone, without loading a model
+    actor.backend, actor.engine = BACKENDS["vllm"], engine
+    with pytest.raises(ValueError, match="backend vllm serves no model-side strategy"):
+        actor.search(dsbd.search, [[1, 2]], 2, [0, 1], None, None)
 
 
 def candidates(results):
@@ -274,21 +285,23 @@ def test_continuous_mode_alpha_zero_chooses_best_of_ns_candidate():
 
 
 def test_continuous_mode_serves_batches_from_many_threads_like_one_at_a_time():
-    from pipeline.coordinator import Coordinator, Serialized
+    from actors.factory import local_generator, local_scorer
+    from pipeline.coordinator import Coordinator
 
     prompts = [PromptInput(f"p{i}", "x", "x", [1, 5 + i]) for i in range(6)]
     sampling = SamplingParams(max_new_tokens=20)
     params = SpeculativeRejectionParams([3, 6], 0.5, streaming_rewards=False)  # FakeScorer has no sessions
 
     def run(generator, **kwargs):
-        coordinator = Coordinator("sbon", params, sampling, 4, 0, [generator], [Serialized(_scorer())], **kwargs)
+        coordinator = Coordinator("sbon", params, sampling, 4, 0, [generator], [local_scorer(_scorer(), timed=False)],
+                                  **kwargs)
         return {r.prompt.prompt_id: candidates([r]) for r in coordinator.run(prompts)}
 
     alone = continuous_engine()
     shared = continuous_engine()
     try:
-        expected = run(Serialized(alone), prompts_per_batch=1, batches_in_flight=1)
-        got = run(shared, prompts_per_batch=1, batches_in_flight=6)
+        expected = run(local_generator(alone, timed=False), prompts_per_batch=1, batches_in_flight=1)
+        got = run(local_generator(shared, concurrent=True, timed=False), prompts_per_batch=1, batches_in_flight=6)
         assert got == expected
         assert shared.sessions == {} and shared._requests == {}
         assert max(shared._engine.step_rows) > max(alone._engine.step_rows)  # batches shared steps

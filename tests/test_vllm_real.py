@@ -152,14 +152,14 @@ def test_continuous_speculative_rejection_from_many_threads_aborts_pruned_rows(v
     candidate is Best-of-N's row (whole when kept, its first tau tokens when stopped)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline.coordinator import Serialized
+    from actors.factory import local_scorer
 
     batch = prompts(vllm_engine, 8)
     long = SamplingParams(max_new_tokens=64, temperature=1.0)
     bon = best_of_n(batch, vllm_engine, scorer, BestOfNParams(), long, N, seed=8)
     params = SpeculativeRejectionParams([8, 16], 0.5)
     before = continuous.generated_tokens
-    shared = Serialized(scorer)  # one reward call at a time, as a reward actor serves them
+    shared = local_scorer(scorer, timed=False)  # one reward call at a time, as a reward actor serves them
     with ThreadPoolExecutor(4) as pool:  # row seeds follow the prompt ids: the same as best_of_n's
         parts = list(pool.map(lambda i: speculative_rejection(batch[i:i + 2], continuous, shared, params, long, N,
                                                               seed=8), range(0, 8, 2)))

@@ -33,6 +33,8 @@ os.replace; on S3 one PUT of the final key is atomic. A shard is committed when 
 and matches the config and input; a part file without a marker (a run killed between the two
 writes) is redone, and temp files left by a killed run (``.tmp-*``) are ignored and removed.
 Ray may run a batch twice (retries are at-least-once); the marker makes the output exactly-once.
+Every reader of a build (training, expert iteration, evaluation) reads it through its store
+(``OutputStore.read_committed`` / ``committed_parts``): committed shards only, never by listing it.
 
 One writer per output: a build holds ``_lease.json`` (owner id, host, pid, heartbeat, config hash)
 from planning to its end (Lease). It is created atomically (a hard link locally, a conditional PUT
@@ -54,7 +56,8 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Iterator, Protocol
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -222,6 +225,28 @@ def marker_name(shard: int) -> str:
     return f"part-{shard:05d}.json"
 
 
+PAIR_FILE_PREFIXES = ("train-", "part-")
+"""Top-level Parquet files named so hold pairs: a build's (``train-NNNNN``, part_name; ``part-NNNNN``
+in builds of the older layout), and by the same convention a user's own pairs directory."""
+
+
+def is_pair_file(name: str) -> bool:
+    """Whether a top-level file name is a pair file's (PAIR_FILE_PREFIXES, ``.parquet``); a temp
+    file (``.tmp-*``) never is."""
+    return name.startswith(PAIR_FILE_PREFIXES) and name.endswith(".parquet")
+
+
+BUILD_FILES = ("_markers", "_manifest.json", "_SUCCESS", LEASE_NAME)
+"""What only a build's output holds beside its pair files: a directory with any of them is a build,
+read through its store (committed shards only), even one killed before it wrote anything but a lease."""
+
+
+def is_build(fs, path: str) -> bool:
+    """Whether directory ``path`` of ``fs`` is a build's output (BUILD_FILES). A user's own pairs
+    directory (pair files and nothing of ours) is not: it is read by listing it, as it always was."""
+    return any(fs.exists(join(path, name)) for name in BUILD_FILES)
+
+
 CARD_NAME = "README.md"
 CARD_TAG = "# bon-pipeline dataset card"
 """The card's second line (a YAML comment in its front matter): a README.md that starts with
@@ -275,6 +300,51 @@ def fingerprint(values: list) -> str:
     return digest.hexdigest()
 
 
+@dataclass
+class BuildRead:
+    """What one reader of a build gets from its store (OutputStore.read_committed): the pair files
+    it may read, and what of the build it left out, for the one line a job prints when it read less
+    than a finished build (partial_read_line)."""
+
+    uri: str
+    parts: list[str]
+    """The committed shards' pair files, in shard order, as paths of the store's filesystem."""
+    finished: bool
+    """The build has ``_SUCCESS``."""
+    shards_committed: int
+    """Commit markers (of the files the reader asked for)."""
+    pairs_committed: int
+    """The row counts those markers record."""
+    skipped: list[int]
+    """Shards with a marker whose pair file is missing or no longer matches it (changed after the build)."""
+    leftovers: list[str]
+    """Names of pair files with no marker: a killed build's, or strays; never read."""
+
+    def note(self) -> str | None:
+        """This build's clause of the partial-read line; None when the read was the whole finished build."""
+        if self.finished and not self.skipped and not self.leftovers:
+            return None
+        state = "finished" if self.finished else "unfinished (no _SUCCESS)"
+        note = (f"{self.uri}: {state} build: read {len(self.parts)} of its {self.shards_committed} committed shards "
+                f"({self.pairs_committed} pairs committed)")
+        if self.skipped:
+            note += (f", skipped shard(s) {', '.join(map(str, self.skipped))} (part file missing or not matching "
+                     "its marker)")
+        if self.leftovers:
+            note += f", ignored {len(self.leftovers)} part file(s) with no commit marker"
+        return note
+
+
+def partial_read_line(uri: str, pairs: int, reads: list[BuildRead]) -> str | None:
+    """The one line a job prints when it read less than whole finished builds (None when it did
+    not): per build, how many shards and pairs it read out of how many the build committed, and
+    what it left out; then the pairs loaded from ``uri``."""
+    notes = [note for note in (read.note() for read in reads) if note]
+    if not notes:
+        return None
+    return f"warning: {'; '.join(notes)}; {pairs} pairs loaded from {uri}"
+
+
 class OutputStore:
     LEASE_TIMEOUT_S = 120.0
     """A lease whose heartbeat is older than this belongs to a dead build and is taken over."""
@@ -285,7 +355,9 @@ class OutputStore:
     per interval, however many shards commit (the card lists them, so a rewrite per commit would
     cost writes quadratic in the shards)."""
 
-    def __init__(self, uri: str, storage_options: dict | None = None):
+    def __init__(self, uri: str, storage_options: dict | None = None, create: bool = True):
+        """The store of the output at ``uri``; ``create`` makes its directory (a build's), a reader's
+        store (open_build) creates nothing."""
         self.uri = uri.rstrip("/")
         self.storage_options = storage_options or {}
         self.fs, self.root = filesystem(self.uri, self.storage_options)
@@ -300,7 +372,17 @@ class OutputStore:
         self._card_written_at = 0.0
         if self.fs.isfile(self.root):
             raise OutputConflict(f"{self.uri}: is a file; the output must be a directory or an s3:// prefix")
-        self.fs.makedirs(self.root, exist_ok=True)
+        if create:
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    @classmethod
+    def open_build(cls, uri: str, storage_options: dict | None = None) -> "OutputStore | None":
+        """The store of the build at ``uri``, for reading it; None where ``uri`` is no build (is_build:
+        nothing there, a file, or a user's own pairs directory). Creates nothing."""
+        fs, path = filesystem(uri, storage_options)
+        if not fs.isdir(path) or not is_build(fs, path):
+            return None
+        return cls(uri, storage_options, create=False)
 
     # -- the lease ---------------------------------------------------------------------------
 
@@ -460,18 +542,45 @@ class OutputStore:
                 rejects = pq.read_table(f)
         return pairs, rejects
 
-    def committed_parts(self, allow_partial: bool = False) -> list[str]:
-        """The part files a reader of this build may read, in shard order, as paths this store's
-        filesystem opens (``self.fs``): only shards whose commit marker exists and whose part file
-        matches it (size and sha256 recorded by the marker). Without ``_SUCCESS`` this raises
-        IncompleteBuild, unless ``allow_partial``: then the committed shards are returned and the
-        caller says how many it read. A part file with no marker (a killed run's leftover) is never
-        returned. This is the one way a job reads a build's pairs."""
-        if not self.succeeded() and not allow_partial:
+    def read_committed(self, allow_partial: bool = False, wanted: Callable[[str], bool] | None = None) -> BuildRead:
+        """What a reader of this build may read: the pair files of the shards whose commit marker
+        exists and whose pair file matches it (size and sha256), in shard order, and an account of
+        what it left out (BuildRead). ``wanted`` (a path of ``self.fs`` -> bool) narrows the read to
+        the files a reader named (a glob, one file). A pair file with no marker (a killed run's
+        leftover) and a temp file are never returned.
+
+        Raises IncompleteBuild without ``_SUCCESS``, or when a committed shard's pair file no longer
+        matches its marker (changed after the build), unless ``allow_partial``: then the committed
+        shards that match are returned, and the caller says how many it read (partial_read_line).
+        CorruptMarker names a marker this project did not write. This is the one way a job reads a
+        build's pairs; committed_parts is its short form."""
+        wanted = wanted or (lambda path: True)
+        finished = self.succeeded()
+        if not finished and not allow_partial:
             raise IncompleteBuild(f"{self.uri}: not a finished build (no _SUCCESS); wait for it to finish, "
                                   "or pass --allow-partial to read its committed shards only")
-        return [join(self.root, self.pair_file(shard, marker)) for shard, marker in self.iter_markers()
-                if self._file_damage(self.pair_file(shard, marker), marker) is None]
+        committed = {}  # pair file path -> (shard, marker)
+        for shard, marker in self.iter_markers():
+            path = join(self.root, self.pair_file(shard, marker))
+            if wanted(path):
+                committed[path] = (shard, marker)
+        damaged = {path for path, (shard, marker) in committed.items()
+                   if self._file_damage(self.pair_file(shard, marker), marker) is not None}
+        parts = [path for path in committed if path not in damaged]
+        skipped = sorted(committed[path][0] for path in damaged)
+        if skipped and not allow_partial:
+            raise IncompleteBuild(f"{self.uri}: shard(s) {', '.join(map(str, skipped))} no longer match their commit "
+                                  "markers (changed after the build); rerun the build to redo them, or pass "
+                                  "--allow-partial to read the other shards")
+        leftovers = sorted(path.rsplit("/", 1)[1] for path in self._ls(self.root)
+                           if is_pair_file(path.rsplit("/", 1)[1]) and path not in committed and wanted(path))
+        return BuildRead(self.uri, parts, finished, len(committed),
+                         sum(int(marker.get("rows", 0)) for _, marker in committed.values()), skipped, leftovers)
+
+    def committed_parts(self, allow_partial: bool = False) -> list[str]:
+        """The pair files a reader of this build may read (read_committed's parts, same refusals),
+        for a caller that needs no account of what was left out."""
+        return self.read_committed(allow_partial).parts
 
     def succeeded(self) -> bool:
         self._refresh()

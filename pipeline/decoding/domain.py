@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from pipeline.decoding.sampling import SamplingParams
 
@@ -108,11 +108,12 @@ class Generator(Protocol):
         ``unreported_tokens``: per prompt, tokens decoded that no returned RowState holds (the
         caller adds them to the prompt's cost)."""
 
-    def search(self, method: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-               sampling: SamplingParams, params: object) -> list[SearchOutput]:
-        """Run a model-side method (its pipeline.strategies record's ``search``) wholly inside the generator's
-        process, where the model and its KV caches are: tree searches and speculative decoding make
-        many small model calls, too many for a round trip each. One SearchOutput per prompt."""
+    def search(self, search: Callable[..., list[SearchOutput]], prompts: list[list[int]], num_samples: int,
+               seeds: list[int], sampling: SamplingParams, params: object) -> list[SearchOutput]:
+        """Run a model-side strategy's ``search`` function (its pipeline.strategies record's) wholly
+        inside the generator's process, where the model and its KV caches are: tree searches and
+        speculative decoding make many small model calls, too many for a round trip each. The
+        function comes with the call; the engine looks nothing up. One SearchOutput per prompt."""
 
 
 def check_open(open_sessions, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int]) -> None:

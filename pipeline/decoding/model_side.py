@@ -5,9 +5,11 @@ so each runs wholly inside the generator's process (``Generator.search``), and o
 candidates come back. The coordinator side is the same for all of them and lives here: send the
 batch, check the counts, score every candidate with the reward model, assemble PromptResults.
 
-A model-side method's record in pipeline.strategies names its ``search(host, prompts, num_samples,
-seeds, sampling, params) -> list[SearchOutput]``; ``host`` is the generator engine's adapter
-(pipeline.engines.adapters.HFSearchHost), seen through the small Protocol the method declares.
+A model-side strategy's record in pipeline.strategies names its ``search(host, prompts, num_samples,
+seeds, sampling, params) -> list[SearchOutput]``; the function itself goes to the generator with the
+call (``generator.search(search, ...)``; through Ray it travels by reference, module and name), so the
+engine runs it without looking anything up. ``host`` is the generator engine's adapter
+(pipeline.engines.adapters.HFSearchHost), seen through the small Protocol the strategy declares.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from pipeline.decoding.domain import Candidate, Generator, PromptInput, PromptRe
 from pipeline.decoding.sampling import SamplingParams, row_seed
 
 
-def run_model_side(method: str, prompts: list[PromptInput], generator: Generator, scorer: Scorer, params: Any,
-                   sampling: SamplingParams, num_samples: int, seed: int) -> list[PromptResult]:
+def run_model_side(method: str, search: Callable[..., list], prompts: list[PromptInput], generator: Generator,
+                   scorer: Scorer, params: Any, sampling: SamplingParams, num_samples: int,
+                   seed: int) -> list[PromptResult]:
+    """Strategy ``method``'s batch: ``search`` run by the generator's engine, every candidate scored."""
     seeds = [row_seed(seed, p.prompt_id, s) for p in prompts for s in range(num_samples)]
-    outputs = generator.search(method, [p.token_ids for p in prompts], num_samples, seeds, sampling, params)
+    outputs = generator.search(search, [p.token_ids for p in prompts], num_samples, seeds, sampling, params)
     if len(outputs) != len(prompts):
         raise RuntimeError(f"{method}: generator returned {len(outputs)} results for {len(prompts)} prompts")
     rows = []
@@ -44,12 +48,13 @@ def run_model_side(method: str, prompts: list[PromptInput], generator: Generator
     return results
 
 
-def model_side_strategy(method: str) -> Callable[..., list[PromptResult]]:
-    """The coordinator-side ``run`` of the model-side method registered as ``method``."""
+def model_side_strategy(method: str, search: Callable[..., list]) -> Callable[..., list[PromptResult]]:
+    """The coordinator-side ``run`` of the model-side strategy registered as ``method``, whose engine
+    side is ``search``."""
 
     def strategy(prompts, generator, scorer, params, sampling, num_samples, seed):
-        return run_model_side(method, prompts, generator, scorer, params, sampling, num_samples, seed)
+        return run_model_side(method, search, prompts, generator, scorer, params, sampling, num_samples, seed)
 
     strategy.__name__ = method
-    strategy.__doc__ = f"Coordinator side of the model-side method {method!r} (see pipeline.decoding.model_side)."
+    strategy.__doc__ = f"Coordinator side of the model-side strategy {method!r} (see pipeline.decoding.model_side)."
     return strategy

@@ -11,7 +11,7 @@ not keep it.
     host.self_rewarding_lm()         # SLA's SelfRewardingLM           (SelfRewardDecoder)
     host.remember(key, make)         # per-engine state, made once
 
-A model-side method (pipeline.strategies record with ``search``) receives the host, never the engine.
+A model-side strategy's search function receives the host, never the engine.
 """
 
 from __future__ import annotations
@@ -155,6 +155,7 @@ class SelfRewardDecoder:
             raise ValueError("strategy 'sla' needs a generator with a trained reward channel "
                              f"({CHANNEL_WEIGHTS}); train one with python -m jobs.train_reward_transformer")
         self.engine = engine
+        self.runner = engine.runner  # the engine's counters count this decoder's work too
         self.model = model
         self.eos_ids = engine.eos_ids
         self.device = engine.device
@@ -162,13 +163,13 @@ class SelfRewardDecoder:
 
     def prefill(self, prompts: list[list[int]]) -> TreeBatch:
         rows, out = RowBatch.prefill(self.model, prompts, self.engine.pad_id, self.device,
-                                     counted_by=(self, self.engine), logits_to_keep=1, with_rewards=True)
+                                     counted_by=(self, self.runner), logits_to_keep=1, with_rewards=True)
         return TreeBatch(rows, *_logits_and_rewards(out))
 
     def feed(self, batch: TreeBatch, tokens: torch.Tensor) -> None:
         out = batch.rows.feed(tokens.to(self.device)[:, None], logits_to_keep=1, with_rewards=True)
         batch.logits, batch.rewards = _logits_and_rewards(out)
-        self.engine.generated_tokens += len(tokens)
+        self.runner.generated_tokens += len(tokens)
 
     def select(self, batch: TreeBatch, index: list[int]) -> None:
         """Keep, drop, reorder or repeat rows (repeats fan a node out into its children)."""

@@ -73,6 +73,12 @@ class RewardScorer:
         model = load_pretrained(AutoModelForSequenceClassification, name_or_path, dtype, load)
         return cls(for_inference(model, device, dtype, prepack), tokenizer, device, batch_size)
 
+    @classmethod
+    def from_options(cls, name_or_path: str, options) -> RewardScorer:
+        """The HF backend's reward scorer (pipeline.engines.backends: EngineOptions)."""
+        return cls.from_pretrained(name_or_path, device=options.device, dtype=options.dtype,
+                                   batch_size=options.batch_size, prepack=options.prepack, load=options.load)
+
     def format(self, prompt: str | list[dict], response: str) -> str:
         """The reward model's text: the conversation (a string prompt is one user turn) plus the
         response as the assistant's turn, through the chat template when the tokenizer has one;

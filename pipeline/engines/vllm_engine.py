@@ -1,7 +1,7 @@
 """vLLM backend for the Generator protocol: ``pip install .[vllm]`` on a GPU node, or
 ``make install-vllm`` (its own venv, ``.venv-vllm``, vLLM's CPU backend) on a CPU machine.
 
-It serves the methods that only need "decode these rows to a length, then continue some of
+It serves the strategies that only need "decode these rows to a length, then continue some of
 them": Best-of-N and speculative rejection. A session is bookkeeping here, not a KV cache we
 own: ``extend`` sends each live row as a request whose prompt is the row's prompt plus its
 tokens so far and whose ``max_tokens`` stops it at the decision token; vLLM's automatic prefix
@@ -9,7 +9,7 @@ caching (``enable_prefix_caching=True``) finds the KV blocks of that prefix from
 call, so continuing a kept row re-reads almost nothing, and a dropped row is simply never sent
 again (its blocks are evicted when memory is needed).
 
-Continuous mode (``ContinuousVLLMEngine``, ``runtime.merged_decoding``: the default): every row is
+Continuous mode (``ContinuousVLLMEngine``, ``runtime.continuous_batching``: the default): every row is
 one n=1 request for its whole response, submitted at ``open`` and decoded by one background thread
 that steps vLLM's engine for every session at once. ``extend(until)`` waits only for its own rows to
 reach ``until`` tokens (the rows go on decoding meanwhile, as the reward model scores them), and
@@ -29,7 +29,8 @@ of its position 0, so its tokens are those Best-of-N draws for it whatever the d
     engine = VLLMEngine.from_pretrained("meta-llama/Meta-Llama-3-8B-Instruct", dtype="bfloat16")
     results = speculative_rejection(prompts, engine, scorer, params, sampling, num_samples, seed)
 
-Model-side methods (``search``) need per-token model access and are not served by this backend.
+Model-side strategies (``search``) need per-token model access: this backend does not serve them
+(its record in pipeline.engines.backends serves sessions only, so config refuses the pairing).
 """
 
 from __future__ import annotations
@@ -136,6 +137,17 @@ class VLLMEngine:
         self.sessions: dict[str, _Session] = {}
         self.generated_tokens = 0
         self.requests = 0
+
+    continuous_batching = False
+    """Rounds of ``LLM.generate``: one call at a time (ContinuousVLLMEngine batches continuously)."""
+
+    @classmethod
+    def from_options(cls, name_or_path: str, options) -> VLLMEngine:
+        """The vLLM backend's generator engine (pipeline.engines.backends: EngineOptions; its
+        ``settings`` are models.vllm): continuous with ``continuous_batching``, rounds otherwise."""
+        return cls.from_pretrained(name_or_path, dtype=options.dtype, num_threads=options.num_threads,
+                                   continuous=options.continuous_batching, speculative=options.speculative,
+                                   **(options.settings or {}))
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str = "bfloat16", num_threads: int | None = None,
@@ -246,10 +258,6 @@ class VLLMEngine:
         if engine is not None:
             engine.engine_core.shutdown()
 
-    def search(self, method: str, *args, **kwargs):
-        # Config refuses this pairing up front (the method's registry record lists its backends); this guards direct use.
-        raise ValueError(f"the vLLM backend serves best_of_n and sbon only, not the model-side method {method!r}")
-
     def _session(self, session: str) -> _Session:
         try:
             return self.sessions[session]
@@ -267,7 +275,7 @@ class ContinuousVLLMEngine(VLLMEngine):
     ``has_unfinished_requests``) with ``make_sampling`` giving DELTA outputs (each step reports the
     tokens it added); tests pass a stand-in."""
 
-    merged = True
+    continuous_batching = True
     """Calls from several threads run at once (actors.generator.GeneratorActor reads this)."""
 
     def __init__(self, llm: Any, tokenizer, eos_ids: set[int], make_sampling: Callable[..., Any]):

@@ -94,6 +94,13 @@ class VLLMRewardScorer:
         self.sessions: dict[str, _Session] = {}
 
     @classmethod
+    def from_options(cls, name_or_path: str, options) -> VLLMRewardScorer:
+        """The vLLM backend's reward scorer (pipeline.engines.backends: EngineOptions; its
+        ``settings`` are models.reward_vllm)."""
+        return cls.from_pretrained(name_or_path, dtype=options.dtype, num_threads=options.num_threads,
+                                   batch_size=options.batch_size, **(options.settings or {}))
+
+    @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str = "float32", num_threads: int | None = None,
                         batch_size: int | None = None, **llm_kwargs) -> VLLMRewardScorer:
         """A pooling ``vllm.LLM`` for the reward model, with prefix caching, under

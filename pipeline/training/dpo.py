@@ -9,15 +9,14 @@ policy; setting 2 of the SLA paper runs it before training the reward channel on
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.data.storage import filesystem, is_remote, list_files
+from pipeline.data.writer import BuildRead, CorruptMarker, OutputStore, is_build, is_pair_file, partial_read_line
 from pipeline.errors import InputError
-from pipeline.data.storage import is_remote, join, list_files
-from pipeline.data.writer import LEASE_NAME, CorruptMarker, IncompleteBuild, OutputStore
 
 log = logging.getLogger(__name__)
 
@@ -27,93 +26,23 @@ _DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
                 "logps/chosen", "logps/rejected")
 
 
-PAIR_FILE_PREFIXES = ("train-", "part-")
-"""Top-level Parquet files named so hold pairs: a build's (``train-NNNNN``; ``part-NNNNN`` in builds
-of the older layout) or a user's own pairs directory."""
-
-
-def is_pair_file(name: str) -> bool:
-    """Whether a top-level file name is a pair file (PAIR_FILE_PREFIXES, ``.parquet``)."""
-    return name.startswith(PAIR_FILE_PREFIXES) and name.endswith(".parquet")
-
-
-BUILD_FILES = ("_markers", "_manifest.json", "_SUCCESS", LEASE_NAME)
-"""What only a build_dataset output holds beside its part files: a directory with any of them is a
-build, and is read through its output store (committed shards only)."""
-
-
-def is_build(fs, path: str) -> bool:
-    """Whether directory ``path`` of ``fs`` is a build_dataset output. A user's own pairs directory
-    (train-*.parquet or part-*.parquet, and nothing of ours) is not, and is read as it always was;
-    a build, even one killed before it wrote anything but markers, is, so a leftover pair file with
-    no marker can never slip in through a directory listing."""
-    return any(fs.exists(join(path, name)) for name in BUILD_FILES)
-
-
-@dataclass
-class PairFiles:
-    """The Parquet files a load reads, and what of a build it left out (for the one line a job prints)."""
-
-    files: list[str]
-    """Paths of ``fs``, in order."""
-    builds: list[dict] = field(default_factory=list)
-    """One record per build read: uri, finished (has _SUCCESS), shards read, shards committed
-    (markers), pairs committed (the markers' row counts), shards skipped (marker but no matching part
-    file) and leftovers (part files with no marker)."""
-
-
-def _build_parts(uri: str, storage_options: dict, allow_partial: bool, wanted) -> tuple[list[str], dict]:
-    """The committed part files of the build at ``uri`` that ``wanted`` (a path -> bool) keeps.
-
-    Raises IncompleteBuild without _SUCCESS, or when a committed shard's part file no longer matches
-    its marker (damaged after the build), unless ``allow_partial``."""
-    store = OutputStore(uri, storage_options)
+def _pair_files(uri: str, storage_options: dict, allow_partial: bool = False) -> tuple[list[str], list[BuildRead]]:
+    """The Parquet files at ``uri`` that hold pairs (paths of its filesystem, after the footer and
+    column checks), and the account of each build they came from. A build (writer.is_build) is read
+    through its output store, committed shards only, never listed here; a glob or a single file
+    inside a build reads through that build's store too (of what it names). A user's own pairs
+    directory is listed: its top-level pair files (writer.is_pair_file)."""
+    fs, path = filesystem(uri, storage_options)
     try:
-        parts = [p for p in store.committed_parts(allow_partial=allow_partial) if wanted(p)]
-        markers = {join(store.root, store.pair_file(shard, marker)): marker for shard, marker in store.iter_markers()}
+        if fs.isdir(path) and is_build(fs, path):
+            read = _read_build(uri, storage_options, allow_partial)
+            files, reads = read.parts, [read]
+        else:
+            files, reads = _user_files(uri, storage_options, allow_partial)
     except CorruptMarker as exc:  # names the marker; a reader cannot trust the shard it stands for
         raise InputError(str(exc)) from None
-    markers = {path: m for path, m in markers.items() if wanted(path)}
-    skipped = sorted(int(m["shard"]) for path, m in markers.items() if path not in parts)
-    listed = [p for p in store.fs.ls(store.root, detail=False) if is_pair_file(p.rsplit("/", 1)[1])]
-    leftovers = sorted(p.rsplit("/", 1)[1] for p in listed if p not in markers and wanted(p))
-    finished = store.succeeded()
-    if skipped and not allow_partial:
-        raise IncompleteBuild(f"{uri}: shard(s) {', '.join(map(str, skipped))} no longer match their commit markers "
-                              "(changed after the build); rerun the build to redo them, or pass --allow-partial "
-                              "to read the other shards")
-    record = {"uri": uri, "finished": finished, "shards_read": len(parts), "shards_committed": len(markers),
-              "pairs_committed": sum(int(m.get("rows", 0)) for m in markers.values()), "skipped": skipped,
-              "leftovers": leftovers}
-    return parts, record
-
-
-def _pair_files(uri: str, storage_options: dict, allow_partial: bool = False) -> PairFiles:
-    """The Parquet files at `uri` that hold pairs (paths of the returned filesystem), after the
-    footer and column checks. A build (is_build) contributes only its committed shards."""
-    try:
-        # Top-level part files only: _rejects/ and _quarantine/ sit beside them under the same prefix.
-        fs, path, files = list_files(uri, storage_options,
-                                     lambda rel: "/" not in rel and is_pair_file(rel))
-    except FileNotFoundError:
-        raise InputError(f"{uri}: no such file or directory") from None
-    # A glob or a single file inside a build reads through that build's store too (of what it names).
-    directories = [path] if fs.isdir(path) else sorted({f.rsplit("/", 1)[0] for f in files})
-    result = PairFiles([])
-    named = set(files)
-    for directory in directories:
-        in_dir = [f for f in files if f.rsplit("/", 1)[0] == directory.rstrip("/")]
-        if not is_build(fs, directory):
-            result.files += in_dir
-            continue
-        build_uri = fs.unstrip_protocol(directory) if is_remote(uri) else directory
-        parts, record = _build_parts(build_uri, storage_options, allow_partial, named.__contains__)
-        result.files += parts
-        result.builds.append(record)
-    if not files:
-        raise InputError(f"{uri}: no train-*.parquet or part-*.parquet files found")
     kept = []
-    for f in result.files:
+    for f in files:
         where = uri if f == path else f"{uri}: {f}"
         # Footers only: cheap even on S3, and they let us name the bad file ourselves.
         try:
@@ -132,29 +61,38 @@ def _pair_files(uri: str, storage_options: dict, allow_partial: bool = False) ->
     if not kept:
         raise InputError(f"{uri}: no pairs (0 rows)")
     # fsspec strips the protocol; datasets needs it back to pick the same filesystem.
-    result.files = [fs.unstrip_protocol(f) for f in kept] if is_remote(uri) else kept
-    return result
+    return ([fs.unstrip_protocol(f) for f in kept] if is_remote(uri) else kept), reads
 
 
-def partial_read_line(uri: str, pairs: int, builds: list[dict]) -> str | None:
-    """The one line a job prints when it read less than a finished build (None when it did not):
-    how many shards and pairs it read out of how many the build has committed (its markers), and
-    what it left out."""
-    notes = []
-    for b in builds:
-        if b["finished"] and not b["skipped"] and not b["leftovers"]:
+def _read_build(uri: str, storage_options: dict, allow_partial: bool, wanted=None) -> BuildRead:
+    """The committed part of the build at ``uri`` (OutputStore.read_committed), creating nothing."""
+    store = OutputStore(uri, storage_options, create=False)
+    return store.read_committed(allow_partial=allow_partial, wanted=wanted)
+
+
+def _user_files(uri: str, storage_options: dict, allow_partial: bool) -> tuple[list[str], list[BuildRead]]:
+    """A file, a glob, or a directory that is not a build: its top-level pair files; of a file or
+    glob inside a build, only what that build's store says is committed."""
+    try:
+        # Top-level pair files only: a user's subdirectories are not ours to read.
+        fs, path, named = list_files(uri, storage_options, lambda rel: "/" not in rel and is_pair_file(rel))
+    except FileNotFoundError:
+        raise InputError(f"{uri}: no such file or directory") from None
+    if not named:
+        raise InputError(f"{uri}: no train-*.parquet or part-*.parquet files found")
+    if fs.isdir(path):
+        return named, []
+    files, reads = [], []
+    for directory in sorted({f.rsplit("/", 1)[0] for f in named}):
+        in_directory = [f for f in named if f.rsplit("/", 1)[0] == directory]
+        if not is_build(fs, directory):
+            files += in_directory
             continue
-        state = "finished" if b["finished"] else "unfinished (no _SUCCESS)"
-        note = (f"{b['uri']}: {state} build: read {b['shards_read']} of its {b['shards_committed']} committed shards "
-                f"({b['pairs_committed']} pairs committed)")
-        if b["skipped"]:
-            note += f", skipped shard(s) {', '.join(map(str, b['skipped']))} (part file missing or not matching its marker)"
-        if b["leftovers"]:
-            note += f", ignored {len(b['leftovers'])} part file(s) with no commit marker"
-        notes.append(note)
-    if not notes:
-        return None
-    return f"warning: {'; '.join(notes)}; {pairs} pairs loaded from {uri}"
+        read = _read_build(fs.unstrip_protocol(directory) if is_remote(uri) else directory, storage_options,
+                           allow_partial, wanted=set(in_directory).__contains__)
+        files += read.parts
+        reads.append(read)
+    return files, reads
 
 
 def _one_line(exc: BaseException) -> str:
@@ -171,9 +109,10 @@ def load_pairs(uri: str, storage_options: dict | None = None, token_ids: bool = 
     or s3://) as a `datasets.Dataset` with exactly the columns prompt, chosen and rejected (and,
     with ``token_ids``, the build's TOKEN_ID_COLUMNS when the files have them).
 
-    A build_dataset output (a directory holding any of BUILD_FILES: is_build) is read through its OutputStore, committed shards only: a part file with no marker (a
-    killed build's leftover) is never read, and a build with no ``_SUCCESS`` raises IncompleteBuild
-    (one line), so training never runs on half a build unnoticed. ``allow_partial`` reads its
+    A build_dataset output (a directory holding any of writer.BUILD_FILES) is read through its
+    OutputStore (read_committed), committed shards only: a pair file with no marker (a killed
+    build's leftover) is never read, and a build with no ``_SUCCESS`` raises IncompleteBuild (one
+    line), so training never runs on half a build unnoticed. ``allow_partial`` reads its
     committed shards instead, and ``say`` (default: stderr) gets one line with how many shards and
     pairs were read out of how many the build committed; this lives here, not in each job, so no job
     that passes --allow-partial can forget to say it. A user's own pairs (a file, a glob or a
@@ -185,15 +124,15 @@ def load_pairs(uri: str, storage_options: dict | None = None, token_ids: bool = 
     import datasets
 
     storage_options = dict(storage_options or {})
-    found = _pair_files(uri, storage_options, allow_partial)
+    files, reads = _pair_files(uri, storage_options, allow_partial)
     try:
         # A copy: datasets adds its own keys (e.g. "hf") to the mapping it is given, which s3fs
         # would then reject on the caller's next use of it.
-        ds = datasets.load_dataset("parquet", data_files=found.files, split="train",
+        ds = datasets.load_dataset("parquet", data_files=files, split="train",
                                    storage_options=dict(storage_options) or None)
     except Exception as exc:  # noqa: BLE001 - e.g. shards with clashing schemas: a user input error
         raise InputError(f"{uri}: unreadable Parquet ({_one_line(exc)})") from None
-    line = partial_read_line(uri, len(ds), found.builds)
+    line = partial_read_line(uri, len(ds), reads)
     if line:
         (say or _stderr)(line)
     # Extra columns (scores, ids) would ride through TRL's preprocessing for nothing.

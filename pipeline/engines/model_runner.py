@@ -1,0 +1,274 @@
+"""The model runner: the model work of the HF engine's sessions (pipeline.engines.hf), with no
+threads and no locks; the step loop (pipeline.engines.step_loop) decides when each piece runs.
+
+A *session* (``Session``) holds a batch of candidate rows and their KV cache between calls, so an
+algorithm can decode to a decision point, look at the partial responses, drop the unpromising rows
+(from the batch and from the cache, which is where early termination saves compute), and continue
+with the rest.
+
+    state = runner.prefill(prompts, num_samples, seeds, sampling)  # each prompt once, fan out, first tokens
+    finished = runner.step(batch, [state, other], live)            # one token for every live row of a shared batch
+    runner.speculative_step(state)                                 # draft and verify the session's rows
+    reported = runner.prune(state, keep, name)                     # drop rows (batch, cache, samplers)
+    rows = runner.report(state, reported)                          # the rows as RowStates, texts decoded
+
+Rows of several prompts share one batch (a pipeline.engines.rows.RowBatch): prompts are
+left-padded, the attention mask hides the padding, and position ids count real tokens only, so a
+row's logits match an unpadded run. Every row samples with its own seeded ``torch.Generator`` (see
+pipeline.decoding.sampling).
+
+Speculative decoding (``speculative``, models.speculative, off by default): an extend to the length
+cap (Best-of-N's rows, the candidates that survive speculative rejection's last decision token)
+whose session has at most ``max_rows`` live rows when it starts decodes by drafting and verifying:
+each row proposes up to k tokens by prompt lookup over its own prompt and response (vLLM's ngram
+method, pipeline.decoding.speculative.prompt_lookup), one forward pass verifies every row's chain
+(``RowBatch.verify``), and ADED's sampling acceptance (pipeline.decoding.aded.accept_tokens) keeps
+the draft tokens the row's own sampler draws, one uniform per token in order, as plain decoding
+would: the rows are the ones plain decoding makes (up to float rounding of the verification pass),
+in fewer forward passes when drafts are accepted. The rejected drafts' cache columns stay, hidden
+by the attention mask (``RowBatch.commit_prefixes``). Rows then advance unevenly, which is why only
+extends to the cap speculate (an extend to a decision token needs every row at exactly tau).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from pipeline.decoding.aded import accept_tokens
+from pipeline.decoding.domain import RowState
+from pipeline.decoding.sampling import SamplingParams, sample_next
+from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
+from pipeline.decoding.tree import TokenTree
+from pipeline.engines.rows import RowBatch
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the generation config (it may list several) and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@dataclass(eq=False)
+class Session:
+    """One open session's rows: the live ones' KV cache and samplers, every row's tokens, counters."""
+
+    sampling: SamplingParams
+    batch: RowBatch | None
+    """The live rows' KV cache, aligned with ``rows``; None while the rows sit in the step loop's
+    shared batch."""
+    rows: list[int]  # live row ids, aligned with the batch dimension
+    generators: list[torch.Generator]  # aligned with ``rows``
+    tokens: dict[int, list[int]]  # row id -> response tokens (EOS excluded)
+    last_token: torch.Tensor | None = None  # [B] sampled, not yet in the cache: the next step feeds it
+    finished: set[int] = field(default_factory=set)
+    generated_tokens: int = 0
+    forward_passes: int = 0  # the passes that decoded this session's rows (its prefill included)
+    until: int | None = None  # the target of the extend under way; None: none is
+    prompts: list[list[int]] = field(default_factory=list)  # their token ids (speculative decoding drafts from them)
+    num_samples: int = 1  # rows per prompt: row r answers prompts[r // num_samples]
+
+    @property
+    def cache(self) -> DynamicCache:
+        return self.batch.cache
+
+    def extended(self) -> bool:
+        """The pending extend is done: every live row holds ``until`` tokens (they advance in
+        lockstep), or none is left."""
+        return not self.rows or len(self.tokens[self.rows[0]]) >= self.until
+
+
+class ModelRunner:
+    """The model, its tokenizer and the sessions' model work (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu",
+                 speculative: SpeculativeDecoding | None = None):
+        """``speculative``: speculative decoding of extends to the cap; None or k = 0: off."""
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self._eos = torch.tensor(sorted(self.eos_ids) or [-1], device=self.device)
+        self.pad_id = tokenizer.pad_token_id
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
+        self.generated_tokens = 0
+        """Tokens sampled for every session and model-side search on this model."""
+        self.forward_passes = 0
+        """Forward passes over this model's sessions (a shared step counts once)."""
+
+    # -- a session's rows --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], num_samples: int, seeds: list[int],
+                sampling: SamplingParams) -> Session:
+        """A new session: each prompt prefilled once, fanned out to its rows, first tokens sampled."""
+        generators = []
+        for s in seeds:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(s)
+            generators.append(g)
+        batch, out = RowBatch.prefill(self.model, prompts, self.pad_id, self.device, counted_by=(self,),
+                                      logits_to_keep=1)  # once per prompt
+        batch.fan_out(num_samples)
+        state = Session(sampling=sampling, batch=batch, rows=list(range(len(seeds))), generators=generators,
+                        tokens={r: [] for r in range(len(seeds))}, forward_passes=1, prompts=prompts,
+                        num_samples=num_samples)
+        finished = self._sample(state, out.logits[:, -1, :].repeat_interleave(num_samples, 0))  # [R, V]
+        if finished:
+            self._select(state, _without(len(state.rows), finished))
+        return state
+
+    def prune(self, state: Session, keep: list[int] | None, name: str) -> list[int]:
+        """Keep only rows ``keep`` (all when None) of session ``name``; the rows an extend reports:
+        those kept, or the live and finished ones."""
+        if keep is None:
+            live = set(state.rows)
+            return [r for r in state.tokens if r in state.finished or r in live]
+        keep_set = set(keep)
+        unknown = keep_set - set(state.tokens)
+        if unknown:
+            raise ValueError(f"session {name}: unknown rows {sorted(unknown)[:5]}")
+        self._select(state, [i for i, r in enumerate(state.rows) if r in keep_set])
+        return [r for r in state.tokens if r in keep_set]
+
+    def report(self, state: Session, reported: list[int]) -> list[RowState]:
+        decode = self.tokenizer.batch_decode([state.tokens[r] for r in reported], skip_special_tokens=True)
+        return [RowState(row=r, token_ids=list(state.tokens[r]), text=text, finished=r in state.finished)
+                for r, text in zip(reported, decode)]
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, batch: RowBatch, sessions: list[Session], live: list[int]) -> list[list[int]]:
+        """One decoding step of ``sessions``' live rows in their shared ``batch``, one forward pass:
+        feed each row's pending token, sample its next one with the row's own generator, record it.
+        ``live``: the batch positions of the sessions' live rows, the sessions' rows one after
+        another; the batch's other rows are finished rows that ride along on a placeholder token and
+        are never sampled. Rows that hit EOS or the cap leave their session's per-row state (rows,
+        samplers, pending tokens; the caller cuts the batch). Per session, the indices of those rows
+        in its rows before the step."""
+        width = len(batch.next_position)
+        pending = torch.cat([s.last_token for s in sessions])  # [live]
+        if len(live) == width:
+            tokens = pending
+        else:
+            index = torch.tensor(live, dtype=torch.long, device=pending.device)
+            tokens = torch.zeros(width, dtype=pending.dtype, device=pending.device).index_copy_(0, index, pending)
+        logits = batch.feed(tokens[:, None], logits_to_keep=1).logits[:, -1, :]  # [width, V]
+        if len(live) < width:
+            logits = logits[index]  # [live, V]
+        sampling = sessions[0].sampling
+        shared = all(s.sampling == sampling for s in sessions)
+        if shared:  # the usual case: one draw for all rows
+            sampled = sample_next(logits, sampling, [g for s in sessions for g in s.generators])  # [live]
+            listed, is_eos = self._listed(sampled, sampling)
+        finished = []
+        offset = 0
+        for state in sessions:
+            rows = slice(offset, offset + len(state.rows))
+            offset += len(state.rows)
+            state.forward_passes += 1
+            if shared:
+                done = self._record(state, sampled[rows], listed[rows], is_eos[rows])
+            else:  # rows sample independently, so a session's slice may sample on its own
+                done = self._sample(state, logits[rows])
+            if done:
+                keep = _without(len(state.rows), done)
+                self._keep(state, keep, torch.tensor(keep, dtype=torch.long, device=state.last_token.device))
+            finished.append(done)
+        return finished
+
+    def speculates(self, state: Session) -> bool:
+        """An extend that starts now decodes speculatively: it runs to the cap, with at most
+        max_rows live rows."""
+        return (self.speculative is not None and state.until == state.sampling.max_new_tokens
+                and 0 < len(state.rows) <= self.speculative.max_rows)
+
+    @torch.inference_mode()
+    def speculative_step(self, state: Session) -> None:
+        """One draft-and-verify step of the session's live rows, on its own batch (see the module
+        docstring): each row gains its accepted draft tokens and one token its sampler drew; rows
+        that hit EOS or the cap finish and leave the batch."""
+        spec, sampling = self.speculative, state.sampling
+        cap = sampling.max_new_tokens
+        pending = state.last_token.tolist()  # sampled, not yet cached: each chain's root
+        trees = []
+        for i, row in enumerate(state.rows):
+            tokens = state.tokens[row]
+            room = min(spec.num_speculative_tokens, cap - len(tokens) - 1)  # the step's last token is a sample
+            draft = prompt_lookup(state.prompts[row // state.num_samples] + tokens, room,
+                                  spec.prompt_lookup_min, spec.prompt_lookup_max)
+            trees.append(TokenTree.chain([pending[i]] + draft))
+        logits = state.batch.verify(trees)  # [B, N, V]
+        state.forward_passes += 1
+        eos = set() if sampling.ignore_eos else self.eos_ids
+        kept, last, done = [], [], []
+        for i, (row, tree) in enumerate(zip(state.rows, trees)):
+            _, accepted, token = accept_tokens(tree, logits[i], sampling, state.generators[i], eos)
+            tokens = state.tokens[row]
+            tokens.extend(accepted)
+            if token not in eos:
+                tokens.append(token)
+            state.generated_tokens += len(accepted) + 1
+            self.generated_tokens += len(accepted) + 1
+            if token in eos or len(tokens) >= cap:
+                done.append(i)
+            kept.append(len(accepted) + 1)  # the root (the old pending token) and the accepted drafts
+            last.append(token)
+        state.batch.commit_prefixes(kept)
+        state.last_token = torch.tensor(last, dtype=state.last_token.dtype, device=state.last_token.device)
+        if done:
+            state.finished.update(state.rows[i] for i in done)
+            self._select(state, _without(len(state.rows), done))
+
+    def _sample(self, state: Session, logits: torch.Tensor) -> list[int]:
+        """Sample one token per live row from logits [B, V]; the batch positions of the rows that
+        hit EOS or the cap (now finished; the caller drops them)."""
+        tokens = sample_next(logits, state.sampling, state.generators)  # [B]
+        return self._record(state, tokens, *self._listed(tokens, state.sampling))
+
+    def _listed(self, tokens: torch.Tensor, sampling: SamplingParams) -> tuple[list[int], list[bool]]:
+        """Sampled tokens [B] as a list, and which of them are EOS."""
+        is_eos = [False] * len(tokens) if sampling.ignore_eos else torch.isin(tokens, self._eos).tolist()
+        return tokens.tolist(), is_eos
+
+    def _record(self, state: Session, tokens: torch.Tensor, listed: list[int], is_eos: list[bool]) -> list[int]:
+        """Append each live row's sampled token (tokens [B], also as a list, with its EOS flags);
+        the batch positions of the rows that hit EOS or the cap."""
+        state.last_token = tokens
+        state.generated_tokens += len(state.rows)
+        self.generated_tokens += len(state.rows)
+        cap = state.sampling.max_new_tokens
+        done = []
+        for i, (row, token, eos) in enumerate(zip(state.rows, listed, is_eos)):
+            if not eos:
+                state.tokens[row].append(token)
+            if eos or len(state.tokens[row]) >= cap:
+                done.append(i)
+        state.finished.update(state.rows[i] for i in done)
+        return done
+
+    def _select(self, state: Session, keep: list[int]) -> None:
+        """Keep batch positions ``keep``: the batch, the KV cache and the samplers shrink together."""
+        self._keep(state, keep, state.batch.select(keep))
+
+    @staticmethod
+    def _keep(state: Session, keep: list[int], index: torch.Tensor) -> None:
+        """The per-row state of ``_select`` (rows, samplers, pending tokens), without the batch."""
+        state.last_token = state.last_token[index]
+        state.rows = [state.rows[i] for i in keep]
+        state.generators = [state.generators[i] for i in keep]
+
+
+def _without(count: int, dropped: list[int]) -> list[int]:
+    """The positions 0 .. count - 1 not in ``dropped``."""
+    gone = set(dropped)
+    return [i for i in range(count) if i not in gone]
