@@ -22,7 +22,7 @@ import sys
 from jobs.cli import add_help_config, job_parser, setup_logging, strategies_text
 from pipeline.config import ConfigError, key_docs, load_config
 from pipeline.errors import InputError
-from pipeline.data.writer import OutputConflict
+from pipeline.errors import OutputConflict
 
 log = logging.getLogger(__name__)
 FLAG_KEYS = {"prompts": "data.prompts", "output": "data.output",

@@ -114,7 +114,7 @@ def read_pairs(output: str, allow_partial: bool) -> list[dict]:
 
 def judge_pairs(args) -> dict:
     """The --pairs figures; InputError (one line) for what the user can fix."""
-    from pipeline.data.writer import CorruptMarker, IncompleteBuild
+    from pipeline.errors import CorruptMarker, IncompleteBuild
     from pipeline.evaluation import evaluate_pairs, instructions
 
     try:

@@ -50,7 +50,7 @@ from pathlib import Path
 from jobs.cli import add_help_config, bars, job_parser, setup_logging, strategies_text
 from pipeline.config import ConfigError, load_config
 from pipeline.errors import InputError
-from pipeline.data.writer import IncompleteBuild, OutputConflict
+from pipeline.errors import IncompleteBuild, OutputConflict
 
 PREVIOUS_MODEL = "<round r-1 model>"
 """Stands for the generator of rounds >= 1 in their config hash: its path depends on where the

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from jobs.cli import bars, job_parser, setup_logging
 from pipeline.errors import InputError
-from pipeline.data.writer import IncompleteBuild
+from pipeline.errors import IncompleteBuild
 
 log = logging.getLogger(__name__)
 

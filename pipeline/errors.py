@@ -3,7 +3,8 @@ layer raises and catches the same classes: the pure decoding layer the same Conf
 layer does, the jobs the failures the coordinator and the actors raise.
 
 User errors (one line naming the file, row or key; the jobs exit with code 2): ConfigError,
-StorageAccessError, InputError, FetchError. Worker faults: WorkerFailure (an actor died or hung;
+StorageAccessError, InputError, FetchError; an output that cannot take a build or a reader's
+request: OutputConflict, OutputLocked, CorruptMarker, IncompleteBuild. Worker faults: WorkerFailure (an actor died or hung;
 recoverable), BatchFailed (a batch out of attempts), ShardFailed (a build's shard lost to it),
 WorkersShutDown (a call after the workers were shut down; not retried)."""
 
@@ -55,3 +56,21 @@ class ShardFailed(RuntimeError):
 class WorkersShutDown(RuntimeError):
     """A call on a retired proxy: the workers were shut down. Not a WorkerFailure, so the
     coordinator does not retry the batch."""
+
+
+class OutputConflict(Exception):
+    """The output cannot take this build (another build's shards, a file, the input itself, a
+    damaged marker): a user error, one line."""
+
+
+class OutputLocked(OutputConflict):
+    """Another live build holds the output's lease, or this build lost it: one line, exit 2."""
+
+
+class CorruptMarker(OutputConflict):
+    """A commit marker that is not one this project wrote (unparseable or missing fields)."""
+
+
+class IncompleteBuild(Exception):
+    """A reader asked for a build that has no ``_SUCCESS`` (still running, killed or failed): a user
+    error, one line; ``allow_partial`` reads its committed shards instead."""

@@ -264,3 +264,20 @@ def test_no_second_table_of_methods():
         text = path.read_text()
         for table in ("STRATEGY_PARAMS", "MODEL_SIDE", "USES_DRAFT", "VLLM_STRATEGIES", "STRATEGIES ="):
             assert table not in text, f"{path.relative_to(ROOT)} keeps its own table {table}"
+
+
+def test_every_exception_class_is_in_the_errors_module():
+    """pipeline/errors.py holds every exception class of the project (a leaf every layer imports)."""
+    import builtins
+
+    errors = ast.parse((ROOT / "pipeline" / "errors.py").read_text())
+    ours = {n.name for n in errors.body if isinstance(n, ast.ClassDef)}
+    exceptions = ours | {name for name, value in vars(builtins).items()
+                         if isinstance(value, type) and issubclass(value, BaseException)}
+    for module, path in modules().items():
+        if module == "pipeline.errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                assert not bases & exceptions, f"{path.relative_to(ROOT)}:{node.lineno} defines exception {node.name}"

@@ -5,7 +5,8 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.writer import OutputConflict, OutputStore, fingerprint, marker_name, part_name, side_name
+from pipeline.data.writer import OutputStore, fingerprint, marker_name, part_name, side_name
+from pipeline.errors import OutputConflict
 
 REJECT = {"source_row": 1, "prompt_id": None, "reason": "blank prompt", "value": "' '", "stage": "input",
           "generated_tokens": 0, "bon_equivalent_tokens": 0}

@@ -29,7 +29,7 @@ import pytest
 from jobs.evaluate import main as evaluate_main
 from jobs.evaluate import read_pairs
 from jobs.expert_iteration import finished
-from pipeline.data.writer import IncompleteBuild
+from pipeline.errors import IncompleteBuild
 from pipeline.training.dpo import load_pairs
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 

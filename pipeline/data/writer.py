@@ -63,6 +63,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.storage import filesystem, is_remote, join
+from pipeline.errors import CorruptMarker, IncompleteBuild, OutputConflict, OutputLocked
 
 log = logging.getLogger(__name__)
 
@@ -191,24 +192,6 @@ files (a dead build's), so another build's lease attempt must not use that prefi
 left by a killed process is removed once older than the lease timeout."""
 LEASE_NAME = "_lease.json"
 MARKER_KEYS = ("shard", "config_hash", "input_fingerprint", "rows", "sha256", "bytes", "rejects", "quarantine")
-
-
-class OutputConflict(Exception):
-    """The output cannot take this build (another build's shards, a file, the input itself, a
-    damaged marker): a user error, one line."""
-
-
-class OutputLocked(OutputConflict):
-    """Another live build holds the output's lease, or this build lost it: one line, exit 2."""
-
-
-class CorruptMarker(OutputConflict):
-    """A commit marker that is not one this project wrote (unparseable or missing fields)."""
-
-
-class IncompleteBuild(Exception):
-    """A reader asked for a build that has no ``_SUCCESS`` (still running, killed or failed): a user
-    error, one line; ``allow_partial`` reads its committed shards instead."""
 
 
 def part_name(shard: int) -> str:

@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.storage import filesystem, is_remote, list_files
-from pipeline.data.writer import BuildRead, CorruptMarker, OutputStore, is_build, is_pair_file, partial_read_line
+from pipeline.data.writer import BuildRead, OutputStore, is_build, is_pair_file, partial_read_line
+from pipeline.errors import CorruptMarker
 from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
