@@ -88,3 +88,40 @@ def test_every_measurement_in_docs_benchmarks_has_a_command_and_a_date():
         assert re.search(r"20\d\d-\d\d-\d\d", body), f"no date: {title}"
         # A figure the README once gave without its command says so, and names the test that checks it.
         assert re.search(r"python\s+-m\s|make [a-z]|bon-[a-z]|recorded no command", body), f"no command: {title}"
+
+
+def benchmark_commands() -> list[str]:
+    """Every complete ``python -m benchmarks.X ...`` command the docs give (inline code, possibly
+    wrapped over lines); spans with placeholders ([...], FILE-like words in brackets) are left out."""
+    found = []
+    for text in DOCS.values():
+        for span in re.findall(r"`([^`]*python -m benchmarks\.[^`]*)`", text):
+            command = " ".join(span.split())
+            command = command[command.index("python -m benchmarks."):]
+            if "[" not in command and "..." not in command:
+                found.append(command)
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("command", benchmark_commands())
+def test_every_benchmark_command_in_the_docs_parses(command, monkeypatch):
+    """The flags of each documented benchmark command are ones its script takes today (parsed by
+    the script's own parser, stopped before it runs anything)."""
+    import argparse
+    import importlib
+    import shlex
+
+    class Parsed(Exception):
+        pass
+
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        real(self, args, namespace)  # an unknown flag exits 2 here
+        raise Parsed
+
+    words = shlex.split(command)
+    module, argv = words[2], words[3:]
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    with pytest.raises(Parsed):
+        importlib.import_module(module).main(argv)
