@@ -48,6 +48,10 @@ AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION")
 # vLLM settings that hold on every node alike (not VLLM_HOST_IP, core lists and such): the KV cache
 # size in GiB of each engine on vLLM's CPU backend, instead of a fraction of the node's memory.
 VLLM_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+# glibc malloc tuning, the same on every node: a long HF build's generator RSS grows far past its KV
+# cache when freed KV buffers stay in glibc's heap (its mmap threshold rises to their size); a fixed
+# MALLOC_MMAP_THRESHOLD_ returns them to the system (docs/benchmarks.md, "Generator memory").
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 # Hugging Face and cache settings that are not secret: where models and datasets are cached, offline
 # modes, the Hub endpoint, download tuning. Every HF_* variable but the tokens counts (HF_HUB_*,
 # HF_XET_*, ...), and these others besides.
@@ -244,9 +248,9 @@ def secret_env() -> SecretEnv:
 def ray_runtime_env(storage_options: dict | None = None) -> dict:
     """Environment the Ray workers get: the driver's non-secret AWS settings (AWS_ENV) and
     ``data.storage_options``' endpoint (which wins), its Hugging Face and cache settings (hf_env:
-    HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT, ...) and its VLLM_ENV. Never a key, secret or token: see
+    HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT, ...), its VLLM_ENV and MALLOC_ENV. Never a key, secret or token: see
     AWS_ENV; the Hugging Face token goes as an actor argument (secret_env)."""
-    env = {k: os.environ[k] for k in AWS_ENV + VLLM_ENV if k in os.environ}
+    env = {k: os.environ[k] for k in AWS_ENV + VLLM_ENV + MALLOC_ENV if k in os.environ}
     env.update(hf_env())
     for key, var in STORAGE_ENV.items():
         if (storage_options or {}).get(key):

@@ -183,7 +183,9 @@ def test_runtime_env_carries_hugging_face_settings_but_never_the_token(monkeypat
     monkeypatch.setenv("TRANSFORMERS_CACHE", "/models/tf")
     monkeypatch.setenv("HF_TOKEN", HF_SECRET)
     monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", HF_SECRET)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
     env = ray_runtime_env()["env_vars"]
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "4194304"
     assert {k: env[k] for k in ("HF_HOME", "HF_HUB_OFFLINE", "HF_ENDPOINT", "TRANSFORMERS_CACHE")} == {
         "HF_HOME": "/models/hf", "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9",
         "TRANSFORMERS_CACHE": "/models/tf"}
@@ -214,12 +216,14 @@ def test_ray_workers_get_the_token_and_hf_settings_but_no_ray_file_holds_the_tok
 
     monkeypatch.setenv("HF_TOKEN", HF_SECRET)
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")  # actors.factory.MALLOC_ENV: set when the worker starts
     workers = start_workers(config(tiny_models))
     try:
         for handle in workers.handles:
             seen = ray.get(handle.__ray_call__.remote(
-                lambda self: (os.environ.get("HF_TOKEN"), os.environ.get("HF_HUB_DISABLE_TELEMETRY"))))
-            assert seen == (HF_SECRET, "1")
+                lambda self: (os.environ.get("HF_TOKEN"), os.environ.get("HF_HUB_DISABLE_TELEMETRY"),
+                              os.environ.get("MALLOC_MMAP_THRESHOLD_"))))
+            assert seen == (HF_SECRET, "1", "4194304")
     finally:
         workers.shutdown()
     session = ray._private.worker._global_node.get_session_dir_path()
