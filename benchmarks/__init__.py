@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -63,8 +62,6 @@ MODEL_SETS = {"tiny": Path(".cache/tiny-models"), "bench": Path(".cache/bench-mo
               "real": Path(".cache/real-models")}
 """Where each named model set lives (the Makefile's TINY_MODELS, BENCH_MODELS, REAL_MODELS)."""
 
-PACKAGES = ("torch", "transformers", "ray", "vllm", "pyarrow", "numpy", "trl")
-"""The packages whose versions a result records (the ones installed)."""
 
 
 def bench_parser(module: str, doc: str | None, **flags) -> argparse.ArgumentParser:
@@ -80,10 +77,13 @@ def bench_parser(module: str, doc: str | None, **flags) -> argparse.ArgumentPars
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """The parsed arguments, with ``command``: the command line as typed (for ``write_json``);
+    """The parsed arguments, with ``command``: the command line as typed, credentials redacted (for
+    ``write_json``);
     logging set to --log-level, and torch's CPU threads to --threads where the script takes it."""
     args = parser.parse_args(argv)
-    args.command = " ".join([parser.prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    from pipeline.data.card import redacted_command
+
+    args.command = f"{parser.prog} {redacted_command(sys.argv[1:] if argv is None else list(argv))}".strip()
     setup_logging(args.log_level)
     if getattr(args, "threads", None):
         import torch
@@ -249,31 +249,23 @@ def run_job(name: str, argv: list[str], output: Path) -> dict:
 
 
 def environment(command: str | None = None) -> dict:
-    """Where a result was measured: date (UTC), git commit (``+dirty`` with uncommitted changes),
-    package versions, machine (platform, CPUs, load average, GPU) and the command line."""
-    from importlib import metadata
+    """Where a result was measured: date (UTC), git commit (``+dirty`` with uncommitted changes) and
+    package versions as a build's provenance records them (pipeline.data.card), machine (platform,
+    CPUs, load average, GPU) and the command line."""
+    from pipeline.data.card import git_commit, package_versions
 
-    def git(*argv: str) -> str:
-        try:
-            return subprocess.run(["git", *argv], capture_output=True, text=True, timeout=10).stdout.strip()
-        except OSError:
-            return ""
-
-    commit = git("rev-parse", "--short", "HEAD")
-    if commit and git("status", "--porcelain", "--untracked-files=no"):
-        commit += "+dirty"
-    packages = {}
-    for name in PACKAGES:
-        try:
-            packages[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
+    commit = git_commit()
+    if commit:
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        commit += "+dirty" if dirty else ""
     machine = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
                "load_average": [round(v, 2) for v in os.getloadavg()]}
     if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
         machine["gpu"] = sys.modules["torch"].cuda.get_device_name(0)
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "git_commit": commit or None, "packages": packages, "machine": machine, "command": command}
+            "git_commit": commit, "packages": {k: v for k, v in package_versions().items() if v is not None},
+            "machine": machine, "command": command}
 
 
 def write_json(path: str | None, figures: dict, args: argparse.Namespace | None = None) -> None:
