@@ -46,7 +46,7 @@ demo: install $(TINY_MODELS)/generator/config.json
 define PRINT_PAIR
 import sys, textwrap
 import pandas as pd
-from pipeline.data.writer import OutputStore
+from pipeline.data.store import OutputStore
 
 output = sys.argv[1]
 pairs = pd.concat([pd.read_parquet(p) for p in OutputStore(output).committed_parts()])

@@ -228,7 +228,7 @@ def simulate(args: argparse.Namespace, generators: int, rewards: int, workdir: P
     from pipeline.build import plan_build, run_build
     from pipeline.config import load_config
     from pipeline.data.storage import join
-    from pipeline.data.writer import OutputStore, side_name
+    from pipeline.data.store import OutputStore, side_name
 
     prompts = workdir / "prompts.jsonl"
     if not prompts.exists():

@@ -135,7 +135,7 @@ def read_pairs(output: Path) -> dict[str, dict]:
     store (IncompleteBuild if the build did not finish; a stray part file is never read)."""
     import pyarrow.parquet as pq
 
-    from pipeline.data.writer import OutputStore
+    from pipeline.data.store import OutputStore
 
     store = OutputStore(str(output))
     rows = {}

@@ -95,7 +95,7 @@ def read_pairs(output: str, allow_partial: bool) -> list[dict]:
     ``output`` is no build."""
     import pyarrow.parquet as pq
 
-    from pipeline.data.writer import BUILD_FILES, OutputStore, partial_read_line
+    from pipeline.data.store import BUILD_FILES, OutputStore, partial_read_line
 
     store = OutputStore.open_build(output)
     if store is None:

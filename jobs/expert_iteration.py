@@ -217,7 +217,7 @@ def train(args, pairs: Path, generator: str, model: Path, r: int) -> dict:
 
 def finished(pairs: Path) -> bool:
     """Whether a round's build is done: its output store says it finished (_SUCCESS)."""
-    from pipeline.data.writer import OutputStore
+    from pipeline.data.store import OutputStore
 
     store = OutputStore.open_build(str(pairs))
     return store is not None and store.succeeded()

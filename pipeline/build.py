@@ -6,7 +6,7 @@ input: planning reads it once, shard by shard (every row validated, every shard 
 every prompt's first row recorded on disk for duplicate detection, rows counted), so every input
 error surfaces before a cluster starts; the run reads it again, shard by shard, skips committed
 shards, and hands the prompts of whole pending shards to the coordinator a window at a time
-(``WINDOW_ROUNDS``), formatting them as it goes. A shard commits (pipeline.data.writer: data,
+(``WINDOW_ROUNDS``), formatting them as it goes. A shard commits (pipeline.data.store: data,
 then marker) as soon as its last prompt is done, and its rejects commit with it. An output built
 with another config is refused (OutputConflict) unless overwritten; one that a live build writes
 (its lease) is refused (OutputLocked) from planning to the end. At the end every marker is
@@ -38,7 +38,8 @@ from pipeline.coordinator import Coordinator
 from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import FirstRows, PromptFormatter, PromptSource, Reject, hub_dataset_id, validate
 from pipeline.data.storage import access_errors, check_access
-from pipeline.data.writer import ExtraColumns, OutputStore, check_location, fingerprint, part_name
+from pipeline.data.schema import ExtraColumns
+from pipeline.data.store import OutputStore, check_location, fingerprint, part_name
 from pipeline.engines.backends import BACKENDS, backend
 from pipeline.engines.hf import TOKENIZER_KEYS, load_tokenizer
 from pipeline.engines.rewards import is_reward_function, load_reward_function
@@ -71,7 +72,7 @@ MODEL_FILES = _ModelFiles()
 class _Shard:
     index: int
     fingerprint: str = ""
-    """sha256 of the shard's input rows (pipeline.data.writer.fingerprint)."""
+    """sha256 of the shard's input rows (pipeline.data.store.fingerprint)."""
     expected: int = 0
     """Prompts of this shard sent to the coordinator."""
     too_long: int = 0
@@ -128,7 +129,7 @@ class BuildPlan:
     """Valid, distinct prompts of the pending shards (those formatting rejects, too long, included)."""
     source: PromptSource
     fingerprints: list[str]
-    """Shard k's input fingerprint (pipeline.data.writer.fingerprint), for every shard."""
+    """Shard k's input fingerprint (pipeline.data.store.fingerprint), for every shard."""
     first_rows: FirstRows
     """Every prompt's first input row, for duplicate detection (on disk; closed by run_build)."""
     formatter: PromptFormatter

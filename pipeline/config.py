@@ -307,7 +307,7 @@ class RuntimeConfig:
     max_attempts: int = 3
     """Attempts per batch when actors die or hang; past this the build fails naming the shard."""
     lease_timeout_s: float = 120.0
-    """One writer per output (pipeline.data.writer, _lease.json): another build's lease whose heartbeat
+    """One writer per output (pipeline.data.lease, _lease.json): another build's lease whose heartbeat
     is older than this is taken to be a dead build's and taken over (with a line saying whose).
     The holder refreshes its own every lease_timeout_s / 12 seconds (10 s at the default)."""
     placement_strategy: str = ""

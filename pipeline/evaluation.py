@@ -70,7 +70,7 @@ when its input has them (data.extra_columns)."""
 
 def instructions(row: dict) -> tuple[list[str], list[dict]] | None:
     """A row's (instruction_id_list, kwargs) as pipeline.judge.check takes them; None when the row
-    has neither. A column the build wrote as JSON text (pipeline.data.writer: values with no common
+    has neither. A column the build wrote as JSON text (pipeline.data.store: values with no common
     Arrow type) is parsed; a malformed one raises ValueError."""
     ids, kwargs = (row.get(name) for name in INSTRUCTION_COLUMNS)
     if ids is None and kwargs is None:

@@ -24,7 +24,8 @@ PACKAGES = ("pipeline", "actors", "jobs", "benchmarks")
 LAYERS = (
     ("pipeline.errors",),
     ("pipeline.decoding",),
-    ("pipeline.data.storage", "pipeline.data.prompts", "pipeline.data.pairs", "pipeline.data.writer"),
+    ("pipeline.data.storage", "pipeline.data.prompts", "pipeline.data.pairs", "pipeline.data.schema",
+     "pipeline.data.lease", "pipeline.data.store"),
     ("pipeline.engines",),
     ("pipeline.strategies",),
     ("pipeline.config",),

@@ -1,11 +1,11 @@
-"""The commit protocol of pipeline.data.writer: markers, resume decisions, conflicts, _SUCCESS checks."""
+"""The commit protocol of pipeline.data.store: markers, resume decisions, conflicts, _SUCCESS checks."""
 
 import json
 
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.writer import OutputStore, fingerprint, marker_name, part_name, side_name
+from pipeline.data.store import OutputStore, fingerprint, marker_name, part_name, side_name
 from pipeline.errors import OutputConflict
 
 REJECT = {"source_row": 1, "prompt_id": None, "reason": "blank prompt", "value": "' '", "stage": "input",

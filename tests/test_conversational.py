@@ -102,7 +102,7 @@ def builds(tiny_models, tmp_path_factory):
 def test_conversational_output_is_trl_conversational_format(builds):
     out = builds["conversational"]
     table = pq.read_table(out / "train-00000.parquet")
-    from pipeline.data.writer import MESSAGES
+    from pipeline.data.schema import MESSAGES
 
     assert all(table.schema.field(c).type.equals(MESSAGES) for c in ("prompt", "chosen", "rejected"))
     rows = table.to_pylist()

@@ -10,7 +10,7 @@ import pytest
 from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import PromptFormatter, PromptRow, PromptSource, prompt_id, read_raw_rows, validate
 from pipeline.errors import InputError
-from pipeline.data.writer import OutputStore
+from pipeline.data.store import OutputStore
 from pipeline.decoding.domain import Candidate, PromptInput, PromptResult
 from tests.conftest import MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
 

@@ -18,7 +18,7 @@ import yaml
 
 from jobs.build_dataset import main
 from pipeline.data.card import redacted_command, weights_sha256
-from pipeline.data.writer import CARD_TAG, OutputStore
+from pipeline.data.store import CARD_TAG, OutputStore
 from pipeline.errors import OutputConflict
 from tests.conftest import GOOD_PROMPTS, MIXED_BAD_ROWS, MIXED_ROWS, moto_s3, s3_options, write_jsonl
 

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from jobs.evaluate import main
-from pipeline.data.writer import ExtraColumns, OutputStore
+from pipeline.data.schema import ExtraColumns
+from pipeline.data.store import OutputStore
 from pipeline.evaluation import evaluate_pairs, evaluate_responses, instructions
 
 NO_COMMA = (["punctuation:no_comma"], [{}])

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.build_dataset import main
-from pipeline.data.writer import OutputStore
+from pipeline.data.store import OutputStore
 from pipeline.strategies import STRATEGIES
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 

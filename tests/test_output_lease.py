@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.build_dataset import main
-from pipeline.data.writer import LEASE_NAME, LEASE_TMP_PREFIX, OutputStore, check_location, marker_name, part_name
+from pipeline.data.lease import LEASE_NAME, LEASE_TMP_PREFIX
+from pipeline.data.store import OutputStore, check_location, marker_name, part_name
 from pipeline.errors import OutputConflict, OutputLocked
 from tests.conftest import GOOD_PROMPTS, MIXED_ROWS, write_jsonl
 from tests.test_build import build_args, copy_output

@@ -89,7 +89,7 @@ def test_a_reward_function_runs_in_the_ray_reward_actors(cluster, tiny_models, t
     reward actor (its module must import there), with each row's columns, and the output keeps them."""
     import pyarrow.parquet as pq
 
-    from pipeline.data.writer import OutputStore
+    from pipeline.data.store import OutputStore
 
     rows = [{"prompt": p, "letter": "aeiou"[i % 5]} for i, p in enumerate(GOOD_PROMPTS)]
     prompt_file = write_jsonl(tmp_path / "p.jsonl", rows)

@@ -13,7 +13,7 @@ import pytest
 from jobs.build_dataset import main as build_main
 from jobs.train_reward_transformer import main as train_main
 from pipeline.errors import InputError
-from pipeline.data.writer import OutputStore
+from pipeline.data.store import OutputStore
 from pipeline.errors import IncompleteBuild
 from pipeline.training.dpo import load_pairs
 from tests.conftest import GOOD_PROMPTS, write_jsonl

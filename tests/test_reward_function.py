@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.build_dataset import main
-from pipeline.data.writer import OutputStore
+from pipeline.data.store import OutputStore
 from pipeline.engines.rewards import FunctionScorer, is_reward_function
 from tests.conftest import write_jsonl
 

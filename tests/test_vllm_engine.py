@@ -181,7 +181,7 @@ def test_a_reward_function_scores_a_vllm_build(tiny_models, tmp_path, strategy):
 
     from jobs.build_dataset import main
     from jobs.make_tiny_models import make_vllm_model
-    from pipeline.data.writer import OutputStore
+    from pipeline.data.store import OutputStore
     from tests.conftest import GOOD_PROMPTS, write_jsonl
 
     model = make_vllm_model(tmp_path / "vllm-model")

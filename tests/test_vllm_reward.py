@@ -176,7 +176,7 @@ def test_scores_equal_the_hf_scorers_on_the_real_reward_model():
 def run_build(tmp_path: Path, generator: Path, reward: Path, backend: str, strategy: str) -> tuple[dict, list[dict]]:
     """``jobs.build_dataset`` in a process of its own (runtime.local: in-process actors), the reward
     model on vLLM; its manifest and pairs (read through the output store, as every job reads them)."""
-    from pipeline.data.writer import OutputStore
+    from pipeline.data.store import OutputStore
 
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:4]])
     output = tmp_path / "out"

@@ -7,7 +7,7 @@ rows without a pair, ``quarantine`` the candidates with a non-finite reward; eac
 counts, how to load it with ``datasets`` and TRL's DPOTrainer, and where it came from. So
 ``datasets.load_dataset(OUT)`` reads exactly the committed pairs, and ``load_dataset(OUT,
 "rejects")`` the rejects. ``load_dataset("parquet", data_dir=OUT)`` reads no card: it picks the
-pair files by the split keyword in their names (``train-NNNNN.parquet``; pipeline.data.writer says
+pair files by the split keyword in their names (``train-NNNNN.parquet``; pipeline.data.store says
 why nothing else in OUT matches).
 
 Provenance (``provenance``; the manifest's "provenance" and the card's last section), computed once
@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import Config, redact, redact_url
 from pipeline.data.storage import join
-from pipeline.data.writer import OutputStore
+from pipeline.data.store import OutputStore
 from pipeline.engines.rewards import is_reward_function
 
 COLUMNS = {
@@ -65,7 +65,7 @@ COLUMNS = {
     "chosen_token_ids": "token ids of the chosen completion",
     "rejected_token_ids": "token ids of the rejected completion",
 }
-"""The meaning of each pair column (pipeline.data.writer.PAIR_SCHEMA); any other column is one of
+"""The meaning of each pair column (pipeline.data.schema.PAIR_SCHEMA); any other column is one of
 the input's (data.extra_columns)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")

@@ -36,161 +36,37 @@ Ray may run a batch twice (retries are at-least-once); the marker makes the outp
 Every reader of a build (training, expert iteration, evaluation) reads it through its store
 (``OutputStore.read_committed`` / ``committed_parts``): committed shards only, never by listing it.
 
-One writer per output: a build holds ``_lease.json`` (owner id, host, pid, heartbeat, config hash)
-from planning to its end (Lease). It is created atomically (a hard link locally, a conditional PUT
-on S3), refreshed by a heartbeat thread, and taken over only once its heartbeat is older than the
-timeout (or its process is gone, on the same host). Everything else in the output is read or
-changed only while the lease is held, so a build never sees another live build's temp files.
+One writer per output: a build holds ``_lease.json`` from planning to its end (pipeline.data.lease).
+Everything else in the output is read or changed only while the lease is held, so a build never
+sees another live build's temp files. The pair columns and the extra-column schema are
+pipeline.data.schema's.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import itertools
 import json
 import logging
 import os
-import socket
-import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.data.lease import LEASE_NAME, LEASE_TMP_PREFIX, Lease, lease_file
+from pipeline.data.schema import PAIR_SCHEMAS, QUARANTINE_SCHEMA, REJECT_SCHEMA, ExtraColumns
 from pipeline.data.storage import filesystem, is_remote, join
-from pipeline.errors import CorruptMarker, IncompleteBuild, OutputConflict, OutputLocked
+from pipeline.errors import CorruptMarker, IncompleteBuild, OutputConflict
 
 log = logging.getLogger(__name__)
-
-PAIR_SCHEMA = pa.schema([
-    ("prompt_id", pa.string()),
-    ("prompt", pa.string()),
-    ("chosen", pa.string()),
-    ("rejected", pa.string()),
-    ("chosen_score", pa.float64()),
-    ("rejected_score", pa.float64()),
-    ("strategy", pa.string()),
-    ("num_candidates", pa.int64()),
-    ("generated_tokens", pa.int64()),
-    ("bon_equivalent_tokens", pa.int64()),
-    ("rejected_is_partial", pa.bool_()),
-    ("chosen_sample", pa.int64()),
-    ("rejected_sample", pa.int64()),
-    ("stopped_early", pa.int64()),
-    ("failed_candidates", pa.int64()),
-    ("raw_prompt", pa.string()),
-    ("prompt_truncated", pa.bool_()),
-    ("source_row", pa.int64()),
-    ("prompt_token_ids", pa.list_(pa.int64())),
-    ("chosen_token_ids", pa.list_(pa.int64())),
-    ("rejected_token_ids", pa.list_(pa.int64())),
-])
-
-MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-"""TRL's conversational format: a list of {"role", "content"} messages."""
-CONVERSATIONAL_PAIR_SCHEMA = pa.schema([
-    field.with_type(MESSAGES) if field.name in ("prompt", "chosen", "rejected") else field for field in PAIR_SCHEMA])
-PAIR_SCHEMAS = {"standard": PAIR_SCHEMA, "conversational": CONVERSATIONAL_PAIR_SCHEMA}
-
-
-
-class ExtraColumns:
-    """The input's other columns in the output (data.extra_columns): their Arrow types, inferred at
-    plan time shard by shard and unified (struct fields merged, nulls promoted), so that every part
-    file of a build has one schema. A column whose values have no common Arrow type (a number in
-    one row, a list in another) is written as JSON text; a column whose name the pair schema
-    already uses is left out (the build notes it and the manifest lists it)."""
-
-    def __init__(self):
-        self.types: dict[str, pa.DataType] = {}
-        self.as_text: set[str] = set()
-        self.left_out: set[str] = set()
-
-    def add(self, rows: list[dict]) -> None:
-        """Fold one shard's rows (each a dict of the row's other columns) into the types."""
-        names = list(dict.fromkeys(n for row in rows for n in row))
-        for name in names:
-            if name in PAIR_SCHEMA.names:
-                self.left_out.add(name)
-            elif name not in self.as_text:
-                self._fold(name, [row.get(name) for row in rows])
-
-    def _fold(self, name: str, values: list) -> None:
-        try:
-            found = pa.array(values).type
-            if name in self.types:
-                found = pa.unify_schemas([pa.schema([(name, self.types[name])]), pa.schema([(name, found)])],
-                                         promote_options="permissive").field(name).type
-        except (pa.ArrowException, TypeError, ValueError, OverflowError):
-            self.as_text.add(name)
-            found = pa.string()
-        self.types[name] = found
-
-    def finish(self) -> None:
-        """After the last ``add``: a type with an empty struct in it (every row's dict was empty, as
-        IFEval's kwargs of instructions without arguments are) cannot be written to Parquet, so
-        that column is written as JSON text too."""
-        for name, found in self.types.items():
-            if _has_empty_struct(found):
-                self.as_text.add(name)
-                self.types[name] = pa.string()
-
-    def schema(self, base: pa.Schema) -> pa.Schema:
-        return pa.schema([*base, *(pa.field(n, t) for n, t in self.types.items())])
-
-    def values(self, columns: dict) -> dict:
-        """A pair row's extra columns, from its prompt's (PromptInput.columns)."""
-        return {n: json.dumps(columns[n], default=repr) if n in self.as_text and columns.get(n) is not None
-                else columns.get(n) for n in self.types}
-
-    def describe(self) -> dict:
-        """For the manifest: each column's type (``json text`` for the text fallback)."""
-        return {n: "json text" if n in self.as_text else str(t) for n, t in self.types.items()}
-
-
-def _has_empty_struct(found: pa.DataType) -> bool:
-    if pa.types.is_struct(found):
-        return found.num_fields == 0 or any(_has_empty_struct(found.field(i).type) for i in range(found.num_fields))
-    if pa.types.is_list(found) or pa.types.is_large_list(found) or pa.types.is_fixed_size_list(found):
-        return _has_empty_struct(found.value_type)
-    if pa.types.is_map(found):
-        return _has_empty_struct(found.key_type) or _has_empty_struct(found.item_type)
-    return False
-
-
-REJECT_SCHEMA = pa.schema([
-    ("source_row", pa.int64()),
-    ("prompt_id", pa.string()),
-    ("reason", pa.string()),
-    ("value", pa.string()),
-    ("stage", pa.string()),
-    ("generated_tokens", pa.int64()),
-    ("bon_equivalent_tokens", pa.int64()),
-])
-
-# Candidates with a non-finite reward; score is its repr (nan, inf or -inf).
-QUARANTINE_SCHEMA = pa.schema([
-    ("source_row", pa.int64()),
-    ("prompt_id", pa.string()),
-    ("sample", pa.int64()),
-    ("score", pa.string()),
-    ("stopped_early", pa.bool_()),
-    ("text", pa.string()),
-])
 
 SIDE_DIRS = ("_rejects", "_quarantine")
 OWN_FILES = ("_manifest.json", "_report.json", "_SUCCESS")
 TMP_PREFIX = ".tmp-"
-LEASE_TMP_PREFIX = ".lease-tmp-"
-"""The local lease's own temp and claim files: a build that holds the lease removes ``.tmp-*``
-files (a dead build's), so another build's lease attempt must not use that prefix; one of these
-left by a killed process is removed once older than the lease timeout."""
-LEASE_NAME = "_lease.json"
 MARKER_KEYS = ("shard", "config_hash", "input_fingerprint", "rows", "sha256", "bytes", "rejects", "quarantine")
 
 
@@ -372,15 +248,7 @@ class OutputStore:
     def acquire_lease(self, config_hash: str, timeout_s: float | None = None, heartbeat_s: float | None = None) -> None:
         """Become the output's one writer (Lease), before anything in it is read or changed; raises
         OutputLocked when a live build holds it."""
-        path = join(self.root, LEASE_NAME)
-        if not self.remote:
-            file = _LocalLeaseFile(path, join(self.uri, LEASE_NAME))
-        elif "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)):
-            file = _S3LeaseFile(self.fs, path, join(self.uri, LEASE_NAME))
-        else:
-            raise OutputConflict(f"{self.uri}: outputs are local paths or s3:// prefixes (the write lease needs "
-                                 "an atomic create)")
-        lease = Lease(file, self.uri, config_hash, timeout_s or self.LEASE_TIMEOUT_S,
+        lease = Lease(lease_file(self.fs, self.root, self.uri, self.remote), self.uri, config_hash, timeout_s or self.LEASE_TIMEOUT_S,
                       heartbeat_s or self.LEASE_HEARTBEAT_S)
         lease.acquire()
         self.lease = lease
@@ -790,311 +658,3 @@ def _parquet_bytes(table: pa.Table) -> bytes:
         if table.num_rows:
             writer.write_table(table)
     return sink.getvalue().to_pybytes()
-
-
-# -- the lease: one writer per output -------------------------------------------------------------
-
-class Lease:
-    """The output's write lease, ``_lease.json``: owner id, host, pid, start and heartbeat times and
-    the config hash of the build that holds it.
-
-    Acquired once, atomically (``_LeaseFile.create``). A daemon thread rewrites it every
-    ``heartbeat_s`` with a compare-and-swap on the version this holder last wrote, so a holder that
-    was taken over finds out at its next beat; from then on ``check`` (called before every write
-    of the output) raises OutputLocked. A lease whose heartbeat is older than ``timeout_s``, or
-    whose process is gone on this same host, belongs to a dead build and is taken over with a
-    compare-and-swap on the version read, and one line on stderr says whose it was. The thread
-    holds the lease weakly: a plan that is dropped without running stops beating, and its lease
-    goes stale instead of blocking the output for the life of the process."""
-
-    def __init__(self, file: "_LeaseFile", uri: str, config_hash: str, timeout_s: float, heartbeat_s: float):
-        self.file, self.uri, self.config_hash = file, uri, config_hash
-        self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
-        self.owner = uuid.uuid4().hex
-        self.host, self.pid, self.pid_namespace = socket.gethostname(), os.getpid(), _pid_namespace()
-        self.started = time.time()
-        self.lost: str | None = None
-        """Why the lease is no longer this build's (then every write of the output is refused)."""
-        self._tag = None  # the version this holder last wrote (its bytes locally, its ETag on S3)
-        self._last_beat = 0.0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-
-    def _payload(self) -> bytes:
-        return json.dumps({"owner": self.owner, "host": self.host, "pid": self.pid, "started": self.started,
-                           "heartbeat": time.time(), "heartbeat_s": self.heartbeat_s,
-                           "pid_namespace": self.pid_namespace,
-                           "config_hash": self.config_hash}, sort_keys=True).encode()
-
-    def acquire(self) -> None:
-        """Take the lease, or raise OutputLocked naming the live build that holds it. A holder that
-        has missed three heartbeats is presumed dead (a killed driver on another host, a retried
-        RayJob): instead of refusing, wait until its lease is stale, say so, and take it over."""
-        waited = False
-        for _ in range(8):  # each retry means another build changed the lease between two of our steps
-            tag = self.file.create(self._payload())
-            if tag is None:
-                found = self.file.read()
-                if found is None:  # released in between: try to create it again
-                    continue
-                content, current = found
-                holder = _parse_lease(content)
-                if holder is None:
-                    raise OutputLocked(f"{self.file.uri}: unreadable lease file; if no build is writing "
-                                       f"{self.uri}, delete it and rerun")
-                age = time.time() - holder["heartbeat"]
-                # Its pid means something here only on this host, in this pid namespace (containers
-                # that share a hostname each have their own).
-                dead = ((holder["host"], holder.get("pid_namespace")) == (self.host, self.pid_namespace)
-                        and not _process_alive(holder["pid"]))
-                beats = holder.get("heartbeat_s")
-                silent = age > 3 * (beats if isinstance(beats, (int, float)) else self.heartbeat_s)
-                if age <= self.timeout_s and not dead and silent and not waited:
-                    log.warning(f"{self.uri}: the build holding its lease (host {holder['host']}, pid "
-                                f"{holder['pid']}) has written no heartbeat for {age:.0f}s; waiting "
-                                f"{self.timeout_s - age:.0f}s for it to go stale")
-                    time.sleep(self.timeout_s - age + 0.01)
-                    waited = True
-                    continue
-                if age <= self.timeout_s and not dead:
-                    raise OutputLocked(f"{self.uri}: another build is writing to it (host {holder['host']}, "
-                                       f"pid {holder['pid']}, heartbeat {age:.0f}s ago); wait for it to finish "
-                                       f"or use another --output (a lease is taken over after {self.timeout_s:.0f}s "
-                                       "without a heartbeat)")
-                tag = self.file.replace(self._payload(), current)
-                if tag is None:
-                    continue
-                why = "its process is gone" if dead else f"older than the {self.timeout_s:.0f}s timeout"
-                log.warning(f"{self.uri}: took over the lease of a stopped build (host {holder['host']}, "
-                            f"pid {holder['pid']}, last heartbeat {age:.0f}s ago: {why})")
-            self._tag, self._last_beat = tag, time.time()
-            self._start_heartbeat()
-            return
-        raise OutputLocked(f"{self.uri}: could not take the output's lease (other builds keep changing it)")
-
-    def _start_heartbeat(self) -> None:
-        ref, stop, interval = weakref.ref(self), self._stop, self.heartbeat_s
-
-        def beat() -> None:
-            while not stop.wait(interval):
-                lease = ref()
-                if lease is None:
-                    return
-                lease.beat()
-                del lease
-
-        threading.Thread(target=beat, name=f"lease {self.uri}", daemon=True).start()
-
-    def beat(self) -> None:
-        """Refresh the heartbeat if the lease is still this build's; otherwise record it as lost."""
-        with self._lock:
-            if self._tag is None or self.lost:
-                return
-            try:
-                tag = self.file.refresh(self._payload(), self._tag)
-            except OSError as exc:  # storage hiccup: the next beat retries, unless others may take it by now
-                if time.time() - self._last_beat > self.timeout_s:
-                    self.lost = f"no heartbeat written for {self.timeout_s:.0f}s ({exc})"
-                return
-            if tag is None:
-                found = self.file.read()
-                holder = _parse_lease(found[0]) if found else None
-                self.lost = (f"taken over by host {holder['host']}, pid {holder['pid']}" if holder
-                             else "its lease file was removed")
-                return
-            self._tag, self._last_beat = tag, time.time()
-
-    def check(self) -> None:
-        if self.lost:
-            raise OutputLocked(f"{self.uri}: this build lost its lease ({self.lost}); another build may be "
-                               "writing to it: nothing more is written")
-        if self._tag is None:
-            raise OutputLocked(f"{self.uri}: this build does not hold the output's lease")
-
-    def release(self) -> None:
-        """Stop the heartbeat and delete the lease if it is still this build's (idempotent)."""
-        self._stop.set()
-        with self._lock:
-            if self._tag is None:
-                return
-            tag, self._tag = self._tag, None
-            if self.lost:
-                return
-            try:
-                self.file.delete(tag)
-            except OSError as exc:  # it goes stale and is taken over after the timeout
-                log.warning(f"{self.file.uri}: could not release the lease ({exc})")
-
-
-def _parse_lease(content: bytes) -> dict | None:
-    try:
-        holder = json.loads(content)
-        if isinstance(holder, dict) and isinstance(holder["heartbeat"], (int, float)):
-            return {**holder, "host": holder.get("host"), "pid": holder.get("pid")}
-    except (ValueError, KeyError, TypeError):
-        pass
-    return None
-
-
-def _pid_namespace() -> int | None:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def _process_alive(pid) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return True  # unknown: only the heartbeat's age can tell
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-class _LeaseFile(Protocol):
-    """Compare-and-swap on one small file. ``tag`` is the version a caller read or wrote; every
-    method that takes one acts only if the file is still at that version, and returns None (or
-    False) when it is not. ``create`` returns None when the file exists."""
-
-    uri: str
-
-    def read(self) -> tuple[bytes, object] | None: ...
-    def create(self, payload: bytes) -> object | None: ...
-    def replace(self, payload: bytes, tag) -> object | None: ...
-    def refresh(self, payload: bytes, tag) -> object | None: ...
-    def delete(self, tag) -> bool: ...
-
-
-class _LocalLeaseFile:
-    """On a local (or NFS) directory; the tag is the file's bytes (each write has a new heartbeat
-    time and an owner id, so no two versions are equal)."""
-
-    def __init__(self, path: str, uri: str):
-        self.path, self.uri = path, uri
-        self.directory = os.path.dirname(path)
-
-    def read(self):
-        try:
-            with open(self.path, "rb") as f:
-                content = f.read()
-        except FileNotFoundError:
-            return None
-        return content, content
-
-    def _temp(self, payload: bytes) -> str:
-        tmp = os.path.join(self.directory, f"{LEASE_TMP_PREFIX}{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        return tmp
-
-    def create(self, payload):
-        # Written whole to a temp file, then hard-linked to the lease name: link fails if the name
-        # exists (atomic like O_CREAT|O_EXCL), and a reader never sees a half-written lease.
-        tmp = self._temp(payload)
-        try:
-            os.link(tmp, self.path)
-        except FileExistsError:
-            return None
-        finally:
-            os.unlink(tmp)
-        return payload
-
-    def replace(self, payload, tag):
-        # Claim the file by renaming it away (only one rename of a name succeeds), check that the
-        # claimed file is the version read, then create ours; a claimed newer version is put back.
-        claim = os.path.join(self.directory, f"{LEASE_TMP_PREFIX}claim-{uuid.uuid4().hex}")
-        try:
-            os.rename(self.path, claim)
-        except FileNotFoundError:
-            return None
-        try:
-            with open(claim, "rb") as f:
-                if f.read() != tag:
-                    try:
-                        os.link(claim, self.path)
-                    except FileExistsError:
-                        pass
-                    return None
-        finally:
-            os.unlink(claim)
-        return self.create(payload)
-
-    def refresh(self, payload, tag):
-        # The holder's own rewrite: the file is renamed over in one step, never absent (a starting
-        # build must never find the name free while its holder is alive).
-        found = self.read()
-        if found is None or found[1] != tag:
-            return None
-        os.replace(self._temp(payload), self.path)
-        return payload
-
-    def delete(self, tag):
-        found = self.read()
-        if found is None or found[1] != tag:
-            return False
-        os.unlink(self.path)
-        return True
-
-
-class _S3LeaseFile:
-    """On S3, through S3's conditional writes: create is PUT If-None-Match "*", replace and refresh
-    PUT If-Match the ETag read or written, release DELETE If-Match. The tag is the ETag."""
-
-    def __init__(self, fs, path: str, uri: str):
-        self.fs, self.uri = fs, uri
-        self.bucket, self.key, _ = fs.split_path(path)
-
-    def read(self):
-        from fsspec.asyn import sync
-
-        async def get():
-            try:
-                response = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
-            except FileNotFoundError:
-                return None
-            try:  # body and ETag of one GET: the content is the version the tag names
-                return await response["Body"].read(), response["ETag"]
-            finally:
-                response["Body"].close()
-
-        return sync(self.fs.loop, get)
-
-    def _put(self, payload: bytes, **condition):
-        try:
-            return self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=payload, **condition)["ETag"]
-        except OSError as exc:
-            if _precondition_failed(exc):
-                return None
-            raise
-
-    def create(self, payload):
-        return self._put(payload, IfNoneMatch="*")
-
-    def replace(self, payload, tag):
-        return self._put(payload, IfMatch=tag)
-
-    refresh = replace
-
-    def delete(self, tag):
-        try:
-            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=tag)
-        except OSError as exc:
-            if _precondition_failed(exc) or isinstance(exc, FileNotFoundError):
-                return False
-            raise
-        return True
-
-
-def _precondition_failed(exc: OSError) -> bool:
-    """s3fs turns 412 into FileExistsError (If-None-Match) or OSError(EINVAL) (If-Match); S3 answers
-    a conditional write racing another with 409 ConditionalRequestConflict."""
-    if isinstance(exc, FileExistsError):
-        return True
-    code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
-    return code in ("PreconditionFailed", "ConditionalRequestConflict") or (code is None and exc.errno == errno.EINVAL)
