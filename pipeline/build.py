@@ -104,6 +104,29 @@ def config_hash(config: Config) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()
 
 
+def output_schema(config: Config, extra: ExtraColumns):
+    """The pair files' one schema: TRL's ``data.output_format`` and the input's other columns."""
+    from pipeline.data.schema import PAIR_SCHEMAS
+
+    return extra.schema(PAIR_SCHEMAS[config.data.output_format])
+
+
+def build_identity(config: Config, extra: ExtraColumns) -> tuple[dict, dict]:
+    """What, beside the config (config_hash), decides the output's content, as every commit marker
+    records it: each model's weights sha256 (a local directory: hashed once per state of its files,
+    pipeline.data.card.weights_sha256) or Hub commit, the reward function's module sha256, and the
+    output's schema (the input's other columns, unified at plan time). A resume whose identity
+    differs is refused, naming what changed (OutputStore.committed). Returns (the identity, the
+    models' provenance, which the manifest and the card reuse)."""
+    from pipeline.data.card import model_identity, models_provenance
+
+    found = models_provenance(config)
+    identity = {f"models.{role}": model_identity(prov) for role, prov in found.items() if prov is not None}
+    identity["output schema"] = json.dumps({"format": config.data.output_format, "extra": extra.describe()},
+                                           sort_keys=True)
+    return identity, found
+
+
 WINDOW_ROUNDS = 64
 """The coordinator is handed the prompts of whole pending shards a window at a time: at least this
 many times the prompts its generators hold in flight (generator actors x batches_in_flight x
@@ -138,6 +161,10 @@ class BuildPlan:
     config_hash: str = ""
     extra: ExtraColumns = field(default_factory=ExtraColumns)
     """The input's other columns the output keeps beside each pair (data.extra_columns)."""
+    identity: dict = field(default_factory=dict)
+    """What built it beside the config (build_identity), recorded in every marker."""
+    models_provenance: dict | None = None
+    """Each model's provenance (pipeline.data.card.models_provenance), computed once at plan time."""
 
 
 def _model_config(key: str, path: str, kind: str, load: dict | None = None):
@@ -364,12 +391,14 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
             log.info(f"note: {data.prompts}: column(s) {', '.join(sorted(extra.left_out))} not kept in the output "
                   "(the pair columns have those names)")
         num_shards = len(fingerprints)
+        identity, found = build_identity(config, extra)
         store = OutputStore(data.output, data.storage_options)
         # One writer per output: the lease comes before anything in it is read or changed, and
         # run_build releases it (OutputLocked, one line, when a live build holds it).
         lease_timeout = config.runtime.lease_timeout_s
         store.acquire_lease(build_hash, timeout_s=lease_timeout, heartbeat_s=lease_timeout / 12)
-        committed = set() if overwrite else store.committed({k: (fp, build_hash) for k, fp in enumerate(fingerprints)})
+        committed = set() if overwrite else store.committed({k: (fp, build_hash) for k, fp in enumerate(fingerprints)},
+                                                            identity)
         store.prepare(overwrite=overwrite)
     except BaseException:
         first_rows.close()
@@ -378,7 +407,7 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
         raise
     pending = [k for k in range(num_shards) if k not in committed]
     return BuildPlan(config, store, prompts_in, num_shards, pending, sum(valid[k] for k in pending), source,
-                     fingerprints, first_rows, formatter, start, build_hash, extra)
+                     fingerprints, first_rows, formatter, start, build_hash, extra, identity, found)
 
 
 def _fingerprint(values: list, columns: list[dict]) -> str:
@@ -565,7 +594,7 @@ class _BuildRun:
         shard.stats.update(pairs=len(shard.pairs), rejects=len(shard.rejects))
         self.plan.store.commit_shard(shard.index, shard.pairs, shard.rejects, shard.fingerprint,
                                      self.plan.config_hash, dict(shard.stats), shard.quarantine,
-                                     self.config.data.output_format, self.plan.extra)
+                                     self.config.data.output_format, self.plan.extra, self.plan.identity)
         self.quarantined += len(shard.quarantine)
         self.metrics.shard_committed()
         self.shard_log.shard_committed(shard.index, len(shard.pairs), len(shard.rejects))
@@ -597,13 +626,14 @@ class _BuildRun:
         plan, store = self.plan, self.plan.store
         # _SUCCESS only after every marker is checked: summarize reads them all through verify.
         # verify also checks every marker's config hash: shards of another config never get _SUCCESS.
-        manifest = summarize(store, store.verify(plan.num_shards, plan.config_hash), plan.num_shards, plan.prompts_in)
+        checked = store.verify(plan.num_shards, plan.config_hash, plan.identity, output_schema(self.config, plan.extra))
+        manifest = summarize(store, checked, plan.num_shards, plan.prompts_in)
         wall = time.perf_counter() - plan.started
         run_stats = self._run_stats()
         written = set(plan.pending)
         manifest.update(wall_seconds=round(wall, 3), startup_seconds=round(self.run_started - plan.started, 3),
                         run_seconds=round(self.last_commit - self.run_started, 3), config=self.config.redacted_dict(),
-                        config_hash=plan.config_hash, shards_written=list(plan.pending),
+                        config_hash=plan.config_hash, identity=plan.identity, shards_written=list(plan.pending),
                         shards_skipped=[k for k in range(plan.num_shards) if k not in written],
                         prompts_truncated=self.truncated_prompts, run_stats=run_stats, pairs_this_run=self.pairs_made,
                         input=plan.source.provenance, input_files_skipped=dict(plan.source.skipped),
@@ -613,7 +643,7 @@ class _BuildRun:
         manifest["pairs_per_minute"] = round(pairs_per_hour(self.pairs_made, wall) / 60, 2)
         report = self._report(manifest, wall, run_stats)
         manifest["report"] = "_report.json"
-        manifest["provenance"] = provenance(self.config)  # once per build, here on the driver
+        manifest["provenance"] = provenance(self.config, models=plan.models_provenance)  # the models' from plan time
         # README.md, the dataset card that datasets.load_dataset(OUT) reads (None: a user's README is in the way).
         manifest["dataset_card"] = "README.md" if write_card(store, manifest) else None
         store.write_manifest(manifest)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from jobs.make_tiny_models import make_tiny_models
 # Logging as every job sets it up (jobs.cli): the library's notes and warnings reach stderr, where
 # tests that call it directly (not through a job's main) read them.
 setup_logging("INFO")
+# The weights-hash cache (pipeline.data.card.weights_cache_file) of this test run, not the user's.
+os.environ.setdefault("BON_CACHE_DIR", tempfile.mkdtemp(prefix="bon-cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -121,7 +121,7 @@ def test_hub_id_without_local_files_and_reward_function(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     found = model_provenance("some-org/some-model", "v1.0")
     assert found["kind"] == "hub" and found["revision"] == "v1.0" and found["commit"] is None
-    assert "not in the local Hugging Face cache" in found["commit_reason"]
+    assert "nor in the local Hugging Face cache" in found["commit_reason"]
     snapshot = tmp_path / "hub" / "models--some-org--some-model" / "snapshots" / ("a" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text("{}")
@@ -175,8 +175,9 @@ def test_conversational_output_loads(tiny_models, tmp_path):
 
 
 def test_a_killed_build_card_names_only_committed_shards(finished, tmp_path):
-    """A build killed after committing shard 0: its card names shard 0; the pair file of shard 1,
-    written but with no marker (killed between the two writes), is not read through it."""
+    """A build killed after committing shard 0: its card reads shard 0; the pair file of shard 1,
+    written under its pending name but with no marker (killed between the two writes), is read by
+    neither load_dataset form."""
     out = tmp_path / "out"
     out.mkdir()
     store = OutputStore(str(out))
@@ -186,11 +187,12 @@ def test_a_killed_build_card_names_only_committed_shards(finished, tmp_path):
     first, second = (pq.read_table(finished / f"train-0000{k}.parquet").to_pylist() for k in (0, 1))
     store.commit_shard(0, first, [], "fp0", "cfg")
     store.release_lease()
-    shutil.copy(finished / "train-00001.parquet", out / "train-00001.parquet")  # no marker
-    assert [c["data_files"][0]["path"] for c in front_matter(out)["configs"]] == [["train-00000.parquet"]]
-    loaded = datasets.load_dataset(str(out), split="train")
-    assert by_row(loaded.to_list()) == by_row(committed_rows(out)) and sorted(loaded["prompt_id"]) == sorted(
-        r["prompt_id"] for r in first)
+    shutil.copy(finished / "train-00001.parquet", out / ".pending-train-00001.parquet")  # no marker
+    assert [c["data_files"][0]["path"] for c in front_matter(out)["configs"]] == ["train-*.parquet"]
+    for loaded in (datasets.load_dataset(str(out), split="train"),
+                   datasets.load_dataset("parquet", data_dir=str(out), split="train")):
+        assert by_row(loaded.to_list()) == by_row(committed_rows(out)) and sorted(loaded["prompt_id"]) == sorted(
+            r["prompt_id"] for r in first)
     # A resumed run's card names what is committed when it starts, and then each commit (interval 0).
     store = OutputStore(str(out))
     store.CARD_INTERVAL_S = 0.0
@@ -198,7 +200,8 @@ def test_a_killed_build_card_names_only_committed_shards(finished, tmp_path):
     assert store.committed({0: ("fp0", "cfg"), 1: ("fp1", "cfg")}) == {0}
     store.prepare()
     store.commit_shard(1, second, [], "fp1", "cfg")
-    assert front_matter(out)["configs"][0]["data_files"][0]["path"] == ["train-00000.parquet", "train-00001.parquet"]
+    assert front_matter(out)["configs"][0]["data_files"][0]["path"] == "train-*.parquet"
+    assert sorted(p.name for p in out.glob("*train-*")) == ["train-00000.parquet", "train-00001.parquet"]
     store.release_lease()
 
 

@@ -73,28 +73,65 @@ PACKAGES = ("torch", "transformers", "ray", "vllm", "datasets", "trl", "pyarrow"
 """Distributions whose versions provenance records (None when not installed)."""
 
 _weights_cache: dict[tuple, dict] = {}
-"""weights_sha256 per (directory, its weight files' names, sizes and mtimes): a model is hashed once
-per process however many builds use it, and again when a file changes."""
+"""weights_sha256 per (directory, its weight files' names, sizes and mtimes), in this process."""
+
+
+def weights_cache_file() -> Path:
+    """The on-disk cache of weight hashes: ``$BON_CACHE_DIR/weights-sha256.json``, by default under
+    ``$XDG_CACHE_HOME`` (``~/.cache``)``/bon-pipeline``. One entry per model directory and state of
+    its weight files, so a model is read once per change of its files, not once per build."""
+    root = os.environ.get("BON_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "bon-pipeline")
+    return Path(root) / "weights-sha256.json"
+
+
+def _read_weights_cache(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _write_weights_cache(path: Path, entry: str, value: dict) -> None:
+    """Add one entry (best effort: a read-only home only costs a rehash next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        found = _read_weights_cache(path)
+        found[entry] = value
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(found, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def weights_sha256(path: str) -> dict:
     """The weights of a local model directory (or one weight file): sha256 over its weight files
     (WEIGHT_SUFFIXES, at the top of the directory) in name order, each as its name, a NUL byte and
-    its bytes, read in blocks; with the files' names and total size."""
+    its bytes, read in blocks; with the files' names and total size. Computed once per state of the
+    files (path, names, sizes, mtimes) and kept in this process and in ``weights_cache_file()``: a
+    build's start does not reread gigabytes of unchanged weights."""
     root = Path(path)
     files = [root] if root.is_file() else sorted(p for p in root.iterdir()
                                                  if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
     key = (str(root.resolve()), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
     if key not in _weights_cache:
-        digest = hashlib.sha256()
-        for file in files:
-            digest.update(file.name.encode() + b"\0")
-            with open(file, "rb") as f:
-                while block := f.read(1 << 22):
-                    digest.update(block)
-        _weights_cache[key] = {"weights_sha256": digest.hexdigest() if files else None,
-                               "weights_files": [p.name for p in files],
-                               "weights_bytes": sum(p.stat().st_size for p in files)}
+        cache = weights_cache_file()
+        entry = hashlib.sha256(json.dumps(key).encode()).hexdigest()
+        found = _read_weights_cache(cache).get(entry)
+        if not (isinstance(found, dict) and {"weights_sha256", "weights_files", "weights_bytes"} <= set(found)):
+            digest = hashlib.sha256()
+            for file in files:
+                digest.update(file.name.encode() + b"\0")
+                with open(file, "rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+            found = {"weights_sha256": digest.hexdigest() if files else None,
+                     "weights_files": [p.name for p in files],
+                     "weights_bytes": sum(p.stat().st_size for p in files)}
+            _write_weights_cache(cache, entry, found)
+        _weights_cache[key] = found
     return dict(_weights_cache[key])
 
 
@@ -128,7 +165,18 @@ def _file_sha256(path: str) -> str:
 
 
 def _hub_commit(repo_id: str, revision: str | None) -> dict:
-    """The commit of ``repo_id`` at ``revision`` in the local Hugging Face cache, offline."""
+    """The commit of ``repo_id`` at ``revision``: the revision itself when it is a full commit hash;
+    else asked of the Hub (unless HF_HUB_OFFLINE), which knows where a branch such as ``main`` is
+    now; else the local Hugging Face cache's."""
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return {"commit": revision, "commit_reason": None}
+    if not os.environ.get("HF_HUB_OFFLINE"):
+        try:
+            from huggingface_hub import HfApi
+
+            return {"commit": HfApi().model_info(repo_id, revision=revision, timeout=10).sha, "commit_reason": None}
+        except Exception:  # noqa: BLE001 - no network, no access, a bad id: the cache may still know
+            pass
     try:
         from huggingface_hub import try_to_load_from_cache
 
@@ -137,8 +185,31 @@ def _hub_commit(repo_id: str, revision: str | None) -> dict:
         return {"commit": None, "commit_reason": f"cannot look it up ({type(exc).__name__}: {str(exc)[:120]})"}
     if isinstance(found, str) and Path(found).parent.parent.name == "snapshots":
         return {"commit": Path(found).parent.name, "commit_reason": None}
-    return {"commit": None, "commit_reason": "not in the local Hugging Face cache (the workers resolved it; "
-                                             "pin models.hf.revision to a commit to record it)"}
+    return {"commit": None, "commit_reason": "not on the Hub from here nor in the local Hugging Face cache (the "
+                                             "workers resolved it; pin models.hf.revision to a commit to record it)"}
+
+
+def models_provenance(config: Config) -> dict:
+    """``model_provenance`` of each model the build loads: generator, reward, and the draft for the
+    strategies that draft with a model."""
+    from pipeline.strategies import lookup
+
+    models = config.models
+    uses_draft = lookup(config.strategy.name).uses_draft
+    return {role: model_provenance(getattr(models, role), models.hf.revision_of(role))
+            for role in ("generator", "reward", "draft") if role != "draft" or uses_draft}
+
+
+def model_identity(found: dict | None) -> str | None:
+    """What a model's provenance says was loaded, as one comparable string (None: nothing set):
+    a reward function's module sha256, a local model's weights sha256, a Hub model's commit."""
+    if found is None:
+        return None
+    if found.get("kind") == "reward function":
+        return f"module sha256 {found.get('module_sha256')}"
+    if found.get("kind") == "local":
+        return f"weights sha256 {found.get('weights_sha256')}"
+    return f"commit {found.get('commit')}" if found.get("commit") else f"commit unknown at revision {found.get('revision')}"
 
 
 def package_versions() -> dict:
@@ -205,21 +276,17 @@ def git_commit() -> str | None:
     return (found.stdout.strip() or None) if found.returncode == 0 else None
 
 
-def provenance(config: Config, argv: list[str] | None = None) -> dict:
+def provenance(config: Config, argv: list[str] | None = None, models: dict | None = None) -> dict:
     """Where a build came from (module docstring), for the manifest and the card. Redacted: the
     config as Config.redacted_dict() writes it (storage options and the free-form engine keywords),
-    and the command line (redacted_command)."""
-    from pipeline.strategies import lookup
-
-    models = config.models
-    uses_draft = lookup(config.strategy.name).uses_draft  # the strategies that load models.draft
+    and the command line (redacted_command). ``models``: models_provenance(config), when the caller
+    has it already (the build computes it at plan time, for its identity)."""
     config_dict = config.redacted_dict()
     argv = list(sys.argv if argv is None else argv)
     if argv and argv[0].endswith(".py") and Path(argv[0]).parent.name == "jobs":  # python -m jobs.X
         argv[0:1] = ["python", "-m", f"jobs.{Path(argv[0]).stem}"]
     return {
-        "models": {role: model_provenance(getattr(models, role), models.hf.revision_of(role))
-                   for role in ("generator", "reward", "draft") if role != "draft" or uses_draft},
+        "models": models_provenance(config) if models is None else models,
         "packages": package_versions(),
         "config": config_dict,
         "command": redacted_command(argv),
@@ -324,5 +391,5 @@ def write_card(store: OutputStore, manifest: dict) -> bool:
     return store.write_card(card_body(manifest, schema, store.uri))
 
 
-__all__ = ["COLUMNS", "card_body", "model_provenance", "package_versions", "provenance", "redacted_command",
-           "weights_sha256", "write_card"]
+__all__ = ["COLUMNS", "card_body", "model_identity", "model_provenance", "models_provenance", "package_versions",
+           "provenance", "redacted_command", "weights_sha256", "weights_cache_file", "write_card"]

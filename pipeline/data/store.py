@@ -49,6 +49,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ log = logging.getLogger(__name__)
 SIDE_DIRS = ("_rejects", "_quarantine")
 OWN_FILES = ("_manifest.json", "_report.json", "_SUCCESS")
 TMP_PREFIX = ".tmp-"
+PENDING_PREFIX = ".pending-"
+"""A pair file waits under ``.pending-<its name>`` until its marker is written, then is renamed to
+its name (the commit point). Hidden names are read by neither ``load_dataset`` form."""
+IDENTITY_KEYS_ORDER = ("models.generator", "models.reward", "models.draft", "output schema")
 MARKER_KEYS = ("shard", "config_hash", "input_fingerprint", "rows", "sha256", "bytes", "rejects", "quarantine")
 
 
@@ -82,6 +87,32 @@ def side_name(shard: int) -> str:
 
 def marker_name(shard: int) -> str:
     return f"part-{shard:05d}.json"
+
+
+def pending_name(shard: int) -> str:
+    """Where shard ``shard``'s pair file waits for its marker (PENDING_PREFIX)."""
+    return PENDING_PREFIX + part_name(shard)
+
+
+_OUR_NAMES = re.compile(r"^(train-\d{5,}\.parquet|\.pending-train-\d{5,}\.parquet)$")
+_OUR_SIDE_NAMES = re.compile(r"^part-\d{5,}\.parquet$")
+
+
+def _identity_changes(built: dict | None, now: dict) -> list[str]:
+    """What differs between the identity a marker records and this build's, one clause per key:
+    "models.reward: module sha256 ab12.. -> cd34..". A marker with none is an older build's."""
+    if built is None:
+        return ["no build identity recorded (an older version of this pipeline built it)"]
+    changes = []
+    for key in sorted(set(built) | set(now), key=lambda k: (IDENTITY_KEYS_ORDER + (k,)).index(k)):
+        if built.get(key) != now.get(key):
+            changes.append(f"{key}: {_short(built.get(key))} -> {_short(now.get(key))}")
+    return changes
+
+
+def _short(value) -> str:
+    text = "(none)" if value is None else str(value)
+    return re.sub(r"\b([0-9a-f]{12})[0-9a-f]{20,}\b", r"\1..", text)
 
 
 PAIR_FILE_PREFIXES = ("train-", "part-")
@@ -304,11 +335,14 @@ class OutputStore:
         """Every readable commit marker, by shard (all in memory: for tests and small outputs)."""
         return dict(self.iter_markers())
 
-    def committed(self, expected: dict[int, tuple[str, str]]) -> set[int]:
+    def committed(self, expected: dict[int, tuple[str, str]], identity: dict | None = None) -> set[int]:
         """Shards already committed. ``expected`` maps shard -> (input fingerprint, config hash) of
-        this build; a marker that disagrees raises OutputConflict (one line, for the user). A shard
-        whose files are missing or do not match its marker (size and sha256: damaged after its
-        commit) is not committed: it is rebuilt, and one line on stderr says so."""
+        this build, ``identity`` what computes its samples and rewards (pipeline.build.build_identity:
+        each model's weights sha256 or Hub commit, the reward function's code, the output schema);
+        a marker that disagrees raises OutputConflict (one line naming what changed). A shard whose
+        files are missing or do not match its marker (size and sha256: damaged after its commit) is
+        not committed: it is rebuilt, and one line on stderr says so. A commit interrupted after its
+        marker (the pair file still under its pending name) is completed here, under the lease."""
         done = set()
         self._found = {}
         for shard, marker in self.iter_markers():
@@ -326,6 +360,12 @@ class OutputStore:
                 raise OutputConflict(f"{self.uri}: was written by an older version of this pipeline (pair files "
                                      f"{self.pair_file(shard, marker)}, now {part_name(shard)}); rebuild it with "
                                      "--overwrite, or use another --output")
+            if identity is not None:
+                changes = _identity_changes(marker.get("identity"), identity)
+                if changes:
+                    raise OutputConflict(f"{self.uri}: shard {shard} was built differently ({'; '.join(changes)}); a "
+                                         "resume would mix the two: use --overwrite to rebuild it, or another --output")
+            self._finish_commit(shard, marker)
             damage = self._damage(shard, marker)
             if damage is None:
                 done.add(shard)
@@ -333,6 +373,25 @@ class OutputStore:
             else:
                 log.warning(f"{join(self.uri, damage)}; shard {shard} is rebuilt")
         return done
+
+    def _interrupted(self, shard: int, marker: dict) -> bool:
+        """Whether the shard's commit stopped between its marker and the rename of its pair file:
+        the pair file is missing and its pending one is there (such a shard is not committed yet)."""
+        return (self.pair_file(shard, marker) == part_name(shard)
+                and not self.fs.exists(join(self.root, part_name(shard)))
+                and self.fs.exists(join(self.root, pending_name(shard))))
+
+    def _finish_commit(self, shard: int, marker: dict) -> None:
+        """Complete an interrupted commit (``_interrupted``) whose pending file matches its marker."""
+        if self._interrupted(shard, marker) and self._file_damage(pending_name(shard), marker) is None:
+            self._rename(pending_name(shard), part_name(shard))
+
+    def _rename(self, source: str, target: str) -> None:
+        """Rename ``source`` to ``target`` (relative to the root): atomic locally (os.replace); on
+        S3 a server-side copy (the target key appears whole) and a delete."""
+        if self.lease is not None:
+            self.lease.check()
+        self.fs.mv(join(self.root, source), join(self.root, target))
 
     @staticmethod
     def pair_file(shard: int, marker: dict) -> str:
@@ -411,9 +470,14 @@ class OutputStore:
             raise IncompleteBuild(f"{self.uri}: not a finished build (no _SUCCESS); wait for it to finish, "
                                   "or pass --allow-partial to read its committed shards only")
         committed = {}  # pair file path -> (shard, marker)
+        interrupted = []
         for shard, marker in self.iter_markers():
             path = join(self.root, self.pair_file(shard, marker))
-            if wanted(path):
+            if not wanted(path):
+                continue
+            if self._interrupted(shard, marker):  # killed between its marker and its rename
+                interrupted.append(pending_name(shard))
+            else:
                 committed[path] = (shard, marker)
         damaged = {path for path, (shard, marker) in committed.items()
                    if self._file_damage(self.pair_file(shard, marker), marker) is not None}
@@ -423,8 +487,9 @@ class OutputStore:
             raise IncompleteBuild(f"{self.uri}: shard(s) {', '.join(map(str, skipped))} no longer match their commit "
                                   "markers (changed after the build); rerun the build to redo them, or pass "
                                   "--allow-partial to read the other shards")
-        leftovers = sorted(path.rsplit("/", 1)[1] for path in self._ls(self.root)
-                           if is_pair_file(path.rsplit("/", 1)[1]) and path not in committed and wanted(path))
+        leftovers = sorted([path.rsplit("/", 1)[1] for path in self._ls(self.root)
+                            if is_pair_file(path.rsplit("/", 1)[1]) and path not in committed and wanted(path)]
+                           + interrupted)
         return BuildRead(self.uri, parts, finished, len(committed),
                          sum(int(marker.get("rows", 0)) for _, marker in committed.values()), skipped, leftovers)
 
@@ -452,6 +517,7 @@ class OutputStore:
         self._refresh()
         doomed = [path for directory in (self.root, *(join(self.root, d) for d in (*SIDE_DIRS, "_markers")))
                   for path in self._ls(directory) if path.rsplit("/", 1)[1].startswith(TMP_PREFIX)]
+        doomed += self._unclaimed(overwrite)
         doomed.append(join(self.root, "_SUCCESS"))
         # Another build's lease attempt may be in flight: only a lease temp file older than the
         # lease timeout is a killed process's leftover.
@@ -473,14 +539,35 @@ class OutputStore:
         self._check_card_slot()
         self._write_progress_card()
 
+    def _unclaimed(self, overwrite: bool) -> list[str]:
+        """Files of this project's naming that no marker claims (all of them with ``overwrite``,
+        whose markers go too): pair files ``train-NNNNN.parquet`` and their pending names, and
+        ``part-NNNNN.parquet`` under ``_rejects/`` and ``_quarantine/``, left by a killed build of an
+        older version or by a build with more shards. A top-level ``part-*`` file stays: outputs of
+        the older layout named their pair files so, and so may a user."""
+        claimed = set()
+        if not overwrite:
+            for shard, marker in self.iter_markers():
+                claimed.update(join(self.root, rel) for rel, _ in self._files(shard, marker))
+                claimed.add(join(self.root, pending_name(shard)))  # an interrupted commit's (committed() finishes it)
+        found = [p for p in self._ls(self.root) if _OUR_NAMES.match(p.rsplit("/", 1)[1])]
+        found += [p for d in SIDE_DIRS for p in self._ls(join(self.root, d)) if _OUR_SIDE_NAMES.match(p.rsplit("/", 1)[1])]
+        return [p for p in found if p not in claimed]
+
     def commit_shard(self, shard: int, pairs: list[dict], rejects: list[dict], input_fingerprint: str,
                      config_hash: str, stats: dict | None = None, quarantine: list[dict] | None = None,
-                     output_format: str = "standard", extra: ExtraColumns | None = None) -> dict:
-        """Write the shard's side files, its part file (pairs in TRL's ``output_format``, then the
-        ``extra`` columns), then its marker (the commit point)."""
+                     output_format: str = "standard", extra: ExtraColumns | None = None,
+                     identity: dict | None = None) -> dict:
+        """Write the shard's side files, its pair file under its pending name (pairs in TRL's
+        ``output_format``, then the ``extra`` columns), its marker (with ``identity``, the build's:
+        see ``committed``), then rename the pair file to its name: the commit point. Until then
+        neither ``load_dataset`` form sees the pairs (the pending name is hidden), and once the pair
+        file has its name its marker is there: both read exactly the committed pairs after any kill."""
         name, side = part_name(shard), side_name(shard)
         marker = {"shard": shard, "part": name, "input_fingerprint": input_fingerprint, "config_hash": config_hash,
                   "stats": stats or {}, "committed_at": time.time()}
+        if identity is not None:
+            marker["identity"] = identity
         for key, directory, rows, schema in (("rejects", "_rejects", rejects, REJECT_SCHEMA),
                                              ("quarantine", "_quarantine", quarantine or [], QUARANTINE_SCHEMA)):
             payload = _parquet_bytes(pa.Table.from_pylist(rows, schema))
@@ -488,21 +575,25 @@ class OutputStore:
             marker[key] = {"rows": len(rows), "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
         schema = PAIR_SCHEMAS[output_format] if extra is None else extra.schema(PAIR_SCHEMAS[output_format])
         payload = _parquet_bytes(pa.Table.from_pylist(pairs, schema))
-        self._write_bytes(join(self.root, name), payload)
+        self._write_bytes(join(self.root, pending_name(shard)), payload)
         marker.update(rows=len(pairs), sha256=hashlib.sha256(payload).hexdigest(), bytes=len(payload))
         self._write_bytes(join(self.root, "_markers", marker_name(shard)), json.dumps(marker, sort_keys=True).encode())
+        self._rename(pending_name(shard), name)
         if self.card_shards is not None:
             self.card_shards[shard] = marker
             if time.time() - self._card_written_at >= self.CARD_INTERVAL_S:
                 self._write_progress_card()
         return marker
 
-    def verify(self, num_shards: int, config_hash: str | None = None) -> Iterator[tuple[int, dict]]:
+    def verify(self, num_shards: int, config_hash: str | None = None, identity: dict | None = None,
+               schema: pa.Schema | None = None) -> Iterator[tuple[int, dict]]:
         """Check the marker of every shard 0 .. num_shards - 1 against its files (sha256 and row
-        count) and, given ``config_hash``, against the build's config, in shard order, yielding
-        (shard, marker) as each passes; markers are read a chunk at a time (iter_markers). Raises
-        RuntimeError naming the first shard whose files fail, OutputConflict for a shard another
-        config wrote: consume it all before declaring the output complete."""
+        count) and, given ``config_hash`` and ``identity``, against the build's config and identity,
+        and given ``schema``, every pair file's schema against it (one schema per output), in shard
+        order, yielding (shard, marker) as each passes; markers are read a chunk at a time
+        (iter_markers). Raises RuntimeError naming the first shard whose files fail, OutputConflict
+        for a shard another config, identity or schema wrote: consume it all before declaring the
+        output complete."""
         expected = 0
         for shard, marker in itertools.chain(self.iter_markers(), [(num_shards, None)]):
             if shard >= num_shards and expected == num_shards:
@@ -515,14 +606,26 @@ class OutputStore:
                 raise OutputConflict(f"{self.uri}: shard {shard} was written by a build with another config (hash "
                                      f"{marker['config_hash'][:12]}, this build {config_hash[:12]}): two builds wrote "
                                      "this output; rebuild it with --overwrite")
+            if identity is not None and _identity_changes(marker.get("identity"), identity):
+                raise OutputConflict(f"{self.uri}: shard {shard} was built differently "
+                                     f"({'; '.join(_identity_changes(marker.get('identity'), identity))}): two builds "
+                                     "wrote this output; rebuild it with --overwrite")
             for rel, record in self._files(shard, marker):
                 with self.fs.open(join(self.root, rel), "rb") as f:
                     payload = f.read()
                 if hashlib.sha256(payload).hexdigest() != record["sha256"]:
                     raise RuntimeError(f"shard {shard}: {rel} does not match its commit marker (sha256)")
-                rows = pq.ParquetFile(pa.BufferReader(payload)).metadata.num_rows
+                parquet = pq.ParquetFile(pa.BufferReader(payload))
+                rows = parquet.metadata.num_rows
                 if rows != record["rows"]:
                     raise RuntimeError(f"shard {shard}: {rel} has {rows} rows, its marker says {record['rows']}")
+                if schema is not None and record is marker and not parquet.schema_arrow.equals(schema):
+                    found = {f.name: str(f.type) for f in parquet.schema_arrow}
+                    differ = [n for n in dict.fromkeys([*found, *schema.names])
+                              if found.get(n) != (str(schema.field(n).type) if n in schema.names else None)]
+                    raise OutputConflict(f"{self.uri}: {rel} has another schema than this build's (column(s) "
+                                         f"{', '.join(differ)}): one output holds one schema; rebuild it with "
+                                         "--overwrite")
             yield shard, marker
 
     def write_json(self, name: str, content: dict) -> None:
@@ -550,14 +653,23 @@ class OutputStore:
                                  "build's configs (move the file away to get the card)")
             log.warning("%s", self.card_blocked)
 
+    NO_PAIRS = "NO PAIRS - this build made none (README.md and _manifest.json say why)"
+    """The pair config's path in the card of a finished build with no pairs: ``datasets`` cannot
+    load an empty split ("corresponds to no data"), so ``load_dataset(OUT)`` stops on a missing
+    file whose name says why."""
+
     def card_front_matter(self, final: bool = False) -> str:
         """The card's YAML front matter: one config per kind of file (``default``: the pairs,
         ``rejects``, ``quarantine``), each naming the files of the shards in ``card_shards``, one
         split ``train``. The side configs name only files with rows, and are left out when there are
-        none (``datasets`` refuses a config whose split has no row). ``final`` (the build is done and
-        nothing writes any more): a config whose files are all the files of their kind on disk is
-        written as a glob, so a reader of a large output resolves one pattern, not a name per shard;
-        while a build runs, names only (a glob would also match a pair file written before its marker)."""
+        none (``datasets`` refuses a config whose split has no row). The pairs are named by the glob
+        ``train-*.parquet`` whenever the pair files on disk are exactly the committed ones (always,
+        since a pair file gets its name only at its commit: ``commit_shard``), so a reader of a
+        large output resolves one pattern and ``load_dataset(OUT)`` reads what
+        ``load_dataset("parquet", data_dir=OUT)`` does. The side files are written before their
+        shard commits, so their configs name files while the build runs, and are globbed only when
+        ``final`` (the build is done and nothing writes any more). A finished build with no pair at
+        all names NO_PAIRS."""
         import yaml
 
         shards = self.card_shards or {}
@@ -571,7 +683,7 @@ class OutputStore:
                     continue
                 committed = [f for f, n in zip(committed, rows) if n]
             paths: str | list[str] = committed
-            if final:
+            if final or name == "default":
                 pattern = "train-*.parquet" if not directory else f"{directory}/*.parquet"
                 every = [prefix + p.rsplit("/", 1)[1] for p in self._ls(join(self.root, directory) if directory
                                                                          else self.root)]
@@ -579,6 +691,8 @@ class OutputStore:
                 kind = {prefix + file_of(k) for k in shards}
                 if on_disk == kind:
                     paths = pattern
+            if name == "default" and final and not any(rows):
+                paths = self.NO_PAIRS
             config = {"config_name": name, "data_files": [{"split": "train", "path": paths}]}
             if name == "default":
                 config["default"] = True
