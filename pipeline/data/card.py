@@ -317,6 +317,10 @@ def card_body(manifest: dict, schema: pa.Schema, uri: str) -> str:
         f"{config.get('sampling', {}).get('num_samples', '?')} candidate responses from `{generator}`, scored "
         f"by `{reward}`; the best is `chosen`, the worst `rejected`. TRL's {output_format} format "
         "(`prompt`, `chosen`, `rejected`), read by `DPOTrainer` as it is.", "",
+        *([f"**This build made no pairs.** `load_dataset(\"{uri}\")` stops on a missing file named for "
+           "that; the rejected rows below say why, and "
+           f"`load_dataset(\"parquet\", data_files=\"{uri}/_rejects/*.parquet\")` reads them.", ""]
+          if manifest.get("pairs") == 0 else []),
         "## Counts", "",
         "| | |", "| --- | --- |",
         f"| input rows | {manifest.get('prompts_in')} |",

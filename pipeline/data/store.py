@@ -669,7 +669,7 @@ class OutputStore:
         ``load_dataset("parquet", data_dir=OUT)`` does. The side files are written before their
         shard commits, so their configs name files while the build runs, and are globbed only when
         ``final`` (the build is done and nothing writes any more). A finished build with no pair at
-        all names NO_PAIRS."""
+        all has one config, naming NO_PAIRS."""
         import yaml
 
         shards = self.card_shards or {}
@@ -692,7 +692,11 @@ class OutputStore:
                 if on_disk == kind:
                     paths = pattern
             if name == "default" and final and not any(rows):
-                paths = self.NO_PAIRS
+                # datasets resolves every config's files whichever is loaded, so the side configs
+                # go too (the card says how to read the rejects without it).
+                configs = [{"config_name": name, "data_files": [{"split": "train", "path": self.NO_PAIRS}],
+                            "default": True}]
+                break
             config = {"config_name": name, "data_files": [{"split": "train", "path": paths}]}
             if name == "default":
                 config["default"] = True
