@@ -487,9 +487,11 @@ class OutputStore:
             raise IncompleteBuild(f"{self.uri}: shard(s) {', '.join(map(str, skipped))} no longer match their commit "
                                   "markers (changed after the build); rerun the build to redo them, or pass "
                                   "--allow-partial to read the other shards")
-        leftovers = sorted([path.rsplit("/", 1)[1] for path in self._ls(self.root)
-                            if is_pair_file(path.rsplit("/", 1)[1]) and path not in committed and wanted(path)]
-                           + interrupted)
+        # Pair files no marker commits: a killed build's (under their pending name, or an older
+        # version's under their own), or strays; never read, but counted.
+        leftovers = sorted({path.rsplit("/", 1)[1] for path in self._ls(self.root)
+                            if is_pair_file(path.rsplit("/", 1)[1].removeprefix(PENDING_PREFIX))
+                            and path not in committed and wanted(path.replace(PENDING_PREFIX, ""))} | set(interrupted))
         return BuildRead(self.uri, parts, finished, len(committed),
                          sum(int(marker.get("rows", 0)) for _, marker in committed.values()), skipped, leftovers)
 
