@@ -11,11 +11,14 @@ pair files by the split keyword in their names (``train-NNNNN.parquet``; pipelin
 why nothing else in OUT matches).
 
 Provenance (``provenance``; the manifest's "provenance" and the card's last section), computed once
-per build on the driver: each model's path or Hub id, the revision asked (models.hf.revision) and
-what was found: a local directory's weights sha256 (``weights_sha256``), a Hub id's commit in the
-local Hugging Face cache (offline; null with a reason when it is not there), a reward function's
-module file sha256; package versions; the config with every credential redacted; the command line,
-redacted; the date; the git commit of the code when it runs from a checkout.
+per build on the driver, at plan time: each model's path or Hub id, the revision asked
+(models.hf.revision) and what was found: a local directory's weights sha256 (``weights_sha256``,
+cached on disk per state of the files), a Hub id's commit (the revision itself when it is one, else
+asked of the Hub unless HF_HUB_OFFLINE, else the local Hugging Face cache's; null with a reason when
+none knows), a reward function's module file sha256; package versions; the config with every
+credential redacted; the command line, redacted; the date; the git commit of the code when it runs
+from a checkout. What was found of each model is also the build's identity (``model_identity``,
+pipeline.build.build_identity), which every commit marker records and a resume must match.
 """
 
 from __future__ import annotations
