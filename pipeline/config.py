@@ -307,9 +307,11 @@ class RuntimeConfig:
     max_attempts: int = 3
     """Attempts per batch when actors die or hang; past this the build fails naming the shard."""
     lease_timeout_s: float = 120.0
-    """One writer per output (pipeline.data.lease, _lease.json): another build's lease whose heartbeat
-    is older than this is taken to be a dead build's and taken over (with a line saying whose).
-    The holder refreshes its own every lease_timeout_s / 12 seconds (10 s at the default)."""
+    """One writer per output (pipeline.data.lease, _lease.json): another build's lease is taken to be
+    a dead build's and taken over (with a line saying whose) once it has stayed unchanged this long,
+    as this build watches it on its own clock; the larger of this value and the one the holder
+    recorded in its lease is used. The holder refreshes its own every lease_timeout_s / 12 seconds
+    (10 s at the default) and writes nothing once its last refresh is older than half of it."""
     placement_strategy: str = ""
     """Ray placement group for all actors (one bundle each): PACK, SPREAD, STRICT_PACK, STRICT_SPREAD;
     empty: no placement group (Ray places actors by their resources)."""

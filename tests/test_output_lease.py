@@ -4,6 +4,7 @@ corrupt or damaged output is refused with one line, or repaired with one line, n
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -56,12 +57,14 @@ def test_a_live_lease_blocks_a_second_writer_until_released(tmp_path):
 
 
 def test_a_stale_lease_is_taken_over_with_a_line(tmp_path, capsys):
+    """Stale: unchanged for the timeout as the taker watches it (an old heartbeat time alone, from
+    another host's clock, proves nothing)."""
     stale_lease(tmp_path / LEASE_NAME, "node-7", 4242, age=300)
     store = OutputStore(str(tmp_path))
-    store.acquire_lease("cfg", timeout_s=120)
+    store.acquire_lease("cfg", timeout_s=1.0)
     lines = error_lines(capsys)
-    assert len(lines) == 1 and "took over the lease" in lines[0]
-    assert "host node-7, pid 4242, last heartbeat 300s ago" in lines[0] and "120s timeout" in lines[0]
+    assert len(lines) == 2 and "waiting 1s for it to go stale" in lines[0] and "took over the lease" in lines[1]
+    assert "host node-7, pid 4242, last heartbeat 300s ago" in lines[1] and "unchanged for the 1s timeout" in lines[1]
     assert json.loads((tmp_path / LEASE_NAME).read_text())["owner"] == store.lease.owner
     store.release_lease()
 
@@ -155,6 +158,181 @@ def test_prepare_leaves_another_builds_lease_attempt_alone(tmp_path):
     holder.prepare()
     assert attempt.exists() and not leftover.exists()
     holder.release_lease()
+
+
+def skew_heartbeat(lease, seconds):
+    """A holder whose wall clock is ``seconds`` off: every heartbeat it writes from now on says so."""
+    payload = lease._payload
+
+    def skewed():
+        record = json.loads(payload())
+        record["heartbeat"] += seconds
+        return json.dumps(record).encode()
+
+    lease._payload = skewed
+
+
+def wait_for_lease(read, test, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:  # (a local refresh renames the lease away for an instant)
+            if test(json.loads(read())):
+                return
+        except FileNotFoundError:
+            pass
+        assert time.monotonic() < deadline, "the holder never wrote the lease expected"
+        time.sleep(0.01)
+
+
+def test_a_taker_with_a_shorter_timeout_does_not_take_over_a_live_lease(tmp_path, capsys):
+    """Issue 36 (4): staleness was judged with the taker's timeout, so a build started with 5 s took
+    over a live build's lease (600 s) six seconds in, and both wrote. The taker judges with the larger
+    of the two timeouts, which the lease records."""
+    holder = OutputStore(str(tmp_path))
+    holder.acquire_lease("cfg", timeout_s=30, heartbeat_s=2.5)  # beats every 2.5 s
+    recorded = json.loads((tmp_path / LEASE_NAME).read_text())
+    assert (recorded["timeout_s"], recorded["heartbeat_s"]) == (30, 2.5)
+    time.sleep(1.0)  # its heartbeat is 1 s old: older than the taker's timeout, well within its own
+    with pytest.raises(OutputLocked, match=r"another build is writing to it .* taken over once it stays unchanged "
+                                           r"for 30s"):
+        OutputStore(str(tmp_path)).acquire_lease("cfg", timeout_s=0.5)
+    holder.commit_shard(0, [PAIR], [], "fp0", "cfg")  # still the one writer
+    assert json.loads((tmp_path / LEASE_NAME).read_text())["owner"] == holder.lease.owner
+    holder.release_lease()
+
+    # A stopped holder's lease is watched for the holder's timeout, not the taker's shorter one.
+    now = time.time()
+    (tmp_path / LEASE_NAME).write_text(json.dumps({"owner": "gone", "host": "node-5", "pid": 5, "started": now - 90,
+                                                   "heartbeat": now - 60, "heartbeat_s": 0.1, "timeout_s": 2}))
+    capsys.readouterr()
+    taker = OutputStore(str(tmp_path))
+    started = time.monotonic()
+    taker.acquire_lease("cfg", timeout_s=0.5)
+    assert time.monotonic() - started >= 2.0
+    lines = error_lines(capsys)
+    assert len(lines) == 2 and "waiting 2s for it to go stale" in lines[0]
+    assert "took over the lease of a stopped build (host node-5, pid 5" in lines[1] and "2s timeout" in lines[1]
+    taker.release_lease()
+
+
+def test_a_skewed_holder_clock_is_judged_by_observation(tmp_path, capsys):
+    """The holder's heartbeat time is its own clock's: a live holder whose clock is 300 s behind was
+    taken over at once, and a dead one whose clock was 300 s ahead blocked the output for 300 s. Both
+    are judged by watching the lease on the taker's monotonic clock."""
+    holder = OutputStore(str(tmp_path))
+    holder.acquire_lease("cfg", timeout_s=2.0, heartbeat_s=0.05)
+    skew_heartbeat(holder.lease, -300)
+    wait_for_lease((tmp_path / LEASE_NAME).read_text, lambda lease: lease["heartbeat"] < time.time() - 250)
+    capsys.readouterr()
+    with pytest.raises(OutputLocked, match=rf"another build is writing to it \(host {socket.gethostname()}, pid "
+                                           rf"{os.getpid()}: its lease changed while this build watched it\)"):
+        OutputStore(str(tmp_path)).acquire_lease("cfg", timeout_s=1.0)  # watched for 2 s: the holder's
+    assert "has written no heartbeat for 300s; waiting 2s" in error_lines(capsys)[0]
+    holder.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    holder.release_lease()
+
+    now = time.time()
+    (tmp_path / LEASE_NAME).write_text(json.dumps({"owner": "gone", "host": "node-6", "pid": 6, "started": now,
+                                                   "heartbeat": now + 300, "heartbeat_s": 0.05}))
+    taker = OutputStore(str(tmp_path))
+    started = time.monotonic()
+    taker.acquire_lease("cfg", timeout_s=1.0)
+    assert time.monotonic() - started >= 1.0
+    lines = error_lines(capsys)
+    assert len(lines) == 2 and "has a heartbeat 300s ahead of this host's clock; waiting 1s" in lines[0]
+    assert "(host node-6, pid 6, last heartbeat 300s ahead of this host's clock: unchanged for the 1s timeout)" \
+        in lines[1]
+    taker.release_lease()
+
+
+def test_a_holder_writes_nothing_once_its_own_heartbeat_is_older_than_half_the_timeout(tmp_path):
+    """check() read only a flag its heartbeat thread sets: a holder that froze past the timeout (its
+    thread not run since) wrote over the build that took its lease. Now check() itself renews a
+    heartbeat older than half the timeout, with the compare-and-swap, before any write."""
+    holder = OutputStore(str(tmp_path))
+    holder.acquire_lease("cfg", timeout_s=0.5, heartbeat_s=3600)  # its thread does not beat in this test
+    stale_lease(tmp_path / LEASE_NAME, "node-9", 99, age=0)  # taken over while it was frozen
+    time.sleep(0.3)
+    with pytest.raises(OutputLocked, match=r"lost its lease \(taken over by host node-9, pid 99\)"):
+        holder.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    assert not (tmp_path / part_name(0)).exists() and not (tmp_path / "_markers").exists()
+    (tmp_path / LEASE_NAME).unlink()
+
+    # Its storage fails: the lease cannot be renewed, so nothing is written past half the timeout.
+    holder = OutputStore(str(tmp_path))
+    holder.acquire_lease("cfg", timeout_s=0.5, heartbeat_s=3600)
+
+    def unreachable(payload, tag):
+        raise OSError("storage unreachable")
+
+    holder.lease.file.refresh = unreachable
+    time.sleep(0.3)
+    with pytest.raises(OutputLocked, match=r"lease was last refreshed 0\.\ds ago \(over half its 0\.5s timeout\)"):
+        holder.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    assert not (tmp_path / part_name(0)).exists()
+    holder.release_lease()
+
+    # Frozen, but nobody took over: the renewal succeeds and the build goes on.
+    holder = OutputStore(str(tmp_path))
+    holder.acquire_lease("cfg", timeout_s=0.5, heartbeat_s=3600)
+    first = json.loads((tmp_path / LEASE_NAME).read_text())["seq"]
+    time.sleep(0.3)
+    holder.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    assert json.loads((tmp_path / LEASE_NAME).read_text())["seq"] > first
+    assert [k for k, _ in holder.verify(1, "cfg")] == [0]
+    holder.release_lease()
+
+
+HOLDER = """
+import json, os, sys, time
+from pipeline.data.store import OutputStore
+from pipeline.errors import OutputLocked
+out, go, pair = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+store = OutputStore(out)
+store.acquire_lease("cfg", timeout_s=1.0, heartbeat_s=60)  # its heartbeat thread is not due again in this test
+print("holding", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.01)
+try:
+    store.commit_shard(0, [pair], [], "fp0", "cfg")
+    print("committed", flush=True)
+except OutputLocked as exc:
+    print(f"refused: {exc}", flush=True)
+"""
+
+
+def test_a_holder_stopped_past_the_timeout_commits_nothing_after_it_resumes(tmp_path, capsys):
+    """A real build process frozen (SIGSTOP) past its lease timeout is taken over; resumed (SIGCONT),
+    its next write is refused and nothing of it reaches the output."""
+    out, go = tmp_path / "out", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), str(go), json.dumps(PAIR)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
+        os.kill(holder.pid, signal.SIGSTOP)
+        time.sleep(1.2)  # its last heartbeat no longer looks recent ...
+        taker = OutputStore(str(out))
+        started = time.monotonic()
+        taker.acquire_lease("cfg", timeout_s=1.0)  # ... and its lease stays unchanged for the timeout
+        waited = time.monotonic() - started
+        go.touch()
+        os.kill(holder.pid, signal.SIGCONT)
+        said, _ = holder.communicate(timeout=60)
+    finally:
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.kill()
+            holder.wait()
+    assert said.startswith("refused: ") and f"lost its lease (taken over by host {socket.gethostname()}, pid " \
+        f"{os.getpid()})" in said, said
+    assert not (out / part_name(0)).exists() and not (out / "_markers").exists()
+    assert json.loads((out / LEASE_NAME).read_text())["owner"] == taker.lease.owner
+    lines = error_lines(capsys)
+    assert waited >= 1.0 and f"took over the lease of a stopped build (host {socket.gethostname()}, pid " \
+        f"{holder.pid}" in lines[-1]
+    taker.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    taker.release_lease()
 
 
 # -- what the markers say ------------------------------------------------------------------------
@@ -320,9 +498,9 @@ def test_s3_lease_is_a_conditional_create_and_a_stale_one_is_taken_over(s3, caps
     fs.pipe(key, json.dumps({"owner": "dead", "host": "node-3", "pid": 7, "started": now - 400,
                              "heartbeat": now - 300, "config_hash": "old"}).encode())
     taker = OutputStore(uri, options)
-    taker.acquire_lease("cfg", timeout_s=120, heartbeat_s=0.05)
+    taker.acquire_lease("cfg", timeout_s=1.0, heartbeat_s=0.05)  # after watching its ETag for 1 s
     lines = error_lines(capsys)
-    assert len(lines) == 1 and "took over the lease" in lines[0] and "host node-3, pid 7" in lines[0]
+    assert len(lines) == 2 and "took over the lease" in lines[1] and "host node-3, pid 7" in lines[1]
     taker.commit_shard(0, [PAIR], [], "fp0", "cfg")
     # Someone overwrites it behind the holder's back: its next conditional refresh fails, it stops.
     fs.pipe(key, json.dumps({"owner": "other", "host": "node-4", "pid": 8, "heartbeat": time.time()}).encode())
@@ -334,14 +512,45 @@ def test_s3_lease_is_a_conditional_create_and_a_stale_one_is_taken_over(s3, caps
     assert json.loads(fs.cat(key))["owner"] == "other"  # not ours: left in place
 
 
+def test_s3_lease_staleness_is_judged_by_its_etag_and_s3s_clock(s3, capsys):
+    """On S3 as locally: a live holder whose clock is 300 s behind is seen alive by its ETag changing;
+    a dead one whose clock is 300 s ahead is stale once S3's own clock (Date less LastModified) says
+    its lease has been unchanged past the timeout, with no wait and no comparison with ours."""
+    fs, options = s3
+    uri, key = "s3://bucket/skewed", "bucket/skewed/_lease.json"
+    holder = OutputStore(uri, options)
+    holder.acquire_lease("cfg", timeout_s=2.0, heartbeat_s=0.05)
+    skew_heartbeat(holder.lease, -300)
+    wait_for_lease(lambda: (fs.invalidate_cache(), fs.cat(key))[1],
+                   lambda lease: lease["heartbeat"] < time.time() - 250)
+    capsys.readouterr()
+    with pytest.raises(OutputLocked, match="its lease changed while this build watched it"):
+        OutputStore(uri, options).acquire_lease("cfg", timeout_s=1.0)
+    holder.commit_shard(0, [PAIR], [], "fp0", "cfg")
+    holder.release_lease()
+    capsys.readouterr()
+
+    now = time.time()
+    fs.pipe(key, json.dumps({"owner": "gone", "host": "node-6", "pid": 6, "started": now,
+                             "heartbeat": now + 300, "heartbeat_s": 0.05}).encode())
+    time.sleep(3.0)  # S3 dates in whole seconds: at least 2 s by its clock, 1 s counted
+    taker = OutputStore(uri, options)
+    taker.acquire_lease("cfg", timeout_s=0.5)
+    lines = error_lines(capsys)  # no line saying it waits
+    assert len(lines) == 1 and re.search(r"took over the lease of a stopped build \(host node-6, pid 6, last "
+                                         r"heartbeat 29\ds ahead of this host's clock: unchanged for the 0\.5s "
+                                         r"timeout\)", lines[0])
+    taker.release_lease()
+
+
 def test_runtime_lease_timeout_s_decides_when_a_lease_is_stale(tiny_models, tmp_path, capsys):
-    """The config key reaches the lease: a lease silent for 15 s is live at the default 120 s and a
-    dead build's at runtime.lease_timeout_s=10."""
+    """The config key reaches the lease: a lease whose heartbeat says 15 s ago is live at the default
+    120 s (heartbeat every 10 s) and a dead build's at runtime.lease_timeout_s=3, once unchanged for 3 s."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
     out = tmp_path / "out"
     out.mkdir()
     stale_lease(out / LEASE_NAME, "node-3", 77, age=15)
     assert main(build_args(tiny_models, prompts, out)) == 2
     assert "host node-3, pid 77" in error_lines(capsys)[-1]
-    assert main(build_args(tiny_models, prompts, out, "--set", "runtime.lease_timeout_s=10")) == 0
+    assert main(build_args(tiny_models, prompts, out, "--set", "runtime.lease_timeout_s=3")) == 0
     assert any("took over the lease" in line and "node-3" in line for line in error_lines(capsys))

@@ -279,8 +279,9 @@ class OutputStore:
     def acquire_lease(self, config_hash: str, timeout_s: float | None = None, heartbeat_s: float | None = None) -> None:
         """Become the output's one writer (Lease), before anything in it is read or changed; raises
         OutputLocked when a live build holds it."""
-        lease = Lease(lease_file(self.fs, self.root, self.uri, self.remote), self.uri, config_hash, timeout_s or self.LEASE_TIMEOUT_S,
-                      heartbeat_s or self.LEASE_HEARTBEAT_S)
+        timeout_s = timeout_s or self.LEASE_TIMEOUT_S
+        lease = Lease(lease_file(self.fs, self.root, self.uri, self.remote), self.uri, config_hash, timeout_s,
+                      heartbeat_s or min(self.LEASE_HEARTBEAT_S, timeout_s / 12))
         lease.acquire()
         self.lease = lease
 
