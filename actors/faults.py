@@ -6,7 +6,8 @@ Each fault is a mapping:
     actor:     generator | reward          which actor class it applies to
     method:    extend | score | search ... the public method it fires in
     call:      1                           fire from this call of that method (1-based, per actor process)
-    action:    exit | hang | delay         os._exit(1) / sleep forever / sleep ``seconds``, then serve the call
+    action:    exit | hang | delay | raise os._exit(1) / sleep forever / sleep ``seconds``, then serve the call /
+                                           raise WorkerFailure without serving it
     seconds:   0.0                         for delay
     times:     1                           how often it may fire across all actor processes; null = always
     state_dir: /tmp/faults                 where the firings are counted (needed when times is set; the
@@ -14,8 +15,11 @@ Each fault is a mapping:
 
 Example: ``{actor: generator, method: extend, call: 2, action: exit, times: 1, state_dir: ...}`` kills
 the first generator on its second extend; its replacement runs clean. With ``runtime.local`` the
-"actors" live in the driver's process, so exit and hang there stop the driver itself (delay is the
-useful action in-process).
+"actors" live in the driver's process, so exit and hang there stop the driver itself. In-process,
+``raise`` stands in for them: the call raises WorkerFailure, as a dead actor's call does through its
+RemoteProxy, so the coordinator reruns the batch; the "actor" keeps its state (a real dead actor's
+sessions die with it), so a test can count the sessions a fault left open. It is meant for
+in-process runs: through Ray, exit and hang test the real thing.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import time
 from dataclasses import dataclass, fields
 
 from pipeline.config import ConfigError
+from pipeline.errors import WorkerFailure
 
-ACTIONS = ("exit", "hang", "delay")
+ACTIONS = ("exit", "hang", "delay", "raise")
 
 
 @dataclass
@@ -76,6 +81,8 @@ class Fault:
     def fire(self) -> None:
         if self.action == "exit":
             os._exit(1)
+        if self.action == "raise":
+            raise WorkerFailure(f"fault injected: {self.actor} died during {self.method}() (call {self.call})")
         if self.action == "hang":
             while True:
                 time.sleep(3600)

@@ -3,8 +3,10 @@
 Every registered method, with any combination of N, T, decision tokens (before, at and past T),
 rejection rate, keep_lowest, memory-budget settings, prompts per batch, rows in flight and shard
 size, either is refused by config validation (ConfigError, one line) or builds with every input row
-accounted for and the pair invariants holding. Examples hypothesis found are kept below as plain
-tests (test_found_*).
+accounted for and the pair invariants holding. Reward functions that return None, NaN, inf or a
+constant for partial or for final responses (tests/reward_functions.py) are searched too: an absent
+partial reward never quarantines a candidate, a non-finite final one always does, and the counts
+add up. Examples hypothesis found are kept below as plain tests (test_found_*).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hypothesis import strategies as st
 
 from pipeline.config import ConfigError, config_from_dict
 from pipeline.strategies import STRATEGIES
+from tests import reward_functions
 from tests.conftest import MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -55,11 +58,13 @@ class Space(dict):
 
 
 def make_config(space: dict, name: str, output: Path, num_samples: int, max_new_tokens: int, params: dict,
-                runtime: dict, shard_size: int) -> object:
+                runtime: dict, shard_size: int, reward: str | None = None) -> object:
+    """``reward``: a function of tests/reward_functions.py by name; None: the tiny reward model."""
     models = space["models"]
     raw = {
         "models": {"generator": str(space["rt"] if name == "sla" else models["generator"]),
-                   "reward": str(models["reward"]), "draft": str(models["draft"])},
+                   "reward": f"tests.reward_functions:{reward}" if reward else str(models["reward"]),
+                   "draft": str(models["draft"])},
         "strategy": {"name": name, **params},
         "sampling": {"num_samples": num_samples, "max_new_tokens": max_new_tokens, "top_p": 0.95},
         "data": {"prompts": str(space["prompts"]), "output": str(output), "shard_size": shard_size},
@@ -74,7 +79,7 @@ def build(space: dict, config) -> dict:
     from actors import start_workers
     from pipeline.build import plan_build, run_build
 
-    key = (config.strategy.name, config.runtime.continuous_batching, config.models.generator)
+    key = (config.strategy.name, config.runtime.continuous_batching, config.models.generator, config.models.reward)
     if key not in space["workers"]:
         space["workers"][key] = start_workers(config)
     plan = plan_build(config)
@@ -110,17 +115,57 @@ def check_output(output: Path, config, manifest: dict) -> None:
             assert all(p["generated_tokens"] == p["bon_equivalent_tokens"] for p in pairs)
 
 
-def run_case(space, name, num_samples, max_new_tokens, params, runtime, shard_size) -> str:
-    """Build one configuration; returns "refused" or "built"."""
+def check_rewards(output: Path, config, manifest: dict, reward: str) -> None:
+    """With reward function ``reward``: only candidates whose final reward is non-finite are
+    quarantined (never one stopped early: an absent partial reward keeps its row live), every such
+    candidate is, and the counts add up."""
+    pairs = [r for p in sorted(output.glob("train-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    rejects = [r for p in sorted((output / "_rejects").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    quarantine = [r for p in sorted((output / "_quarantine").glob("part-*.parquet"))
+                  for r in pq.read_table(p).to_pylist()]
+    generated = [r for r in rejects if r["stage"] != "input"] + pairs  # the prompts that reached the strategy
+    assert manifest["candidates"] == len(generated) * config.sampling.num_samples
+    assert manifest["candidates_quarantined"] == len(quarantine) <= manifest["candidates"]
+    for q in quarantine:
+        assert not q["stopped_early"], f"a partial reward quarantined a candidate: {q}"
+        assert not reward_functions.final_is_finite(reward, q["text"]), f"a finite final reward quarantined: {q}"
+    if reward in reward_functions.FINAL_ALWAYS_FINITE:
+        assert not quarantine
+    if reward in reward_functions.FINAL_NEVER_FINITE:
+        assert not pairs
+        # every prompt finished at least one candidate (sbon keeps at least one row per prompt going)
+        assert {q["source_row"] for q in quarantine} == {r["source_row"] for r in generated}
+        if config.strategy.name == "best_of_n":
+            assert len(quarantine) == manifest["candidates"]
+    for p in pairs:  # a pair's failed candidates are its quarantined ones
+        assert p["failed_candidates"] == sum(q["source_row"] == p["source_row"] for q in quarantine)
+        for side in ("chosen", "rejected"):
+            assert reward_functions.final_is_finite(reward, p[side])
+    if reward in ("constant_final", "constant_always"):
+        assert not pairs  # best and worst tie
+    if reward in ("none_partial", "nan_partial", "inf_partial", "none_always"):
+        # no row could be ranked at a decision token: none was stopped, and without memory-budget
+        # mode's extra rows (screened out after they finish) the cost is Best-of-N's exactly
+        assert all(p["stopped_early"] == 0 for p in pairs)
+        if getattr(config.strategy.params, "initial_candidates", None) in (None, config.sampling.num_samples):
+            assert all(r["generated_tokens"] == r["bon_equivalent_tokens"] for r in pairs + rejects)
+
+
+def run_case(space, name, num_samples, max_new_tokens, params, runtime, shard_size, reward=None) -> str:
+    """Build one configuration (``reward``: a function of tests/reward_functions.py, or None: the
+    tiny reward model); returns "refused" or "built"."""
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "out"
         try:
-            config = make_config(space, name, output, num_samples, max_new_tokens, params, runtime, shard_size)
+            config = make_config(space, name, output, num_samples, max_new_tokens, params, runtime, shard_size,
+                                 reward)
         except ConfigError as exc:
             assert "\n" not in str(exc)
             return "refused"
         manifest = build(space, config)
         check_output(output, config, manifest)
+        if reward:
+            check_rewards(output, config, manifest, reward)
         assert json.loads((output / "_manifest.json").read_text())["pairs"] == manifest["pairs"]
     return "built"
 
@@ -160,6 +205,22 @@ def test_sbon_space(space, params, num_samples, max_new_tokens, runtime, shard_s
 @given(**common)
 def test_best_of_n_space(space, num_samples, max_new_tokens, runtime, shard_size):
     run_case(space, "best_of_n", num_samples, max_new_tokens, {}, runtime, shard_size)
+
+
+reward_names = st.sampled_from(reward_functions.ALL)
+
+
+@settings(SETTINGS, max_examples=24)
+@given(params=sbon_params, reward=reward_names, **common)
+def test_sbon_reward_function_space(space, params, reward, num_samples, max_new_tokens, runtime, shard_size):
+    """Issue 36, item 9: partial and final rewards that are None, NaN, inf or constant."""
+    run_case(space, "sbon", num_samples, max_new_tokens, params, runtime, shard_size, reward)
+
+
+@SETTINGS
+@given(reward=reward_names, **common)
+def test_best_of_n_reward_function_space(space, reward, num_samples, max_new_tokens, runtime, shard_size):
+    run_case(space, "best_of_n", num_samples, max_new_tokens, {}, runtime, shard_size, reward)
 
 
 MODEL_SIDE_PARAMS = {
@@ -213,3 +274,18 @@ FOUND = [
 @pytest.mark.parametrize("name, num_samples, max_new_tokens, params, runtime, shard_size, outcome", FOUND)
 def test_found(space, name, num_samples, max_new_tokens, params, runtime, shard_size, outcome):
     assert run_case(space, name, num_samples, max_new_tokens, params, runtime, shard_size) == outcome
+
+
+FOUND_WITH_REWARDS = [
+    # issue 36: None for every partial response quarantined every live row at tau (1 pair in 24).
+    ("sbon", 4, 16, {"decision_token": 8}, {}, 4, "none_partial"),
+    ("sbon", 4, 16, {"decision_token": [4, 8], "initial_candidates": 6, "max_live_candidates": 2}, {}, 4,
+     "nan_partial_sometimes"),
+    ("sbon", 3, 12, {"decision_token": 4, "adaptive_rejection": 1.0}, {}, 4, "none_partial_sometimes"),
+    ("sbon", 4, 12, {"decision_token": 4}, {}, 4, "none_final"),
+]
+
+
+@pytest.mark.parametrize("name, num_samples, max_new_tokens, params, runtime, shard_size, reward", FOUND_WITH_REWARDS)
+def test_found_with_rewards(space, name, num_samples, max_new_tokens, params, runtime, shard_size, reward):
+    assert run_case(space, name, num_samples, max_new_tokens, params, runtime, shard_size, reward) == "built"

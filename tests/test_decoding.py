@@ -153,17 +153,18 @@ def test_rows_that_end_before_tau_are_kept_unchanged():
                if c in early)
 
 
-def test_non_finite_partial_reward_fails_the_candidate():
+def test_non_finite_partial_reward_keeps_the_candidate_live():
+    """A NaN partial reward is no signal at that decision token (issue 36): the row goes on, unranked."""
     gen = FakeGenerator()
-    # Row 2's partial response at tau=6, which the scorer will fail on.
+    # Row 2's partial response at tau=6, which the scorer gives no reward.
     probe = FakeGenerator()
     probe.open("x", [[1]], 1, [row_seed(0, "p0", 2)], SAMPLING)
     poisoned = probe.extend("x", 6)[0].text
     results = speculative_rejection(prompts(1), gen, FakeScorer(nan_for=[poisoned]),
                                     SpeculativeRejectionParams(6, 0.0), SAMPLING, 4, seed=0)
     c = results[0].candidates[2]
-    assert c.failed and not c.completed and len(c.token_ids) == 6
-    assert all(not o.failed and o.completed for i, o in enumerate(results[0].candidates) if i != 2)
+    assert not c.failed and c.completed and len(c.token_ids) == 24 and math.isnan(c.partials[6])
+    assert all(not o.failed and o.completed for o in results[0].candidates)
 
 
 def test_several_decision_tokens_reject_at_each():

@@ -130,7 +130,8 @@ def check_open(open_sessions, session: str, prompts: list[list[int]], num_sample
 class Scorer(Protocol):
     def score(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
               columns: list[dict] | None = None) -> list[float]:
-        """Reward of each (prompt, response) pair; NaN marks a failed score, never 0. A prompt is
+        """Reward of each (prompt, response) pair; NaN marks no score, never 0 (a failed final score;
+        no signal for a partial response, see speculative_rejection). A prompt is
         a string or a conversation (PromptInput.reward_input). ``finished``: per response, whether it
         is final (EOS or max_new_tokens) rather than partial; None: all final. ``columns``: per
         response, its input row's other columns (PromptInput.columns). A reward model reads neither;

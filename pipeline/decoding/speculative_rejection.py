@@ -23,7 +23,14 @@ is kept and the result equals Best-of-N's for the same seeds.
 
 ``decision_token`` may be a list: rejection then happens at each point in turn, ranking the
 candidates still in play (the paper's "multiple decision tokens" direction, section 7).
-Non-finite partial rewards mark a candidate as failed; the quantile uses finite scores only.
+
+Absent partial rewards: a scorer may have nothing to say about a partial response (a reward
+function returning None, TRL's "no reward for this one", NaN or inf: the scorer reports NaN). Such
+a row has no signal at that decision token, so it is never stopped there: it stays live and stays
+out of everything that ranks rows (the quantile r_cut, keep_lowest's floor, the adaptive fit, the
+memory budget's ranking), and is ranked again at the next decision token, if any. A row stopped
+early therefore always has a finite partial reward. Only a non-finite *final* reward fails a
+candidate (Candidate.failed; the build quarantines it).
 
 Extensions, each from the paper's sections 6.3 and 7:
 - Streaming partial rewards (``streaming_rewards``, on by default): when the scorer has sessions
@@ -32,7 +39,8 @@ Extensions, each from the paper's sections 6.3 and 7:
   call, as they leave the generator's. Scores equal full re-scoring to float tolerance.
 - Memory-budget mode (section 6.3, ``initial_candidates`` / ``max_live_candidates``): start
   ``initial_candidates`` rows per prompt, keep exactly ``max_live_candidates`` live rows past the
-  first decision token (with keep_lowest, the lowest-ranked one among them), so peak KV memory
+  first decision token (with keep_lowest, the lowest-ranked one among them; rows with no partial
+  reward there take slots first and are never stopped, see _budget_rows), so peak KV memory
   after it is that of Best-of-``max_live_candidates`` while the search started wide (the paper starts 250 and keeps 20 at token 64). The prompt's result holds the
   ``num_samples`` rows ranked best (continued rows first, then by partial reward); the rows
   screened out cost tokens (counted in generated_tokens) but are not returned.
@@ -167,12 +175,15 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     if width < num_samples:
         raise ValueError(f"initial_candidates ({width}) must be at least num_samples ({num_samples})")
     session = open_session(generator, prompts, width, sampling, seed)
-    rewards = _Rewards(scorer, prompts, width, params.streaming_rewards)
+    rewards = None
     candidates: dict[int, Candidate] = {}
     previous: dict[int, float] = {}  # row -> partial reward at the previous decision token
     continued: set[int] = set()  # rows that went on past the first decision token
     live = list(range(len(prompts) * width))  # rows still decoding
     try:
+        # Inside the try: a reward session that fails to open (its actor died) must not leak the
+        # generator's prefilled batch.
+        rewards = _Rewards(scorer, prompts, width, params.streaming_rewards)
         for point, tau in enumerate(points):
             if not live:
                 break
@@ -188,6 +199,7 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
                 by_prompt.setdefault(r.row // width, []).append(r.row)
             live = []
             for members in by_prompt.values():
+                # Non-finite partials (no signal) are left out of every cutoff by the helpers below.
                 partial = [candidates[m].score for m in members]
                 floor = _lowest_live(candidates, members) if params.keep_lowest else None
                 if point == 0 and params.max_live_candidates is not None:  # section 6.3
@@ -199,13 +211,14 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
                                                 params.adaptive_rejection)
                     if r_cut is None:
                         r_cut = rejection_cutoff(partial, params.rejection_rate)  # Eq. 3
-                    # Eq. 4, and the rejected side's supply
-                    kept = {m for m in members if candidates[m].score >= r_cut or m == floor}
+                    # Eq. 4, the rejected side's supply, and the rows with no signal at tau
+                    kept = {m for m in members if candidates[m].score >= r_cut or m == floor
+                            or not _signalled(candidates[m])}
                 for m in members:
                     c = candidates[m]
                     previous[m] = c.score
-                    if c.completed or c.failed:
-                        continue  # ended before tau: kept unchanged; failed: never continued
+                    if c.completed:
+                        continue  # ended before tau: kept unchanged (a non-finite final reward fails it)
                     if m in kept:
                         live.append(m)
                         if point == 0:
@@ -221,8 +234,11 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
                 candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
                                               score=s, completed=True, partials=partials)
     finally:
-        rewards.close()
-        counters = generator.close(session)
+        try:
+            if rewards is not None:
+                rewards.close()
+        finally:  # a reward close that fails (its actor died) must not leak the generator's batch
+            counters = generator.close(session)
     missing = set(range(len(prompts) * width)) - set(candidates)
     assert not missing, f"speculative rejection lost rows {sorted(missing)[:5]}"
     if width == num_samples:
@@ -237,21 +253,38 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
 
 
 def _budget_rows(candidates: dict[int, Candidate], members: list[int], budget: int, floor: int | None) -> set[int]:
-    """Memory-budget mode's survivors of the first decision token: exactly ``budget`` live rows (or
-    every live row when fewer), the best by partial reward (ties: lowest row). With keep_lowest
-    (``floor`` given) and a budget of two or more, the lowest-ranked live row takes the last slot, so
-    the budget still holds and a complete low-reward response exists for the rejected side."""
-    live = sorted((m for m in members if not candidates[m].completed and not candidates[m].failed),
-                  key=lambda m: (-candidates[m].score, m))
-    kept = live[:budget]
-    if floor is not None and budget >= 2 and floor not in kept:
+    """Memory-budget mode's survivors of the first decision token: ``budget`` live rows (or every
+    live row when fewer), the best by partial reward (ties: lowest row). With keep_lowest (``floor``
+    given) and a budget of two or more, the lowest-ranked live row takes the last slot, so the budget
+    still holds and a complete low-reward response exists for the rejected side.
+
+    Rows with no partial reward at tau (no signal) are never stopped: they go on first (lowest row
+    first) and take budget slots, and the scored rows fill the rest of the budget by rank (the floor
+    takes the last of them when two or more are left to the scored rows). When more
+    rows than the budget have no signal, all of them still go on and no scored row does: stopping a
+    row that was never ranked would drop a candidate for no reason (it could be neither ranked nor
+    paired, and with a budget under num_samples it would be returned with no reward at all), so the
+    budget is exceeded at this decision token, by unscored rows only."""
+    live = [m for m in members if not candidates[m].completed]
+    unscored = sorted(m for m in live if not _signalled(candidates[m]))
+    scored = sorted((m for m in live if _signalled(candidates[m])), key=lambda m: (-candidates[m].score, m))
+    room = max(budget - len(unscored), 0)
+    kept = scored[:room]
+    if floor is not None and room >= 2 and floor not in kept:
         kept[-1] = floor
-    return set(kept)
+    return set(unscored) | set(kept)
+
+
+def _signalled(c: Candidate) -> bool:
+    """Whether a live row has a partial reward at its latest decision token (None, NaN and inf are
+    "no signal here", never a failure: see the module docstring)."""
+    return math.isfinite(c.score)
 
 
 def _lowest_live(candidates: dict[int, Candidate], members: list[int]) -> int | None:
-    """The live (neither completed nor failed) row with the lowest partial reward; ties: lowest row."""
-    live = [m for m in members if not candidates[m].completed and not candidates[m].failed]
+    """The live (not completed) row with the lowest finite partial reward; ties: lowest row. Rows
+    with no signal are left out: they go on anyway, and cannot be ranked lowest."""
+    live = [m for m in members if not candidates[m].completed and _signalled(candidates[m])]
     return min(live, key=lambda m: (candidates[m].score, m)) if live else None
 
 
@@ -280,16 +313,23 @@ def _screen(prompts: list[PromptInput], num_samples: int, width: int, candidates
 
 def _bon_tokens(candidates: dict[int, Candidate], num_samples: int, sampling: SamplingParams) -> dict[int, int]:
     """Tokens Best-of-N would have spent per row: an estimate for the rows stopped early, whose
-    full length is unknown (``estimate_length``), the real count for the others."""
+    full length is unknown (``estimate_length``), the real count for the others, among them every
+    row that never got a partial reward (such a row is never stopped). The anchors of a row stopped
+    at tau are the prompt's rows that were live at tau and finished; one with no partial reward at
+    tau cannot be placed on the line, so when none has one, the estimate is their mean length."""
     out = {}
     for row, c in candidates.items():
         if not c.stopped_early:
             out[row] = len(c.token_ids)
             continue
         prompt = row // num_samples
-        anchors = [(o.partials[c.stopped_at], len(o.token_ids)) for r, o in candidates.items()
-                   if r // num_samples == prompt and o.completed and not o.stopped_early
-                   and math.isfinite(o.partials.get(c.stopped_at, math.nan))]
+        # live at tau (a partial entry there, finite or not) and finished
+        finished = [o for r, o in candidates.items() if r // num_samples == prompt and o.completed
+                    and not o.stopped_early and c.stopped_at in o.partials]
+        anchors = [(o.partials[c.stopped_at], len(o.token_ids)) for o in finished
+                   if math.isfinite(o.partials[c.stopped_at])]
+        if not anchors and finished:
+            anchors = [(0.0, len(o.token_ids)) for o in finished]  # equal partials: their mean length
         estimate = estimate_length(c.partials.get(c.stopped_at, math.nan), anchors, c.stopped_at,
                                    sampling.max_new_tokens)
         out[row] = max(len(c.token_ids), estimate)

@@ -3,7 +3,8 @@
 The text is built with the reward tokenizer's chat template when it has one (user turn, then
 assistant turn), else as prompt followed by response. Sequences longer than the model's context
 are cut from the left, so the response, which the score is about, is always seen. A non-finite
-score is returned as NaN: the caller marks that candidate as failed; it is never turned into 0.
+score is returned as NaN, never turned into 0: for a final response the caller marks that candidate
+as failed; for a partial one it is no signal at that decision token.
 
 Two ways to score:
 - ``score(prompts, responses)``: stateless, every call reads prompt and response in full.
@@ -315,8 +316,10 @@ class FunctionScorer:
     passes them; each of the input row's other columns arrives as a keyword list (one value per
     completion), and so does ``partial``: True where the response is cut short (a partial reward
     at a speculative-rejection decision token), False where it is final. A function that ignores
-    ``partial`` scores a prefix as if it were the whole response. None (TRL's "no reward for this
-    one") and non-finite values become NaN, which the pipeline treats as a failed score.
+    ``partial`` scores a prefix as if it were the whole response. None (TRL's convention for "no
+    reward for this one"), NaN and inf all become NaN, and mean: for a partial response, no signal
+    at that decision token (speculative rejection keeps the row live and leaves it out of the
+    ranking); for a final response, a failed score (the candidate is quarantined, never paired).
 
     Sessions (``open`` / ``extend`` / ``close``) mirror RewardScorer's so speculative rejection runs
     unchanged; a function has no cache, so ``extend`` scores the listed rows' texts in full."""
