@@ -41,25 +41,33 @@ def test_pruned_rows_leave_the_batch_and_kept_rows_continue_unchanged(engine):
     engine.open("prune", [prompt], 4, seeds, SAMPLE)
     first = engine.extend("prune", until=4)
     assert [len(r.token_ids) for r in first] == [4, 4, 4, 4]
-    before = engine.sessions["prune"].cache.get_seq_length()
+    before = len(engine.sessions["prune"].slots)  # its rows sit in the engine's KV pool
     rest = engine.extend("prune", until=12, keep=[1, 3])
     state = engine.sessions.get("prune")
     assert [r.row for r in rest] == [1, 3]
     assert [r.token_ids for r in rest] == [full[1].token_ids, full[3].token_ids]
-    assert state.rows == [] and before > 0
+    assert state.rows == [] and before == 4
     counters = engine.close("prune")
     # 4 rows x 4 tokens, then 2 rows x 8 tokens; 1 prefill + 3 + 8 decode steps.
     assert counters == {"generated_tokens": 4 * 4 + 2 * 8, "forward_passes": 1 + 3 + 8}
 
 
-def test_kv_cache_shrinks_with_pruning(engine):
+def test_pruning_frees_slots_and_moves_no_row(engine):
+    """The KV pool (issue 38): a prune frees the dropped rows' slots; the kept rows stay where they
+    are, in buffers allocated once (no row's KV is copied), and a close frees the rest."""
+    pool = engine.runner.pool
     prompt = ids(engine, "Tell me if the camera is good")
     engine.open("shrink", [prompt], 6, list(range(6)), SAMPLE)
     engine.extend("shrink", until=3)
+    slots, buffer = list(engine.sessions["shrink"].slots), pool.keys[0].data_ptr()
+    kept = [pool.keys[0][slots[i], :, :int(pool.length[slots[i]])].clone() for i in (0, 2)]
     engine.extend("shrink", until=5, keep=[0, 2])
-    key = engine.sessions["shrink"].cache.layers[0].keys
-    assert key.shape[0] == 2  # [B, heads, L, head_dim]
+    assert engine.sessions["shrink"].slots == [slots[0], slots[2]] and pool.keys[0].data_ptr() == buffer
+    for slot, before in zip((slots[0], slots[2]), kept):  # the cached columns are untouched, two more appended
+        assert torch.equal(pool.keys[0][slot, :, :before.shape[1]], before) and int(pool.length[slot]) == before.shape[1] + 2
     engine.close("shrink")
+    pool.collect()
+    assert not pool.used
 
 
 def test_eos_stops_a_row_and_is_not_in_the_text(tiny_models):
@@ -291,3 +299,41 @@ def test_models_cpu_prepack_reaches_every_actor(tiny_models, tmp_path):
         generator = plan.generator_cls(*plan.generator_args, **plan.generator_kwargs)
         reward = plan.reward_cls(*plan.reward_args, **plan.reward_kwargs)
         assert packed(generator.engine.model) == packed(reward.scorer.model) == (setting and can_prepack("cpu", "float32"))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "other"])
+def test_kv_pool_steps_match_each_rows_own_batch(engine, monkeypatch, attention):
+    """KVPool (issue 38): rows of different lengths admitted from two batches, some released, stepped
+    together (the stepping rows alone under sdpa and eager, the others riding along under any other
+    attention): each row's logits are those of its own unpadded RowBatch, and a row that does not
+    step keeps its cache."""
+    import pipeline.engines.kv_pool as kv_pool
+    from pipeline.engines.kv_pool import KVPool
+    from pipeline.engines.rows import RowBatch
+
+    if attention == "other":  # an implementation the pool cannot scatter for: the riding path
+        monkeypatch.setattr(kv_pool, "SCATTER_BASES", ())
+    else:
+        monkeypatch.setattr(engine.model.config, "_attn_implementation", attention)
+    prompts = [ids(engine, "Describe how the blender works"), ids(engine, "Hi"),
+               ids(engine, "Tell me if the camera is good, and why, in two lines")]
+    pool = KVPool(engine.model, engine.device)
+    first, _ = RowBatch.prefill(engine.model, prompts[:2], engine.pad_id, engine.device)
+    second, _ = RowBatch.prefill(engine.model, prompts[2:], engine.pad_id, engine.device)
+    slots = pool.admit(first, 40) + pool.admit(second, 40)
+    pool.release([slots[0]])
+    tokens = torch.tensor([5, 7])
+    logits = pool.step([slots[2], slots[1]], tokens, logits_to_keep=1).logits[:, -1]  # slot 1 after slot 2
+    for row, (prompt, token) in enumerate(zip((prompts[2], prompts[1]), tokens)):
+        alone, _ = RowBatch.prefill(engine.model, [prompt], engine.pad_id, engine.device)
+        expected = alone.feed(token.view(1, 1), logits_to_keep=1).logits[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+    riding = pool.keys[0][slots[1]].clone()
+    logits = pool.step([slots[2]], torch.tensor([9]), logits_to_keep=1).logits[:, -1]  # slot 1 does not step
+    alone, _ = RowBatch.prefill(engine.model, [prompts[2]], engine.pad_id, engine.device)
+    alone.feed(torch.tensor([[5]]))
+    torch.testing.assert_close(logits[0], alone.feed(torch.tensor([[9]]), logits_to_keep=1).logits[0, -1],
+                               atol=1e-4, rtol=1e-4)
+    width = int(pool.length[slots[1]])
+    assert torch.equal(pool.keys[0][slots[1], :, :width], riding[:, :width])
+    assert engine.model.config._attn_implementation == (attention if attention != "other" else "sdpa")

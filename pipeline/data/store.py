@@ -346,6 +346,7 @@ class OutputStore:
         marker (the pair file still under its pending name) is completed here, under the lease."""
         done = set()
         self._found = {}
+        names = self._top_names()
         for shard, marker in self.iter_markers():
             if shard not in expected:
                 raise OutputConflict(f"{self.uri}: holds shard {shard}, but this input has {len(expected)} shards "
@@ -366,7 +367,7 @@ class OutputStore:
                 if changes:
                     raise OutputConflict(f"{self.uri}: shard {shard} was built differently ({'; '.join(changes)}); a "
                                          "resume would mix the two: use --overwrite to rebuild it, or another --output")
-            self._finish_commit(shard, marker)
+            self._finish_commit(shard, marker, names)
             damage = self._damage(shard, marker)
             if damage is None:
                 done.add(shard)
@@ -375,16 +376,20 @@ class OutputStore:
                 log.warning(f"{join(self.uri, damage)}; shard {shard} is rebuilt")
         return done
 
-    def _interrupted(self, shard: int, marker: dict) -> bool:
-        """Whether the shard's commit stopped between its marker and the rename of its pair file:
-        the pair file is missing and its pending one is there (such a shard is not committed yet)."""
-        return (self.pair_file(shard, marker) == part_name(shard)
-                and not self.fs.exists(join(self.root, part_name(shard)))
-                and self.fs.exists(join(self.root, pending_name(shard))))
+    def _top_names(self) -> set[str]:
+        """The names of the files at the root (one listing)."""
+        return {path.rsplit("/", 1)[1] for path in self._ls(self.root)}
 
-    def _finish_commit(self, shard: int, marker: dict) -> None:
+    def _interrupted(self, shard: int, marker: dict, names: set[str]) -> bool:
+        """Whether the shard's commit stopped between its marker and the rename of its pair file:
+        the pair file is missing and its pending one is there (such a shard is not committed yet).
+        ``names``: the root's file names (``_top_names``)."""
+        return (self.pair_file(shard, marker) == part_name(shard) and part_name(shard) not in names
+                and pending_name(shard) in names)
+
+    def _finish_commit(self, shard: int, marker: dict, names: set[str]) -> None:
         """Complete an interrupted commit (``_interrupted``) whose pending file matches its marker."""
-        if self._interrupted(shard, marker) and self._file_damage(pending_name(shard), marker) is None:
+        if self._interrupted(shard, marker, names) and self._file_damage(pending_name(shard), marker) is None:
             self._rename(pending_name(shard), part_name(shard))
 
     def _rename(self, source: str, target: str) -> None:
@@ -472,11 +477,12 @@ class OutputStore:
                                   "or pass --allow-partial to read its committed shards only")
         committed = {}  # pair file path -> (shard, marker)
         interrupted = []
+        names = self._top_names()
         for shard, marker in self.iter_markers():
             path = join(self.root, self.pair_file(shard, marker))
             if not wanted(path):
                 continue
-            if self._interrupted(shard, marker):  # killed between its marker and its rename
+            if self._interrupted(shard, marker, names):  # killed between its marker and its rename
                 interrupted.append(pending_name(shard))
             else:
                 committed[path] = (shard, marker)

@@ -202,11 +202,16 @@ class HFEngine:
             state = self.sessions.pop(session, None)
         if state is None:
             return {"generated_tokens": 0, "forward_passes": 0}
+        self.runner.release(state)
         return {"generated_tokens": state.generated_tokens, "forward_passes": state.forward_passes}
 
     def stats(self) -> dict:
+        pool = self.runner.pool
         return {"generated_tokens": self.generated_tokens, "forward_passes": self.forward_passes,
-                "open_sessions": len(self.sessions)}
+                "open_sessions": len(self.sessions),
+                "kv_pool_bytes": pool.nbytes() if pool is not None else 0,
+                "kv_pool_slots": pool.slots if pool is not None else 0,
+                "kv_pool_grown": pool.grown if pool is not None else 0}
 
     def shutdown(self) -> None:
         """Nothing to free: the HF engine holds no processes, and its memory goes with the object."""

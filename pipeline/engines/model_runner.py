@@ -42,6 +42,7 @@ from pipeline.decoding.domain import RowState
 from pipeline.decoding.sampling import SamplingParams, sample_next
 from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
 from pipeline.decoding.tree import TokenTree
+from pipeline.engines.kv_pool import KVPool, bound_heap
 from pipeline.engines.rows import RowBatch
 
 
@@ -64,7 +65,7 @@ class Session:
     sampling: SamplingParams
     batch: RowBatch | None
     """The live rows' KV cache, aligned with ``rows``; None while the rows sit in the step loop's
-    shared batch."""
+    shared batch or in the KV pool (``slots``)."""
     rows: list[int]  # live row ids, aligned with the batch dimension
     generators: list[torch.Generator]  # aligned with ``rows``
     tokens: dict[int, list[int]]  # row id -> response tokens (EOS excluded)
@@ -75,6 +76,9 @@ class Session:
     until: int | None = None  # the target of the extend under way; None: none is
     prompts: list[list[int]] = field(default_factory=list)  # their token ids (speculative decoding drafts from them)
     num_samples: int = 1  # rows per prompt: row r answers prompts[r // num_samples]
+    slots: list[int] | None = None
+    """The live rows' slots in the runner's KV pool, aligned with ``rows``, once they joined the step
+    loop (from then on until they finish or are pruned); None while the rows are in ``batch``."""
 
     @property
     def cache(self) -> DynamicCache:
@@ -103,6 +107,10 @@ class ModelRunner:
         """Tokens sampled for every session and model-side search on this model."""
         self.forward_passes = 0
         """Forward passes over this model's sessions (a shared step counts once)."""
+        bound_heap()
+        self.pool = KVPool(self.model, self.device, counted_by=(self,)) if KVPool.supports(self.model) else None
+        """The sessions' KV once they join the step loop (pipeline.engines.kv_pool); None for a model
+        with other than full-attention layers, whose rows stay in row batches."""
 
     # -- a session's rows --------------------------------------------------------------------
 
@@ -147,6 +155,37 @@ class ModelRunner:
     # -- decoding ----------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def step_pool(self, sessions: list[Session]) -> list[list[int]]:
+        """One decoding step of ``sessions``' live rows, which sit in the KV pool (``Session.slots``),
+        in one forward pass over the pool (KVPool.step): feed each row's pending token, sample its
+        next one, record it; rows that hit EOS or the cap leave their session and free their slots.
+        Per session, the indices of those rows in its rows before the step."""
+        pending = torch.cat([s.last_token for s in sessions])  # [live]
+        slots = [slot for s in sessions for slot in s.slots]
+        logits = self.pool.step(slots, pending, logits_to_keep=1).logits[:, -1, :]  # [live, V]
+        return self._advance(sessions, logits)
+
+    def admit(self, state: Session) -> None:
+        """Move the session's rows from their own batch into the KV pool (their one copy)."""
+        if state.batch is None or state.slots is not None:
+            return
+        columns = state.batch.attention_mask.shape[1] + state.sampling.max_new_tokens
+        state.slots = self.pool.admit(state.batch, columns) if state.rows else []
+        state.batch = None
+
+    def unpool(self, state: Session) -> None:
+        """The session's rows back in a batch of their own (speculative decoding verifies on it)."""
+        if state.slots is not None:
+            state.batch = self.pool.take(state.slots) if state.slots else None
+            state.slots = None
+
+    def release(self, state: Session) -> None:
+        """Free whatever the session's rows hold in the pool (a closed session)."""
+        if state.slots:
+            self.pool.release(state.slots)
+        state.slots = [] if state.slots is not None else None
+
+    @torch.inference_mode()
     def step(self, batch: RowBatch, sessions: list[Session], live: list[int]) -> list[list[int]]:
         """One decoding step of ``sessions``' live rows in their shared ``batch``, one forward pass:
         feed each row's pending token, sample its next one with the row's own generator, record it.
@@ -165,6 +204,12 @@ class ModelRunner:
         logits = batch.feed(tokens[:, None], logits_to_keep=1).logits[:, -1, :]  # [width, V]
         if len(live) < width:
             logits = logits[index]  # [live, V]
+        return self._advance(sessions, logits)
+
+    def _advance(self, sessions: list[Session], logits: torch.Tensor) -> list[list[int]]:
+        """Sample the next token of every live row of ``sessions`` from logits [live, V] (the
+        sessions' rows one after another) and record it; rows that hit EOS or the cap leave their
+        session's per-row state (and their pool slots). Per session, their indices before the step."""
         sampling = sessions[0].sampling
         shared = all(s.sampling == sampling for s in sessions)
         if shared:  # the usual case: one draw for all rows
@@ -182,6 +227,8 @@ class ModelRunner:
                 done = self._sample(state, logits[rows])
             if done:
                 keep = _without(len(state.rows), done)
+                if state.slots is not None:
+                    self.pool.release([state.slots[i] for i in done])
                 self._keep(state, keep, torch.tensor(keep, dtype=torch.long, device=state.last_token.device))
             finished.append(done)
         return finished
@@ -257,7 +304,13 @@ class ModelRunner:
         return done
 
     def _select(self, state: Session, keep: list[int]) -> None:
-        """Keep batch positions ``keep``: the batch, the KV cache and the samplers shrink together."""
+        """Keep batch positions ``keep``: the batch (or the pool's slots: the others are freed, no
+        row moves), the KV cache and the samplers shrink together."""
+        if state.slots is not None:
+            kept = set(keep)
+            self.pool.release([slot for i, slot in enumerate(state.slots) if i not in kept])
+            self._keep(state, keep, torch.tensor(keep, dtype=torch.long, device=self.device))
+            return
         self._keep(state, keep, state.batch.select(keep))
 
     @staticmethod
@@ -266,6 +319,8 @@ class ModelRunner:
         state.last_token = state.last_token[index]
         state.rows = [state.rows[i] for i in keep]
         state.generators = [state.generators[i] for i in keep]
+        if state.slots is not None:
+            state.slots = [state.slots[i] for i in keep]
 
 
 def _without(count: int, dropped: list[int]) -> list[int]:

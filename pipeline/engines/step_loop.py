@@ -3,14 +3,17 @@ one engine (a threaded GeneratorActor serving several batches, the coordinator's
 The model work itself is the model runner's (pipeline.engines.model_runner); this module decides
 what runs when.
 
-The ``extend`` calls pending at any moment share one shared batch: each step is one forward pass
-over the live rows of every session being extended, their RowBatches concatenated
-(``RowBatch.concat``, left-padded to a common cache length). Each call returns when its own rows
-reach its ``until`` (or EOS), so a session that stops to be scored leaves the shared batch
-(``RowBatch.split``) while the others go on, and a session that opens meanwhile is prefilled between
-two steps and joins at its first ``extend``. The batch is re-cut only when its membership changes (a
-session joins or leaves, rows finish). Other model work (a prefill, a model-side search, a
-speculative step, see the model runner) is a job, run between two steps, one at a time.
+The ``extend`` calls pending at any moment share one forward pass per step, over the live rows of
+every session being extended. Their KV lives in the runner's KV pool (pipeline.engines.kv_pool): a
+session's rows are written into pool slots when they first join (the one copy of their prefilled
+KV), and stay there until they finish or are pruned, which frees their slots; no surviving row is
+ever copied. Each call returns when its own rows reach its ``until`` (or EOS), so a session that
+stops to be scored leaves the step (its rows keep their slots; a step computes only the rows that
+step, see the pool) while the others go on, and a session that opens meanwhile is prefilled between two steps and joins at its first
+``extend``. A model whose cache layers are not all full attention (sliding windows) has no pool: its
+sessions share a RowBatch instead, concatenated on joining (``RowBatch.concat``) and cut on leaving
+(``RowBatch.split``). Other model work (a prefill, a model-side search, a speculative step, see the
+model runner) is a job, run between two steps, one at a time.
 
 The loop has no thread of its own: a calling thread that finds no one driving it drives it (runs
 the waiting jobs, then one step, and again) until its own call is done, then hands it to a thread
@@ -76,6 +79,8 @@ class StepLoop:
         its draft-and-verify steps between the shared batch's, on its own rows; any other joins the
         shared batch."""
         if self.runner.speculates(state):
+            if state.slots is not None:
+                self.between_steps(lambda: self.runner.unpool(state))
             while not state.extended():
                 self.between_steps(lambda: self.runner.speculative_step(state))
             return
@@ -153,6 +158,7 @@ class StepLoop:
                 left = self._members + [m for m in joining if m not in self._members]
                 for member in left:
                     member.error, member.session.rows = exc, []
+                    self.runner.release(member.session)
                 self._members, self._batch = [], None
         finally:
             self._cond.acquire()
@@ -165,8 +171,14 @@ class StepLoop:
 
     @torch.inference_mode()
     def _join(self, joining: list[_Member]) -> None:
-        """Add the joining sessions' rows to the end of the shared batch."""
+        """Add the joining sessions' rows to the step: into the KV pool (where they stay until they
+        finish, once admitted), or to the end of the shared batch."""
         if not joining:
+            return
+        if self.runner.pool is not None:
+            for member in joining:
+                self.runner.admit(member.session)
+            self._members += joining
             return
         width = len(self._batch.next_position) if self._batch is not None else 0
         for member in joining:
@@ -191,6 +203,11 @@ class StepLoop:
         step."""
         if not self._members:
             return []
+        if self.runner.pool is not None:
+            self.runner.step_pool([m.session for m in self._members])
+            leave = [m for m in self._members if m.session.extended()]
+            self._members = [m for m in self._members if m not in leave]
+            return leave
         live = [p for m in self._members for p in m.positions]  # ascending: members in batch order
         finished = self.runner.step(self._batch, [m.session for m in self._members], live)
         stay: list[_Member] = []
