@@ -615,9 +615,10 @@ class OutputStore:
                 raise OutputConflict(f"{self.uri}: shard {shard} was written by a build with another config (hash "
                                      f"{marker['config_hash'][:12]}, this build {config_hash[:12]}): two builds wrote "
                                      "this output; rebuild it with --overwrite")
-            if identity is not None and _identity_changes(marker.get("identity"), identity):
+            changes = _identity_changes(marker.get("identity"), identity) if identity is not None else []
+            if changes:
                 raise OutputConflict(f"{self.uri}: shard {shard} was built differently "
-                                     f"({'; '.join(_identity_changes(marker.get('identity'), identity))}): two builds "
+                                     f"({'; '.join(changes)}): two builds "
                                      "wrote this output; rebuild it with --overwrite")
             for rel, record in self._files(shard, marker):
                 with self.fs.open(join(self.root, rel), "rb") as f:

@@ -284,14 +284,14 @@ class KVPool:
         cache = DynamicCache()
         cache.layers = [_PoolLayer(k, v, index, columns, (lo, hi), width) for k, v in zip(self.keys, self.values)]
         config = self.model.config
-        config._attn_implementation = POOL_ATTENTION
+        configured, config._attn_implementation = config._attn_implementation, POOL_ATTENTION
         try:
             with timed_forward(self.device):
                 out = self.model(input_ids=tokens.to(torch.long)[:, None], position_ids=self.position[index, None],
                                  past_key_values=cache, use_cache=True, pool=(index - lo, mask, base),
                                  **model_kwargs)
         finally:
-            config._attn_implementation = base
+            config._attn_implementation = configured
         self._advance(index)
         return out
 
