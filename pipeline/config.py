@@ -277,11 +277,12 @@ class RuntimeConfig:
     rows_in_flight, the most batches a generator takes at once (and, with continuous batching, the
     calls a Ray generator actor serves at once)."""
     rows_in_flight: int = 128
-    """Candidate rows to keep decoding per generator actor: a generator takes a new batch whenever
-    the live rows of its batches (opened, minus those pruned, finished or closed) drop below this,
-    up to batches_in_flight batches. With continuous_batching, the rows that speculative rejection
-    frees at a decision token are refilled at once by the next prompts. 0: batches_in_flight alone
-    decides."""
+    """The most candidate rows a generator actor decodes at once: it takes a new batch whenever the
+    batch's rows fit beside the live rows of its batches (opened, minus those pruned, finished or
+    closed), up to batches_in_flight batches; a batch larger than this runs alone. The HF engine's KV
+    pool is sized by it. With continuous_batching, the rows that speculative rejection frees at a
+    decision token are refilled by the next prompts as soon as a batch fits (small batches,
+    prompts_per_batch, refill in small steps). 0: batches_in_flight alone decides."""
     continuous_batching: bool = True
     """The generator takes its batches' calls concurrently and decodes the rows of every batch in one
     continuous batch. HF: one forward pass per step over the live rows of every batch being extended

@@ -49,7 +49,9 @@ def sampling_params(config: Config) -> SamplingParams:
 
 class _Admission:
     """Which generator a batch starts on, and when: one with fewer than ``batches`` batches and (when
-    ``rows`` > 0) fewer than ``rows`` live rows in flight; the least loaded one first."""
+    ``rows`` > 0) room for the batch's rows under ``rows`` live rows in flight, or no rows in flight
+    at all (a batch larger than the limit runs alone); the least loaded one first. The limit holds:
+    a generator's KV memory is sized by it (runtime.rows_in_flight)."""
 
     def __init__(self, generators: int, batches: int, rows: int):
         self._batches, self._rows = [0] * generators, [0] * generators
@@ -61,7 +63,7 @@ class _Admission:
         with self._cond:
             while True:
                 free = [g for g in range(len(self._batches)) if self._batches[g] < self._max_batches
-                        and (not self._max_rows or self._rows[g] < self._max_rows)]
+                        and (not self._max_rows or not self._rows[g] or self._rows[g] + rows <= self._max_rows)]
                 if free:
                     index = min(free, key=lambda g: (self._rows[g], self._batches[g], g))
                     self._batches[index] += 1

@@ -44,19 +44,23 @@ class Waiting:
         return bool(self.got)
 
 
-def test_a_batch_is_admitted_once_the_rows_in_flight_drop_below_the_limit():
+def test_a_batch_is_admitted_once_its_rows_fit_under_the_limit():
+    """runtime.rows_in_flight holds (the KV pool is sized by it): a batch waits until its rows fit
+    beside the live ones; a batch larger than the limit runs alone, never beside another."""
     admission = _Admission(generators=1, batches=8, rows=10)
-    first = _CountedRows(Rows(finished=1), admission, admission.acquire(8), reserved=8)
-    assert Waiting(admission, 8).admitted(1.0)  # 8 rows in flight < 10
-    third = Waiting(admission, 8)
-    assert not third.admitted(0.2)  # 16 rows: the third batch waits...
-    first.open("s", [[1], [2]], 4, list(range(8)), SamplingParams())
-    first.extend("s", until=4, keep=[0, 1, 2, 3, 4, 5])  # ...at 14 rows, then 13 (one row finished)
-    assert not third.admitted(0.2)
-    first.extend("s", until=8, keep=[0, 1])  # pruned to 2, one finished: 1 + 8 = 9 rows < 10
-    assert third.admitted(1.0)
+    first = _CountedRows(Rows(finished=1), admission, admission.acquire(6), reserved=6)
+    second = Waiting(admission, 6)
+    assert not second.admitted(0.2)  # 6 + 6 rows > 10: it waits...
+    first.open("s", [[1], [2]], 3, list(range(6)), SamplingParams())
+    first.extend("s", until=4, keep=[0, 1, 2, 3, 4])  # ...at 5 rows, then 4 (one row finished)
+    assert second.admitted(1.0)  # 4 + 6 = 10 rows: it fits
+    third = Waiting(admission, 1)
+    assert not third.admitted(0.2)  # 11 rows would not
     first.close("s")
-    assert admission._rows == [16]  # the second and third batches' reservations
+    assert third.admitted(1.0) and admission._rows == [7]
+    alone = _Admission(generators=1, batches=8, rows=10)
+    alone.acquire(16)  # nothing in flight: a batch over the limit runs...
+    assert not Waiting(alone, 1).admitted(0.2)  # ...alone
 
 
 def test_batches_in_flight_still_caps_a_generator_and_release_returns_the_rows():

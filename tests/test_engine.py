@@ -337,3 +337,42 @@ def test_kv_pool_steps_match_each_rows_own_batch(engine, monkeypatch, attention)
     width = int(pool.length[slots[1]])
     assert torch.equal(pool.keys[0][slots[1], :, :width], riding[:, :width])
     assert engine.model.config._attn_implementation == (attention if attention != "other" else "sdpa")
+
+
+def test_the_engines_samples_follow_the_models_distribution(engine):
+    """Counter-based row streams (pipeline.decoding.sampling.RowStreams) draw the model's own
+    distribution: 3,000 rows of one prompt, their first token (sampled after the prefill) and their
+    second one (a KV-pool step), each against the model's probabilities by chi-square, the rare
+    tokens pooled into one bin. The second tokens' law is the mixture of the model's next-token
+    distributions after each first token, weighted by how many rows drew it. The tiny model is
+    almost uniform over its vocabulary, so a low temperature gives the test bins worth counting."""
+    from scipy.stats import chisquare
+
+    prompt = ids(engine, "Write a review of the lamp")
+    rows = 3000
+    sampling = SamplingParams(max_new_tokens=2, temperature=0.1)
+    out = engine.generate([prompt], rows, list(range(10_000, 10_000 + rows)), sampling)
+    eos = sorted(engine.runner.eos_ids)
+    first = [r.token_ids[0] for r in out if r.token_ids]
+    pairs = [r.token_ids for r in out if len(r.token_ids) == 2]
+
+    def probabilities(contexts):  # [C, V], each context's next-token law, EOS left out
+        with torch.inference_mode():
+            logits = engine.model(torch.tensor(contexts)).logits[:, -1].float() / sampling.temperature
+        probs = logits.softmax(-1)
+        probs[:, eos] = 0
+        return probs / probs.sum(-1, keepdim=True)
+
+    starts = sorted({t for t, _ in pairs})
+    after = probabilities([prompt + [t] for t in starts])  # [U, V]
+    weights = torch.tensor([sum(1 for t, _ in pairs if t == u) for u in starts], dtype=torch.float)
+    laws = {"first": (first, probabilities([prompt])[0]), "second": ([b for _, b in pairs], weights @ after)}
+    for name, (sample, law) in laws.items():
+        counts = torch.bincount(torch.tensor(sample), minlength=len(law)).double()
+        expected = law.double() / law.sum() * len(sample)
+        big = expected >= 5
+        observed = torch.cat([counts[big], counts[~big].sum()[None]])
+        wanted = torch.cat([expected[big], expected[~big].sum()[None]])
+        wanted *= observed.sum() / wanted.sum()  # scipy wants the same totals to the last bits
+        assert big.sum() >= 20, name  # the test has bins to count
+        assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3, name

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.engines.rewards import RewardScorer
 
@@ -22,6 +24,38 @@ def test_batched_scores_match_one_by_one(scorer):
     for a, b in zip(batched, single):
         assert abs(a - b) < 1e-4
     assert len(set(round(s, 6) for s in batched)) == 3
+
+
+@given(lengths=st.lists(st.integers(1, 600), max_size=40), batch_size=st.integers(1, 40),
+       batch_tokens=st.integers(1, 5000))
+@settings(max_examples=200, deadline=None)
+def test_stateless_passes_are_bounded_by_sequences_and_padded_tokens(lengths, batch_size, batch_tokens):
+    """Every sequence in exactly one pass; a pass holds at most batch_size sequences and at most
+    batch_tokens padded tokens unless it is one sequence alone; longest first."""
+    scorer = RewardScorer.__new__(RewardScorer)
+    scorer.batch_size, scorer.batch_tokens = batch_size, batch_tokens
+    batches = scorer._batches(lengths)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) <= batch_size
+        padded = len(batch) * max(lengths[i] for i in batch)
+        assert padded <= batch_tokens or len(batch) == 1
+    flat = [lengths[i] for b in batches for i in b]
+    assert flat == sorted(flat, reverse=True)
+
+
+def test_scores_come_back_in_the_callers_order_whatever_the_passes(scorer):
+    prompts = [f"Write a review of lamp {i}." for i in range(7)]
+    responses = ["It works " + "great " * (3 * i % 7) for i in range(7)]
+    one_pass = scorer.score(prompts, responses)
+    before = scorer.batch_tokens
+    try:
+        scorer.batch_tokens = 1  # a pass per sequence
+        alone = scorer.score(prompts, responses)
+    finally:
+        scorer.batch_tokens = before
+    assert all(abs(a - b) < 1e-4 for a, b in zip(one_pass, alone))
+    assert len(set(round(s, 6) for s in alone)) == 7
 
 
 def test_non_finite_scores_are_nan_never_zero(tiny_models):

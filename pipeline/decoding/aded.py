@@ -20,11 +20,12 @@ Terms:
   tree attention (pipeline.engines.tree).
 - Acceptance. Greedy: walk down the tree while the target's argmax is a child's token; the target's
   argmax after the last accepted node is the bonus token. Sampling: at each node draw the next token
-  from the target's (warped) distribution with the row's own generator; if it is a child's token
-  the walk continues, else it is the bonus token (the paper's "new tokens are sampled and compared
-  to the draft tokens"). Every emitted token is drawn from the target given the exact prefix, one
-  uniform per token in order, so the output is distributed exactly as plain sampling; with the same
-  per-row seeds it is the same sequence up to float rounding of the tree pass.
+  from the target's (warped) distribution with the row's own random stream (RowStreams, as the
+  engine's rows draw); if it is a child's token the walk continues, else it is the bonus token (the
+  paper's "new tokens are sampled and compared to the draft tokens"). Every emitted token is drawn
+  from the target given the exact prefix, one uniform per token in order, so the output is
+  distributed exactly as plain sampling; with the same per-row seeds it is the same sequence up to
+  float rounding of the tree pass.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.decoding.domain import DraftLayer, RowState, SearchOutput
-from pipeline.decoding.sampling import SamplingParams, sample_next
+from pipeline.decoding.sampling import RowStreams, SamplingParams, sample_next
 from pipeline.decoding.tree import TokenTree
 
 
@@ -309,18 +310,19 @@ class RetrievalDrafter:
 # -- verification and acceptance ----------------------------------------------------------------
 
 
-def accept(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
-           ) -> tuple[list[int], int]:
+def accept(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams,
+           generator: torch.Generator | RowStreams) -> tuple[list[int], int]:
     """Walk ``tree`` (node 0 is the committed-but-uncached token) with the target's logits [N, V]:
     at each node draw the next token (argmax when temperature is 0, else a sample from the warped
-    target distribution with the row's generator); follow the child with that token, else stop.
-    Returns (accepted path of node indices, starting with 0; the next token drawn after it)."""
+    target distribution with the row's generator, or its one-row RowStreams: one draw per node, so
+    one per token the row gains); follow the child with that token, else stop. Returns (accepted path of node indices, starting with 0; the next token drawn after it)."""
     children: dict[tuple[int, int], int] = {}
     for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
         children.setdefault((parent, tok), i)
     path, node = [0], 0
     while True:
-        token = int(sample_next(logits[node][None], sampling, [generator])[0])
+        stream = generator if isinstance(generator, RowStreams) else [generator]
+        token = int(sample_next(logits[node][None], sampling, stream)[0])
         child = children.get((node, token))
         if child is None:
             return path, token
@@ -328,8 +330,8 @@ def accept(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams, gene
         node = child
 
 
-def accept_tokens(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
-                  eos: set[int]) -> tuple[list[int], list[int], int]:
+def accept_tokens(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams,
+                  generator: torch.Generator | RowStreams, eos: set[int]) -> tuple[list[int], list[int], int]:
     """``accept``, then the response ends at the first EOS: returns (the accepted path, the accepted
     draft tokens before any EOS among them, the token drawn after them, which is that EOS if one
     was accepted)."""
@@ -360,18 +362,14 @@ def aded_decode(target: TreeVerifier, drafter: TreeDrafter, prompts: list[list[i
     trees, ``accept`` picks each row's path, and the cache keeps only those paths. Returns each row's
     response tokens (EOS excluded) and counters."""
     rows = len(prompts) * num_samples
-    generators = []
-    for s in seeds:
-        g = torch.Generator(device=device)
-        g.manual_seed(s)
-        generators.append(g)
+    streams = RowStreams.seeded(seeds, device)  # the engine's streams: the rows plain sampling makes
     stats = DecodeStats()
     logits = target.open(prompts, num_samples)  # [R, V]
     out: list[list[int]] = [[] for _ in range(rows)]
     live: list[int] = []
     cap = sampling.max_new_tokens
     eos = set() if sampling.ignore_eos else eos_ids
-    first = [int(sample_next(logits[r][None], sampling, [generators[r]])[0]) for r in range(rows)]
+    first = sample_next(logits, sampling, streams).tolist()  # [R]
     for r, token in enumerate(first):
         if token not in eos:
             out[r].append(token)
@@ -395,7 +393,7 @@ def aded_decode(target: TreeVerifier, drafter: TreeDrafter, prompts: list[list[i
         stats.forward_passes += 1
         sources, next_live = [], []
         for b, (r, tree) in enumerate(zip(live, trees)):
-            path, new, token = accept_tokens(tree, logits[b], sampling, generators[r], eos)
+            path, new, token = accept_tokens(tree, logits[b], sampling, streams.row(r), eos)
             done = token in eos
             emitted = new + ([] if done else [token])
             out[r].extend(emitted)

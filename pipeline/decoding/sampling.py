@@ -1,9 +1,12 @@
 """Shared sampling math: per-row seeds, temperature / top-k / top-p sampling, and the
 distributions speculative verification draws from (residuals, beam sampling's p_beam).
 
-Every candidate row owns a ``torch.Generator`` seeded from (base seed, prompt_id, sample index),
-so a candidate's tokens do not depend on which other rows share its batch, which actor ran it,
-or how the input was sharded.
+Every candidate row owns a random stream seeded from (base seed, prompt_id, sample index), so a
+candidate's tokens do not depend on which other rows share its batch, which actor ran it, or how the
+input was sharded. The HF engine's rows draw from ``RowStreams``: the uniform for a row's token i is
+a counter-based hash of (row seed, i), computed for every row at once on the device, with no
+per-row generator and no launch per row. The model-side searches (pipeline.decoding.aded, sla, dsbd)
+keep one seeded ``torch.Generator`` per search row; ``sample_next`` takes either.
 """
 
 from __future__ import annotations
@@ -34,6 +37,84 @@ def row_seed(seed: int, prompt_id: str, sample: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """The low 32 bits of x * constant for x in [0, 2**32) (int64): the constant is split in 16-bit
+    halves so no intermediate product leaves int64's range (an overflowing product's wrap-around is
+    not something every device promises)."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (C. Wellons' "lowbias32": xor-shift, multiply, xor-shift,
+    multiply, xor-shift; every output bit depends on every input bit), on int64 holding 32 bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1), float32, one per row: a hash of the row's two 32-bit keys (keys [B, 2]
+    int64) and its counter (counters [B] int64, below 2**32), a pure function of the three, so a row's
+    i-th uniform is the same whatever rows share the call. The top 24 bits of the hash make the
+    float, the resolution of ``torch.rand``'s float32."""
+    x = _mix32((counters & MASK32) ^ keys[:, 0])
+    x = _mix32(x ^ keys[:, 1])
+    x = _mix32(x + 0x9E3779B9 & MASK32)  # a third round, offset by the golden ratio: no fixed point at 0
+    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+class RowStreams:
+    """Per-row random streams for the HF engine's rows: row r's j-th draw is
+    ``counter_uniforms(keys[r], j)``, where j counts the row's draws so far (one per sampled token,
+    so j is the token's index in the response; speculative decoding's acceptance draws one per token
+    as well, pipeline.decoding.aded.accept). Keys and counters live on the device; a draw is one batch
+    of integer ops for all rows, not one generator launch per row, and reads nothing back."""
+
+    def __init__(self, keys: torch.Tensor, counters: torch.Tensor):
+        self.keys = keys  # [B, 2] int64: each row's seed as two 32-bit words
+        self.counters = counters  # [B] int64: each row's draws so far
+
+    @classmethod
+    def seeded(cls, seeds: list[int], device: str | torch.device = "cpu") -> RowStreams:
+        """Streams for rows with these 63-bit seeds (``row_seed``), each at its first draw."""
+        keys = torch.tensor([[s & MASK32, (s >> 32) & MASK32] for s in seeds], dtype=torch.long).reshape(-1, 2)
+        return cls(keys.to(device), torch.zeros(len(seeds), dtype=torch.long, device=device))
+
+    def __len__(self) -> int:
+        return len(self.counters)
+
+    @property
+    def device(self) -> torch.device:
+        return self.counters.device
+
+    def draw(self) -> torch.Tensor:
+        """One uniform per row [B], float32 on the streams' device; every row's counter moves on."""
+        u = counter_uniforms(self.keys, self.counters)
+        self.counters.add_(1)
+        return u
+
+    def select(self, index: torch.Tensor) -> RowStreams:
+        """The streams of rows ``index`` [k] (long, on the device), in that order (a copy)."""
+        return RowStreams(self.keys[index], self.counters[index])
+
+    def row(self, i: int) -> RowStreams:
+        """Row i's stream as a view: its draws move this object's counter for row i too."""
+        return RowStreams(self.keys[i:i + 1], self.counters[i:i + 1])
+
+    @staticmethod
+    def cat(streams: list[RowStreams]) -> RowStreams:
+        """The rows of several streams one after another (a copy: a draw from it moves none of theirs)."""
+        if len(streams) == 1:
+            return streams[0]
+        return RowStreams(torch.cat([s.keys for s in streams]), torch.cat([s.counters for s in streams]))
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p (the order of HF's logits warpers). logits: [B, V] float;
     with none of them to apply, ``logits`` itself comes back (callers never write to it)."""
@@ -53,10 +134,12 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
-    """Draw one token per row. logits: [B, V]; generators: one per row. Returns [B] int64.
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                streams: RowStreams | list[torch.Generator]) -> torch.Tensor:
+    """Draw one token per row. logits: [B, V]; streams: the rows' RowStreams, or one seeded
+    generator per row. Returns [B] int64.
 
-    Inverse-CDF sampling: one uniform u_i from row i's own generator, then the first token whose
+    Inverse-CDF sampling: one uniform u_i from row i's own stream, then the first token whose
     cumulative probability exceeds u_i * total. One scalar draw per row is ~10x cheaper than a
     per-row torch.multinomial call, and the search is vectorized over the rows.
 
@@ -67,7 +150,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[t
     """
     if params.temperature == 0:
         return logits.argmax(-1)
-    u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generators])  # [B] in [0, 1)
+    if isinstance(streams, RowStreams):
+        u = streams.draw()  # [B] in [0, 1)
+    else:
+        u = torch.stack([torch.rand((), generator=g, device=g.device) for g in streams])  # [B] in [0, 1)
     u = u.to(logits.device)
     block = max(1, (1 << 20) // logits.shape[-1]) if logits.device.type == "cpu" else len(logits)
     return torch.cat([_inverse_cdf_sample(logits[i:i + block], u[i:i + block], params)

@@ -25,7 +25,7 @@ lowest first, so the rows in use stay packed at the front.
 
 Shapes stay stable: the buffers are allocated once, and grow (one copy of every slot, rare) only
 when a build needs more rows or columns than they hold, to a whole number of ``COLUMN_BLOCK``
-columns and twice the rows. The attention mask [S, C] marks each slot's real tokens; position ids
+columns and ``SLOT_BLOCK`` rows. The attention mask [S, C] marks each slot's real tokens; position ids
 count real tokens only, so a row's logits match an unpadded run (up to float rounding).
 
 Only models whose cache layers are all full attention use the pool (``KVPool.supports``); others
@@ -37,6 +37,7 @@ from __future__ import annotations
 import sys
 import threading
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -45,6 +46,10 @@ from pipeline.engines.rows import RowBatch, _cache_of, _GrowingLayer, _new_cache
 
 COLUMN_BLOCK = 64
 """Columns are allocated in blocks of this many."""
+SLOT_BLOCK = 16
+"""Slots are allocated in blocks of this many: a pool grows to the rows in use plus the new ones,
+rounded up (no doubling: the step loop's rows in flight are bounded by runtime.rows_in_flight, and
+a pool twice that size would hold memory no row uses)."""
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
 HEAP_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": (M_MMAP_THRESHOLD, 4 << 20), "MALLOC_ARENA_MAX": (M_ARENA_MAX, 2)}
 """What ``bound_heap`` sets, each unless its environment variable is set: buffers of 4 MiB or more
@@ -139,6 +144,8 @@ class KVPool:
         self.values: list[torch.Tensor] = []
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)  # [S, C] 1 = a real token
         self.length = torch.zeros(0, dtype=torch.long, device=device)  # [S] columns written (the next write's column)
+        self.host_length = np.zeros(0, dtype=np.int64)
+        """``length`` as the host knows it (kept in step with it), so a step needs no read from the device."""
         self.position = torch.zeros(0, dtype=torch.long, device=device)  # [S] position id of the next token
         self.free: list[int] = []  # free slots, kept sorted
         self.used: set[int] = set()
@@ -187,6 +194,7 @@ class KVPool:
         self.mask[index] = 0
         self.mask[:, :width].index_copy_(0, index, batch.attention_mask.to(self.mask.dtype))
         self.length[index] = width
+        self.host_length[slots] = width
         self.position[index] = batch.next_position.to(self.position.dtype)
         return slots
 
@@ -206,6 +214,7 @@ class KVPool:
             self.free = sorted(self.free + gone)
             index = torch.tensor(gone, dtype=torch.long, device=self.device)
             self.length[index] = 0  # a free slot rides along writing at column 0
+            self.host_length[gone] = 0
             self.mask[index] = 0
 
     @torch.inference_mode()
@@ -214,7 +223,7 @@ class KVPool:
         work that needs rows of its own (speculative decoding's draft-and-verify steps)."""
         self.collect()
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
-        width = int(self.length[index].max())
+        width = int(self.host_length[slots].max())
         layers = [(k[index, :, :width], v[index, :, :width]) for k, v in zip(self.keys, self.values)]
         batch = RowBatch(self.model, _cache_of(self.model, layers), self.mask[index, :width].clone(),
                          self.position[index].clone(), self.counted_by)
@@ -225,7 +234,7 @@ class KVPool:
     def _reserve(self, rows: int, columns: int, like: torch.Tensor) -> None:
         """Room for ``rows`` more rows of ``columns`` columns: the buffers are allocated on first use
         and reallocated (every slot copied once) only when they are too small."""
-        slots = self.slots if len(self.free) >= rows else max(2 * self.slots, len(self.used) + rows)
+        slots = self.slots if len(self.free) >= rows else -(-(len(self.used) + rows) // SLOT_BLOCK) * SLOT_BLOCK
         width = max(self.columns, -(-columns // COLUMN_BLOCK) * COLUMN_BLOCK)
         if slots == self.slots and width == self.columns:
             return
@@ -248,6 +257,7 @@ class KVPool:
         mask[:old_slots, :old_width] = self.mask
         self.mask = mask
         self.length = torch.cat([self.length, torch.zeros(slots - old_slots, dtype=torch.long, device=self.device)])
+        self.host_length = np.concatenate([self.host_length, np.zeros(slots - old_slots, dtype=np.int64)])
         self.position = torch.cat([self.position, torch.zeros(slots - old_slots, dtype=torch.long,
                                                               device=self.device)])
         self.free = sorted(self.free + list(range(old_slots, slots)))
@@ -262,21 +272,26 @@ class KVPool:
         runs over the slot range they span (``_pool_attention``), the rows between them that do not
         step (free slots, a session waiting for its rewards) costing only their share of it. Under
         any other attention the pass runs over slots [0, high), the others riding along on a
-        placeholder token the mask hides. Returns the model output for the stepping rows, in order."""
+        placeholder token the mask hides. Returns the model output for the stepping rows, in order.
+        Nothing is read back from the device: the host keeps its own copy of the rows' lengths."""
         self.collect()
-        index = torch.tensor(slots, dtype=torch.long, device=self.device)  # [n]
+        host = np.asarray(slots, dtype=np.int64)
+        index = torch.from_numpy(host).to(self.device)  # [n]
         base = self.model.config._attn_implementation or "eager"
         if base in SCATTER_BASES:
-            return self._scatter_step(index, tokens, base, **model_kwargs)
-        return self._ride_step(index, tokens, **model_kwargs)
+            out = self._scatter_step(host, index, tokens, base, **model_kwargs)
+        else:
+            out = self._ride_step(index, tokens, **model_kwargs)
+        self._advance(host, index)
+        return out
 
-    def _scatter_step(self, index: torch.Tensor, tokens: torch.Tensor, base: str, **model_kwargs):
-        lo, hi = int(index.min()), int(index.max()) + 1
+    def _scatter_step(self, host: np.ndarray, index: torch.Tensor, tokens: torch.Tensor, base: str, **model_kwargs):
+        lo, hi = int(host.min()), int(host.max()) + 1
         columns = self.length[index]  # [n] each row writes at its next column
-        width = self._width(columns)
+        width = self._width(int(self.host_length[host].max()))
         self.mask[index, columns] = 1
         mask = self.mask[lo:hi, :width].bool()  # [R, width]
-        mask[~mask.any(-1), 0] = True  # a free slot in the span: no row of all -inf (its output is dropped)
+        mask[:, 0] |= ~mask.any(-1)  # a free slot in the span: no row of all -inf (its output is dropped)
         mask = mask[:, None, None, :]  # [R, 1, 1, width]
         if base == "eager":  # eager adds its mask
             mask = torch.zeros(mask.shape, dtype=self.keys[0].dtype, device=self.device).masked_fill_(
@@ -292,7 +307,6 @@ class KVPool:
                                  **model_kwargs)
         finally:
             config._attn_implementation = configured
-        self._advance(index)
         return out
 
     def _ride_step(self, index: torch.Tensor, tokens: torch.Tensor, **model_kwargs):
@@ -300,7 +314,7 @@ class KVPool:
         rows = torch.arange(high, device=self.device)
         ids = torch.zeros(high, dtype=torch.long, device=self.device).index_copy_(0, index, tokens.to(torch.long))
         columns = self.length[:high]  # [high] each row writes at its next column
-        width = self._width(columns)
+        width = self._width(int(self.host_length[:high].max()))
         self.mask[rows, columns] = 1  # riding rows too, for this pass: their placeholder attends to itself
         cache = DynamicCache()
         cache.layers = [_PoolLayer(k, v, rows, columns, (0, high), width) for k, v in zip(self.keys, self.values)]
@@ -312,18 +326,19 @@ class KVPool:
         riding[index] = False
         self.mask[rows[riding], columns[riding]] = 0
         out.logits = out.logits[index]
-        self._advance(index)
         return out
 
-    def _width(self, columns: torch.Tensor) -> int:
-        width = int(columns.max()) + 1
+    def _width(self, last: int) -> int:
+        """The columns a step attends over, ``last`` being the highest column it writes."""
+        width = last + 1
         if width > self.columns:
             raise RuntimeError(f"KV pool: a row needs column {width - 1} but the pool has {self.columns} "
                                "(admit was told fewer columns than the row decodes)")
         return width
 
-    def _advance(self, index: torch.Tensor) -> None:
+    def _advance(self, host: np.ndarray, index: torch.Tensor) -> None:
         self.length[index] += 1
+        self.host_length[host] += 1
         self.position[index] += 1
         self.forward_passes += 1
         for owner in self.counted_by:

@@ -14,8 +14,10 @@ with the rest.
 
 Rows of several prompts share one batch (a pipeline.engines.rows.RowBatch): prompts are
 left-padded, the attention mask hides the padding, and position ids count real tokens only, so a
-row's logits match an unpadded run. Every row samples with its own seeded ``torch.Generator`` (see
-pipeline.decoding.sampling).
+row's logits match an unpadded run. Every row samples from its own counter-based random stream
+(pipeline.decoding.sampling.RowStreams): its i-th token's uniform is a hash of (row seed, i), drawn
+for all rows at once on the device. A step reads one tensor back from the device (the sampled
+tokens and their EOS flags, together).
 
 Speculative decoding (``speculative``, models.speculative, off by default): an extend to the length
 cap (Best-of-N's rows, the candidates that survive speculative rejection's last decision token)
@@ -39,7 +41,7 @@ from transformers import DynamicCache
 
 from pipeline.decoding.aded import accept_tokens
 from pipeline.decoding.domain import RowState
-from pipeline.decoding.sampling import SamplingParams, sample_next
+from pipeline.decoding.sampling import RowStreams, SamplingParams, sample_next
 from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
 from pipeline.decoding.tree import TokenTree
 from pipeline.engines.kv_pool import KVPool, bound_heap
@@ -67,7 +69,7 @@ class Session:
     """The live rows' KV cache, aligned with ``rows``; None while the rows sit in the step loop's
     shared batch or in the KV pool (``slots``)."""
     rows: list[int]  # live row ids, aligned with the batch dimension
-    generators: list[torch.Generator]  # aligned with ``rows``
+    streams: RowStreams  # the live rows' random streams, aligned with ``rows``
     tokens: dict[int, list[int]]  # row id -> response tokens (EOS excluded)
     last_token: torch.Tensor | None = None  # [B] sampled, not yet in the cache: the next step feeds it
     finished: set[int] = field(default_factory=set)
@@ -118,15 +120,11 @@ class ModelRunner:
     def prefill(self, prompts: list[list[int]], num_samples: int, seeds: list[int],
                 sampling: SamplingParams) -> Session:
         """A new session: each prompt prefilled once, fanned out to its rows, first tokens sampled."""
-        generators = []
-        for s in seeds:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(s)
-            generators.append(g)
         batch, out = RowBatch.prefill(self.model, prompts, self.pad_id, self.device, counted_by=(self,),
                                       logits_to_keep=1)  # once per prompt
         batch.fan_out(num_samples)
-        state = Session(sampling=sampling, batch=batch, rows=list(range(len(seeds))), generators=generators,
+        state = Session(sampling=sampling, batch=batch, rows=list(range(len(seeds))),
+                        streams=RowStreams.seeded(seeds, self.device),
                         tokens={r: [] for r in range(len(seeds))}, forward_passes=1, prompts=prompts,
                         num_samples=num_samples)
         finished = self._sample(state, out.logits[:, -1, :].repeat_interleave(num_samples, 0))  # [R, V]
@@ -188,7 +186,7 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: RowBatch, sessions: list[Session], live: list[int]) -> list[list[int]]:
         """One decoding step of ``sessions``' live rows in their shared ``batch``, one forward pass:
-        feed each row's pending token, sample its next one with the row's own generator, record it.
+        feed each row's pending token, sample its next one from the row's own stream, record it.
         ``live``: the batch positions of the sessions' live rows, the sessions' rows one after
         another; the batch's other rows are finished rows that ride along on a placeholder token and
         are never sampled. Rows that hit EOS or the cap leave their session's per-row state (rows,
@@ -213,7 +211,11 @@ class ModelRunner:
         sampling = sessions[0].sampling
         shared = all(s.sampling == sampling for s in sessions)
         if shared:  # the usual case: one draw for all rows
-            sampled = sample_next(logits, sampling, [g for s in sessions for g in s.generators])  # [live]
+            streams = RowStreams.cat([s.streams for s in sessions])
+            sampled = sample_next(logits, sampling, streams)  # [live]
+            if len(sessions) > 1:  # the draw moved the joined copy's counters
+                for state in sessions:
+                    state.streams.counters.add_(1)
             listed, is_eos = self._listed(sampled, sampling)
         finished = []
         offset = 0
@@ -259,7 +261,7 @@ class ModelRunner:
         eos = set() if sampling.ignore_eos else self.eos_ids
         kept, last, done = [], [], []
         for i, (row, tree) in enumerate(zip(state.rows, trees)):
-            _, accepted, token = accept_tokens(tree, logits[i], sampling, state.generators[i], eos)
+            _, accepted, token = accept_tokens(tree, logits[i], sampling, state.streams.row(i), eos)
             tokens = state.tokens[row]
             tokens.extend(accepted)
             if token not in eos:
@@ -279,13 +281,15 @@ class ModelRunner:
     def _sample(self, state: Session, logits: torch.Tensor) -> list[int]:
         """Sample one token per live row from logits [B, V]; the batch positions of the rows that
         hit EOS or the cap (now finished; the caller drops them)."""
-        tokens = sample_next(logits, state.sampling, state.generators)  # [B]
+        tokens = sample_next(logits, state.sampling, state.streams)  # [B]
         return self._record(state, tokens, *self._listed(tokens, state.sampling))
 
     def _listed(self, tokens: torch.Tensor, sampling: SamplingParams) -> tuple[list[int], list[bool]]:
-        """Sampled tokens [B] as a list, and which of them are EOS."""
-        is_eos = [False] * len(tokens) if sampling.ignore_eos else torch.isin(tokens, self._eos).tolist()
-        return tokens.tolist(), is_eos
+        """Sampled tokens [B] as a list, and which of them are EOS: one read from the device."""
+        if sampling.ignore_eos:
+            return tokens.tolist(), [False] * len(tokens)
+        listed, is_eos = torch.stack([tokens, torch.isin(tokens, self._eos).to(tokens.dtype)]).tolist()
+        return listed, [bool(e) for e in is_eos]
 
     def _record(self, state: Session, tokens: torch.Tensor, listed: list[int], is_eos: list[bool]) -> list[int]:
         """Append each live row's sampled token (tokens [B], also as a list, with its EOS flags);
@@ -315,10 +319,10 @@ class ModelRunner:
 
     @staticmethod
     def _keep(state: Session, keep: list[int], index: torch.Tensor) -> None:
-        """The per-row state of ``_select`` (rows, samplers, pending tokens), without the batch."""
+        """The per-row state of ``_select`` (rows, streams, pending tokens), without the batch."""
         state.last_token = state.last_token[index]
         state.rows = [state.rows[i] for i in keep]
-        state.generators = [state.generators[i] for i in keep]
+        state.streams = state.streams.select(index.to(state.streams.device))
         if state.slots is not None:
             state.slots = [state.slots[i] for i in keep]
 

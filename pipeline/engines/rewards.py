@@ -43,10 +43,16 @@ from pipeline.engines.hf import for_inference, load_pretrained, load_tokenizer
 from pipeline.engines.rows import RowBatch, timed_forward
 
 
+BATCH_TOKENS = 2048
+"""The most padded tokens in one stateless reward pass (``RewardScorer._batches``), beside
+runtime.reward_batch_size's sequences."""
+
+
 class RewardScorer:
     """Scorer implementation (see pipeline.decoding.domain.Scorer)."""
 
-    def __init__(self, model, tokenizer, device: str | torch.device = "cpu", batch_size: int = 32):
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu", batch_size: int = 32,
+                 batch_tokens: int = BATCH_TOKENS):
         if getattr(model.config, "num_labels", 1) != 1:
             raise ValueError(f"reward model must have one output label, has {model.config.num_labels}")
         self.model = model.eval()
@@ -56,6 +62,7 @@ class RewardScorer:
             model.config.pad_token_id = tokenizer.pad_token_id
         self.device = torch.device(device)
         self.batch_size = batch_size
+        self.batch_tokens = batch_tokens
         self.max_length = min(int(getattr(model.config, "max_position_embeddings", 0) or 10**9),
                               int(tokenizer.model_max_length or 10**9))
         self.forward_passes = 0
@@ -111,16 +118,32 @@ class RewardScorer:
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         # Cut from the left past the context: the response, which the score is about, stays.
         token_ids = [self.encode(p, r)[-self.max_length:] for p, r in zip(prompts, responses)]
-        scores: list[float] = []
-        for start in range(0, len(token_ids), self.batch_size):
-            batch = self.tokenizer.pad({"input_ids": token_ids[start:start + self.batch_size]}, return_tensors="pt")
+        scores: list[float] = [math.nan] * len(token_ids)
+        for group in self._batches([len(ids) for ids in token_ids]):
+            batch = self.tokenizer.pad({"input_ids": [token_ids[i] for i in group]}, return_tensors="pt")
             with timed_forward(self.device):  # the streaming path's passes are timed by RowBatch
                 logits = self.model(**batch.to(self.device)).logits  # [B, 1]
             self.forward_passes += 1
             self.tokens_read += int(batch["attention_mask"].sum())
-            scores.extend(float(v) if math.isfinite(v) else math.nan for v in logits[:, 0].float().tolist())
+            for i, v in zip(group, logits[:, 0].float().tolist()):
+                scores[i] = float(v) if math.isfinite(v) else math.nan
         self.scored += len(token_ids)
         return scores
+
+    def _batches(self, lengths: list[int]) -> list[list[int]]:
+        """The sequences of these lengths in forward passes: longest first, so a pass pads little,
+        each of at most ``batch_size`` sequences and ``batch_tokens`` padded tokens (one sequence
+        alone may exceed it). A pass's activations grow with its padded tokens (its attention with
+        their square), so the token bound is what bounds a scorer's memory."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        batches: list[list[int]] = []
+        for i in order:
+            if batches and len(batches[-1]) < self.batch_size and \
+                    (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= self.batch_tokens:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        return batches
 
     def stats(self) -> dict:
         return {"forward_passes": self.forward_passes, "scored": self.scored, "tokens_read": self.tokens_read,

@@ -45,15 +45,31 @@ from pipeline.engines.tree import TreeVerification, commit_paths, verify_tree
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer, each [H, n, D] or [B, H, n, D]
 
 
-@dataclass
 class ForwardClock:
-    """Model forward passes run while this clock was active (``forward_clock``)."""
+    """Model forward passes run while this clock was active (``forward_clock``).
 
-    seconds: float = 0.0
-    """Wall seconds (time.time) inside the passes; on CUDA each pass is synchronised before it is
-    stopped, so the seconds are the device's work, not the kernel launches."""
-    passes: int = 0
-    """Forward passes timed."""
+    ``seconds``: the time inside the passes. On CPU, wall seconds (time.time). On CUDA, each pass
+    records a start and an end event on the current stream, and the device time between them is
+    read only when ``seconds`` is read (which then waits for those passes), so timing never stalls
+    the host between passes."""
+
+    def __init__(self, seconds: float = 0.0, passes: int = 0):
+        self._seconds = seconds
+        self.passes = passes
+        """Forward passes timed."""
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def seconds(self) -> float:
+        pending, self._pending = self._pending, []
+        for start, end in pending:
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1000  # milliseconds
+        return self._seconds
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._seconds = value
 
 
 # Dynamic scope, like torch.inference_mode: each thread (each Ray actor call, each in-process
@@ -78,11 +94,17 @@ def timed_forward(device: torch.device) -> Iterator[None]:
     if clock is None:
         yield
         return
-    start = time.time()
-    yield
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    clock.seconds += time.time() - start
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream(device)
+        start.record(stream)
+        yield
+        end.record(stream)
+        clock._pending.append((start, end))
+    else:
+        start = time.time()
+        yield
+        clock._seconds += time.time() - start
     clock.passes += 1
 
 
