@@ -330,7 +330,7 @@ def _plan_actors(config: Config) -> _ActorPlan:
         reward_args=(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size,
                      m.cpu_prepack),
         reward_kwargs={"load": m.hf.load_kwargs("reward"), "backend": m.reward_backend,
-                       "vllm": engine_settings(config, "reward")},
+                       "vllm": engine_settings(config, "reward"), "cache_mb": rt.reward_cache_mb},
         generator_resources=actor_resources(config, "generator"),
         reward_resources=actor_resources(config, "reward"),
         draft_actor_args=(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus)), m.cpu_prepack,

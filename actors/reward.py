@@ -20,19 +20,21 @@ from pipeline.observability import ActorTimeline, CallTiming
 class RewardActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
                  batch_size: int = 32, prepack: bool = True, load: dict | None = None, backend: str = "hf",
-                 vllm: dict | None = None):
+                 vllm: dict | None = None, cache_mb: int | None = None):
         """``model``: a sequence-classification model (dir or Hub id), or a reward function
         ``module:function`` (pipeline.engines.rewards.FunctionScorer). ``load``: the model's
         ``from_pretrained`` keywords (models.hf); ``backend`` (models.reward_backend): the record of
         pipeline.engines.backends whose reward scorer loads the model ("vllm": vLLM's pooling runner,
-        with ``vllm`` (models.reward_vllm) as ``vllm.LLM`` keywords)."""
+        with ``vllm`` (models.reward_vllm) as ``vllm.LLM`` keywords). ``cache_mb``: runtime.reward_cache_mb
+        (None: no bound)."""
         torch.set_num_threads(max(1, num_threads))
         if is_reward_function(model):
             self.scorer = FunctionScorer(model)
         else:
             self.scorer = backend_record(backend, "models.reward_backend").load_reward(model, EngineOptions(
                 device=device, dtype=dtype, num_threads=max(1, num_threads), prepack=prepack, load=load,
-                settings=vllm, batch_size=batch_size))
+                settings=vllm, batch_size=batch_size,
+                reward_cache_bytes=None if cache_mb is None else cache_mb << 20))
         self.timeline = ActorTimeline(lambda: len(self.scorer.sessions), compute="tokenizing_and_bookkeeping",
                                       open_wait="waiting_for_generator")
 

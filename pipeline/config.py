@@ -299,6 +299,12 @@ class RuntimeConfig:
     merged_decoding before; that key is still read, with a warning."""
     reward_batch_size: int = 32
     """Sequences per reward-model forward pass."""
+    reward_cache_mb: int = 256
+    """The most reward-side KV, in MiB, that an HF reward actor's streaming sessions keep between
+    their calls (strategy.streaming_rewards): the caches of the sessions scored least recently go
+    first, and their rows are read in full at their next score (the same scores, more reward
+    compute). A cache lives while its rows decode to the next decision token, so without a bound
+    the reward actor holds KV for every row in flight beside the generator's."""
     local: bool = False
     """Run in-process without Ray (tests, debugging)."""
     call_timeout_s: float = 900.0
@@ -329,6 +335,9 @@ class RuntimeConfig:
                 raise ConfigError(f"runtime.{key}: must be >= 1, got {getattr(self, key)}")
         if self.rows_in_flight < 0:
             raise ConfigError(f"runtime.rows_in_flight: must be >= 0 (0: no row limit), got {self.rows_in_flight}")
+        if self.reward_cache_mb < 0:
+            raise ConfigError(f"runtime.reward_cache_mb: must be >= 0 (0: keep no cache between calls), "
+                              f"got {self.reward_cache_mb}")
         if self.lease_timeout_s <= 0:
             raise ConfigError(f"runtime.lease_timeout_s: must be > 0, got {self.lease_timeout_s}")
         if self.call_timeout_s <= 0:

@@ -101,6 +101,49 @@ def test_streaming_scores_equal_full_rescoring_with_fewer_tokens(scorer):
     assert scorer.tokens_read - session_start == counters["tokens_read"] + rescoring_tokens
 
 
+@pytest.mark.parametrize("budget", ["none", "one session", "zero"])
+def test_the_reward_cache_bound_drops_the_least_recent_sessions_and_keeps_the_scores(scorer, budget):
+    """runtime.reward_cache_mb: after each call the sessions' caches fit the bound, the session
+    scored least recently losing its cache first; a dropped row is read in full at its next score,
+    which comes out the same."""
+    prompts = ["Review the blender for me.", "How good is the lamp?"]
+    texts = _growing_texts()
+    sessions = ["a", "b"]
+    unbounded = {}
+    before = scorer.cache_bytes, scorer.dropped_rows
+    try:
+        for limit in (None, budget):
+            scorer.cache_bytes = None
+            for name in sessions:
+                scorer.open(name, prompts, 2)
+            read = scorer.tokens_read
+            scores = {}
+            for step, rows in enumerate([[0, 1, 2, 3], [0, 1, 2, 3], [0, 2]]):
+                for name in sessions:
+                    if limit == "one session":  # room for b's cache alone: a call to a drops b's
+                        scorer.cache_bytes = max(g.batch.nbytes() for g in scorer.sessions["b"].groups) \
+                            if scorer.sessions["b"].groups else 1 << 30
+                    elif limit == "zero":
+                        scorer.cache_bytes = 0
+                    scores[name, step] = scorer.extend(name, rows, [texts[step][r] for r in rows])
+                    assert scorer.cache_bytes is None or scorer.cached_bytes() <= scorer.cache_bytes
+                    if limit == "zero":
+                        assert scorer.cached_bytes() == 0
+            read = scorer.tokens_read - read
+            for name in sessions:
+                scorer.close(name)
+            if limit is None:
+                unbounded, unbounded_read = scores, read
+        for key, values in scores.items():
+            assert values == pytest.approx(unbounded[key], abs=1e-4)
+        if budget == "none":
+            assert read == unbounded_read
+        else:
+            assert read > unbounded_read and scorer.dropped_rows > before[1]
+    finally:
+        scorer.cache_bytes = before[0]
+
+
 def test_streaming_falls_back_to_rescoring_for_encoder_reward_models(tiny_models):
     from transformers import BertConfig, BertForSequenceClassification
 

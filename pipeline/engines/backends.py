@@ -94,6 +94,9 @@ class EngineOptions:
     """The backend's own engine keywords (``Backend.settings``: models.vllm / models.reward_vllm)."""
     batch_size: int = 32
     """Sequences per reward-model forward pass (runtime.reward_batch_size; reward scorers only)."""
+    reward_cache_bytes: int | None = None
+    """Reward-side KV the HF scorer's streaming sessions keep between calls (runtime.reward_cache_mb);
+    None: no bound."""
 
 
 @dataclass(frozen=True)

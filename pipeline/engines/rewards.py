@@ -52,7 +52,9 @@ class RewardScorer:
     """Scorer implementation (see pipeline.decoding.domain.Scorer)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", batch_size: int = 32,
-                 batch_tokens: int = BATCH_TOKENS):
+                 batch_tokens: int = BATCH_TOKENS, cache_bytes: int | None = None):
+        """``cache_bytes``: the most bytes of reward-side KV the streaming sessions keep between calls
+        (runtime.reward_cache_mb); None: no bound."""
         if getattr(model.config, "num_labels", 1) != 1:
             raise ValueError(f"reward model must have one output label, has {model.config.num_labels}")
         self.model = model.eval()
@@ -63,6 +65,10 @@ class RewardScorer:
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.batch_tokens = batch_tokens
+        self.cache_bytes = cache_bytes
+        self.dropped_rows = 0
+        """Rows whose cache was dropped to keep within ``cache_bytes`` (each read in full at its next score)."""
+        self._calls = 0  # streaming calls so far: each session's last one orders the drops
         self.max_length = min(int(getattr(model.config, "max_position_embeddings", 0) or 10**9),
                               int(tokenizer.model_max_length or 10**9))
         self.forward_passes = 0
@@ -84,8 +90,10 @@ class RewardScorer:
     @classmethod
     def from_options(cls, name_or_path: str, options) -> RewardScorer:
         """The HF backend's reward scorer (pipeline.engines.backends: EngineOptions)."""
-        return cls.from_pretrained(name_or_path, device=options.device, dtype=options.dtype,
-                                   batch_size=options.batch_size, prepack=options.prepack, load=options.load)
+        scorer = cls.from_pretrained(name_or_path, device=options.device, dtype=options.dtype,
+                                     batch_size=options.batch_size, prepack=options.prepack, load=options.load)
+        scorer.cache_bytes = options.reward_cache_bytes
+        return scorer
 
     def format(self, prompt: str | list[dict], response: str) -> str:
         """The reward model's text: the conversation (a string prompt is one user turn) plus the
@@ -147,7 +155,12 @@ class RewardScorer:
 
     def stats(self) -> dict:
         return {"forward_passes": self.forward_passes, "scored": self.scored, "tokens_read": self.tokens_read,
-                "open_sessions": len(self.sessions)}
+                "open_sessions": len(self.sessions), "cached_bytes": self.cached_bytes(),
+                "dropped_rows": self.dropped_rows}
+
+    def cached_bytes(self) -> int:
+        """Bytes of reward-side KV the open sessions hold."""
+        return sum(g.batch.nbytes() for state in list(self.sessions.values()) for g in list(state.groups))
 
     # -- streaming sessions ------------------------------------------------------------------
 
@@ -172,10 +185,32 @@ class RewardScorer:
             group.keep([i for i, r in enumerate(group.rows) if r in listed])
         state.groups = [g for g in state.groups if g.rows]
         before = self.tokens_read
+        self._calls += 1
+        state.last_call = self._calls
         try:
             return self._extend_rows(state, rows, prompts, responses)
         finally:
             state.tokens_read += self.tokens_read - before
+            self._bound_cache()
+
+    def _bound_cache(self) -> None:
+        """Keep the sessions' caches within ``cache_bytes``: drop whole groups, those of the session
+        scored least recently first (the one just scored last). A dropped row's next score reads its
+        text in full, as a new row's does: the same score, more tokens read. A session's cache lives
+        from one decision token to the next, while its rows decode; the bound trades that memory for
+        re-reading (docs/benchmarks.md, "The KV pool")."""
+        if self.cache_bytes is None:
+            return
+        groups = sorted(((state.last_call, i, state, group, group.batch.nbytes())
+                         for state in self.sessions.values() for i, group in enumerate(state.groups)),
+                        key=lambda g: (g[0], g[1]))
+        held = sum(g[4] for g in groups)
+        for _, _, state, group, size in groups:
+            if held <= self.cache_bytes:
+                break
+            state.groups.remove(group)
+            self.dropped_rows += len(group.rows)
+            held -= size
 
     def _extend_rows(self, state: _StreamSession, rows: list[int], prompts: list[str],
                      responses: list[str]) -> list[float]:
@@ -302,6 +337,7 @@ class _StreamSession:
     num_samples: int
     groups: list[_StreamGroup] = field(default_factory=list)
     tokens_read: int = 0
+    last_call: int = 0  # the scorer's call count at this session's last extend
 
     def prompt_of(self, row: int) -> str:
         if not 0 <= row < len(self.prompts) * self.num_samples:

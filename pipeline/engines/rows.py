@@ -315,6 +315,17 @@ class RowBatch:
         return RowSnapshot([(layer.keys, layer.values) for layer in self.cache.layers], self.attention_mask,
                            self.next_position)
 
+    def nbytes(self) -> int:
+        """Bytes the KV cache holds, its spare columns included (each buffer counted once)."""
+        storages = {}
+        for layer in self.cache.layers:
+            room = getattr(layer, "_room", None)
+            for tensor in (layer.keys, layer.values) + (room[:2] if room else ()):
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
     def entries(self, row: int, last: int | None = None) -> list[KV]:
         """Per layer, copies of row ``row``'s keys and values [H, n, D] of its last ``last`` columns
         (all when None): what ``from_entries`` takes back."""
