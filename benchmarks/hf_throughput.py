@@ -2,6 +2,7 @@
 
     python -m benchmarks.hf_throughput --generator DIR [--rows 128] [--max-new-tokens 128] [--repeats 3] [--threads 2]
     python -m benchmarks.hf_throughput --generator DIR --compare-prepack [--repeats 3]
+    python -m benchmarks.hf_throughput --generator DIR --compare-attention [--device cuda --dtype bfloat16]
 
 Each repeat opens one session of --rows rows (a fixed set of chat prompts, chat template applied,
 sampled --rows / prompts times each), extends it to exactly --max-new-tokens tokens per row (temperature
@@ -16,6 +17,12 @@ benchmark to call.
 pass that feeds 1, 2, 4 or 8 tokens to one row after its prompt (what a verification pass of
 speculative or tree decoding costs: --pass-repeats passes each, median); prints each with the ratio
 off / on.
+
+``--compare-attention``: the same measurement under each attention path (ATTENTION: sdpa as
+PyTorch dispatches it, eager, and sdpa with its kernel pinned to math, flash, efficient or cuDNN),
+one engine per implementation in one process, repeats alternating; a kernel the device lacks is
+reported, not measured. This is how the attention default was chosen (docs/benchmarks.md,
+"Attention").
 """
 
 from __future__ import annotations
@@ -131,6 +138,52 @@ def compare_prepack(model_dir: str, rows: int, tokens: int, repeats: int, thread
     return result
 
 
+ATTENTION = ("sdpa", "eager", "sdpa:math", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn")
+"""The attention paths ``--compare-attention`` measures: transformers' sdpa with PyTorch's own
+choice of kernel, eager, and sdpa with its kernel pinned (``torch.nn.attention.sdpa_kernel``); a
+kernel this device or these shapes lack is reported as an error, not measured."""
+
+
+def compare_attention(model_dir: str, rows: int, tokens: int, repeats: int, threads: int,
+                      device: str = "cpu", dtype: str = "float32", paths: tuple[str, ...] = ATTENTION) -> dict:
+    """The engine's decoding throughput under each attention path, in one process, repeats
+    alternating (the KV pool's steps run under the model's configured implementation, its stepping
+    rows' queries scattered into their slots: pipeline.engines.kv_pool)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.set_num_threads(threads)
+    engines = {name: HFEngine.from_pretrained(model_dir, device=device, dtype=dtype,
+                                              load={"attn_implementation": name})
+               for name in sorted({p.split(":")[0] for p in paths})}
+    prompts = chat_prompts(next(iter(engines.values())).tokenizer, rows)
+    result = {"model": model_dir, "transformers": transformers.__version__, "torch": torch.__version__,
+              "device": device, "dtype": dtype, "rows": rows, "tokens": tokens, "threads": threads}
+    rates: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
+
+    def rate(path: str, length: int = tokens) -> float:
+        base, _, kernel = path.partition(":")
+        engine = engines[base]
+        if not kernel:
+            return _rate(engine, prompts, rows, length)
+        with sdpa_kernel([getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                                               "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[kernel])]):
+            return _rate(engine, prompts, rows, length)
+
+    for path in paths:  # warm-up, and which paths run here at all
+        try:
+            rate(path, min(tokens, 8))
+            rates[path] = []
+        except (RuntimeError, AttributeError) as exc:
+            errors[path] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    for _ in range(repeats):
+        for path in rates:
+            rates[path].append(rate(path))
+    for path in paths:
+        result[path] = _summary(rates[path]) if path in rates else {"error": errors[path]}
+    return result
+
+
 def main(argv=None) -> int:
     parser = bench_parser("benchmarks.hf_throughput", __doc__, models="tiny", generator=None, max_new_tokens=128,
                           repeats=3, threads=2, json=None)
@@ -139,9 +192,24 @@ def main(argv=None) -> int:
     parser.add_argument("--compare-prepack", action="store_true",
                         help="cpu_prepack on and off side by side, and the cost of 1-8 token passes")
     parser.add_argument("--pass-repeats", type=int, default=20)
+    parser.add_argument("--compare-attention", action="store_true",
+                        help="the engine's throughput under eager, sdpa and sdpa with each kernel pinned")
+    parser.add_argument("--device", default="cpu", help="--compare-attention's device (cpu, cuda)")
+    parser.add_argument("--dtype", default="float32", help="--compare-attention's dtype")
     args = parse(parser, argv)
     model = model_dirs(args.models, ("generator",), generator=args.generator)["generator"]
-    if args.compare_prepack:
+    if args.compare_attention:
+        result = compare_attention(model, args.rows, args.max_new_tokens, args.repeats, args.threads,
+                                   args.device, args.dtype)
+        best = max((p for p in ATTENTION if "median_tokens_per_s" in result[p]),
+                   key=lambda p: result[p]["median_tokens_per_s"])
+        for path in ATTENTION:
+            r = result[path]
+            line = (f"{r['median_tokens_per_s']:.1f} tokens/s {r['tokens_per_s']}, "
+                    f"{r['median_tokens_per_s'] / result[best]['median_tokens_per_s']:.2f}x the fastest"
+                    if "error" not in r else f"not run: {r['error']}")
+            print(f"{path:15s} {line}")
+    elif args.compare_prepack:
         result = compare_prepack(model, args.rows, args.max_new_tokens, args.repeats, args.threads, args.pass_repeats)
         for name in ("prepack", "default"):
             r = result[name]

@@ -178,6 +178,7 @@ runtime_settings = st.fixed_dictionaries({
     "batches_in_flight": st.integers(1, 4),
     "rows_in_flight": st.sampled_from([0, 1, 4, 64]),
     "continuous_batching": st.booleans(),
+    "reward_cache_mb": st.sampled_from([0, 256]),  # 0: every streamed row is read in full again
 })
 common = dict(num_samples=st.integers(2, 5), max_new_tokens=st.integers(1, 14), runtime=runtime_settings,
               shard_size=st.integers(1, 13))

@@ -212,6 +212,7 @@ def _ancestral(host, prompts, num_samples, seeds, sampling, params):
     runner = host.engine.runner
     with torch.inference_mode():
         state = runner.prefill(prompts, num_samples, seeds, sampling)
+        runner.unpool(state)  # a batch row per sample (a pooled engine's prefill keeps one per prompt)
         state.until = sampling.max_new_tokens
         while not state.extended():
             width = len(state.batch.next_position)

@@ -376,3 +376,21 @@ def test_the_engines_samples_follow_the_models_distribution(engine):
         wanted *= observed.sum() / wanted.sum()  # scipy wants the same totals to the last bits
         assert big.sum() >= 20, name  # the test has bins to count
         assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3, name
+
+
+def test_a_pooled_session_keeps_one_kv_row_per_prompt_until_its_rows_join_the_pool(engine):
+    """The fanned-out copy of a session's prefilled KV (a prompt's cache once per sample) is never
+    made: each prompt's row is written into its samples' slots when they join the pool, and a row
+    that finished on its first token just drops out."""
+    a, b = ids(engine, "Write a review of the lamp"), ids(engine, "Explain why the phone broke")
+    engine.open("fan", [a, b], 4, list(range(8)), SAMPLE)
+    try:
+        state = engine.sessions["fan"]
+        assert len(state.batch.next_position) == 2  # one row per prompt
+        assert state.fan == [r // 4 for r in state.rows]
+        rows = engine.extend("fan", until=SAMPLE.max_new_tokens)
+    finally:
+        engine.close("fan")
+    assert state.fan is None and state.batch is None
+    alone = engine.generate([a, b], 4, list(range(8)), SAMPLE)
+    assert [r.token_ids for r in rows] == [r.token_ids for r in alone]

@@ -46,6 +46,8 @@ from pipeline.engines.rows import RowBatch, _cache_of, _GrowingLayer, _new_cache
 
 COLUMN_BLOCK = 64
 """Columns are allocated in blocks of this many."""
+WIDTH_BLOCK = 16
+"""A step attends over a whole number of blocks of this many columns (``KVPool._width``)."""
 SLOT_BLOCK = 16
 """Slots are allocated in blocks of this many: a pool grows to the rows in use plus the new ones,
 rounded up (no doubling: the step loop's rows in flight are bounded by runtime.rows_in_flight, and
@@ -175,27 +177,35 @@ class KVPool:
     # -- slots ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def admit(self, batch: RowBatch, columns_needed: int) -> list[int]:
-        """Write the rows of ``batch`` (a prefilled RowBatch, no tree pending) into free slots, lowest
-        first: their keys, values, attention mask and next positions. ``columns_needed``: the most
+    def admit(self, batch: RowBatch, columns_needed: int, sources: list[int] | None = None) -> list[int]:
+        """Write rows of ``batch`` (a prefilled RowBatch, no tree pending) into free slots, lowest
+        first: their keys, values, attention mask and next positions. ``sources``: the batch row each
+        new row copies (a prompt's row, once per sample: the fanned-out copy is never made; one
+        layer at a time is gathered); None: every batch row, once. ``columns_needed``: the most
         columns any of these rows will hold (its cached tokens plus those still to decode; one more
         is kept free for the placeholder of a riding row). Returns the slots, aligned with the rows."""
         self.collect()
         layers = batch.cache.layers
-        rows, width = len(batch.next_position), batch.attention_mask.shape[1]
+        rows = len(sources) if sources is not None else len(batch.next_position)
+        width = batch.attention_mask.shape[1]
         self._reserve(rows, max(columns_needed, width) + 1, layers[0].keys)
         slots = self.free[:rows]
         del self.free[:rows]
         self.used.update(slots)
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        source = None if sources is None else torch.tensor(sources, dtype=torch.long, device=self.device)
+
+        def rows_of(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if source is None else tensor.index_select(0, source)
+
         for pool_keys, pool_values, layer in zip(self.keys, self.values, layers):
-            pool_keys[:, :, :width].index_copy_(0, index, layer.keys)  # [rows, H, width, D] into the slots
-            pool_values[:, :, :width].index_copy_(0, index, layer.values)
+            pool_keys[:, :, :width].index_copy_(0, index, rows_of(layer.keys))  # [rows, H, width, D] into the slots
+            pool_values[:, :, :width].index_copy_(0, index, rows_of(layer.values))
         self.mask[index] = 0
-        self.mask[:, :width].index_copy_(0, index, batch.attention_mask.to(self.mask.dtype))
+        self.mask[:, :width].index_copy_(0, index, rows_of(batch.attention_mask).to(self.mask.dtype))
         self.length[index] = width
         self.host_length[slots] = width
-        self.position[index] = batch.next_position.to(self.position.dtype)
+        self.position[index] = rows_of(batch.next_position).to(self.position.dtype)
         return slots
 
     def release(self, slots: list[int]) -> None:
@@ -322,19 +332,21 @@ class KVPool:
             out = self.model(input_ids=ids[:, None], attention_mask=self.mask[:high, :width],
                              position_ids=self.position[:high, None], past_key_values=cache, use_cache=True,
                              **model_kwargs)
-        riding = torch.ones(high, dtype=torch.bool, device=self.device)
-        riding[index] = False
-        self.mask[rows[riding], columns[riding]] = 0
+        stepped = torch.zeros(high, dtype=self.mask.dtype, device=self.device)
+        stepped[index] = 1
+        self.mask[rows, columns] = stepped  # the riding rows' placeholders hidden again
         out.logits = out.logits[index]
         return out
 
     def _width(self, last: int) -> int:
-        """The columns a step attends over, ``last`` being the highest column it writes."""
-        width = last + 1
-        if width > self.columns:
-            raise RuntimeError(f"KV pool: a row needs column {width - 1} but the pool has {self.columns} "
+        """The columns a step attends over, ``last`` being the highest column it writes: rounded up to
+        a whole number of WIDTH_BLOCK columns (the mask hides the ones past each row's length), so
+        the attention's shapes change once every WIDTH_BLOCK steps, not at every step (an attention
+        kernel that plans per shape, as cuDNN's does, plans that much less often)."""
+        if last >= self.columns:
+            raise RuntimeError(f"KV pool: a row needs column {last} but the pool has {self.columns} "
                                "(admit was told fewer columns than the row decodes)")
-        return width
+        return min(self.columns, -(-(last + 1) // WIDTH_BLOCK) * WIDTH_BLOCK)
 
     def _advance(self, host: np.ndarray, index: torch.Tensor) -> None:
         self.length[index] += 1

@@ -6,7 +6,7 @@ algorithm can decode to a decision point, look at the partial responses, drop th
 (from the batch and from the cache, which is where early termination saves compute), and continue
 with the rest.
 
-    state = runner.prefill(prompts, num_samples, seeds, sampling)  # each prompt once, fan out, first tokens
+    state = runner.prefill(prompts, num_samples, seeds, sampling)  # each prompt once, first tokens
     finished = runner.step(batch, [state, other], live)            # one token for every live row of a shared batch
     runner.speculative_step(state)                                 # draft and verify the session's rows
     reported = runner.prune(state, keep, name)                     # drop rows (batch, cache, samplers)
@@ -81,6 +81,11 @@ class Session:
     slots: list[int] | None = None
     """The live rows' slots in the runner's KV pool, aligned with ``rows``, once they joined the step
     loop (from then on until they finish or are pruned); None while the rows are in ``batch``."""
+    fan: list[int] | None = None
+    """Before a pooled session's rows join the pool: the row of ``batch`` (one per prompt, not fanned
+    out) whose KV each live row starts from, aligned with ``rows``; the pool writes each prompt's KV
+    into its rows' slots (``KVPool.admit``), so the fanned-out copy is never made. None: ``batch``
+    holds one row per live row."""
 
     @property
     def cache(self) -> DynamicCache:
@@ -122,11 +127,13 @@ class ModelRunner:
         """A new session: each prompt prefilled once, fanned out to its rows, first tokens sampled."""
         batch, out = RowBatch.prefill(self.model, prompts, self.pad_id, self.device, counted_by=(self,),
                                       logits_to_keep=1)  # once per prompt
-        batch.fan_out(num_samples)
+        fan = [r // num_samples for r in range(len(seeds))]
+        if self.pool is None:
+            batch.fan_out(num_samples)
         state = Session(sampling=sampling, batch=batch, rows=list(range(len(seeds))),
                         streams=RowStreams.seeded(seeds, self.device),
                         tokens={r: [] for r in range(len(seeds))}, forward_passes=1, prompts=prompts,
-                        num_samples=num_samples)
+                        num_samples=num_samples, fan=fan if self.pool is not None else None)
         finished = self._sample(state, out.logits[:, -1, :].repeat_interleave(num_samples, 0))  # [R, V]
         if finished:
             self._select(state, _without(len(state.rows), finished))
@@ -168,14 +175,18 @@ class ModelRunner:
         if state.batch is None or state.slots is not None:
             return
         columns = state.batch.attention_mask.shape[1] + state.sampling.max_new_tokens
-        state.slots = self.pool.admit(state.batch, columns) if state.rows else []
-        state.batch = None
+        state.slots = self.pool.admit(state.batch, columns, state.fan) if state.rows else []
+        state.batch, state.fan = None, None
 
     def unpool(self, state: Session) -> None:
-        """The session's rows back in a batch of their own (speculative decoding verifies on it)."""
+        """The session's rows in a batch of their own, one row each (speculative decoding verifies
+        on it): out of the pool, or fanned out from its prompts' KV."""
         if state.slots is not None:
             state.batch = self.pool.take(state.slots) if state.slots else None
             state.slots = None
+        elif state.fan is not None:
+            state.batch.select(state.fan)
+            state.fan = None
 
     def release(self, state: Session) -> None:
         """Free whatever the session's rows hold in the pool (a closed session)."""
@@ -313,6 +324,10 @@ class ModelRunner:
         if state.slots is not None:
             kept = set(keep)
             self.pool.release([slot for i, slot in enumerate(state.slots) if i not in kept])
+            self._keep(state, keep, torch.tensor(keep, dtype=torch.long, device=self.device))
+            return
+        if state.fan is not None:  # the prompts' KV stays as it is; the rows drop their references
+            state.fan = [state.fan[i] for i in keep]
             self._keep(state, keep, torch.tensor(keep, dtype=torch.long, device=self.device))
             return
         self._keep(state, keep, state.batch.select(keep))

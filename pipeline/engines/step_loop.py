@@ -79,7 +79,7 @@ class StepLoop:
         its draft-and-verify steps between the shared batch's, on its own rows; any other joins the
         shared batch."""
         if self.runner.speculates(state):
-            if state.slots is not None:
+            if state.slots is not None or state.fan is not None:
                 self.between_steps(lambda: self.runner.unpool(state))
             while not state.extended():
                 self.between_steps(lambda: self.runner.speculative_step(state))
