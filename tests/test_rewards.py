@@ -144,6 +144,24 @@ def test_the_reward_cache_bound_drops_the_least_recent_sessions_and_keeps_the_sc
         scorer.cache_bytes = before[0]
 
 
+def test_a_finished_row_without_a_cache_is_scored_without_making_one(scorer):
+    """A final score (finished) of a row the session holds no cache for reads the text statelessly:
+    nothing will extend that row again. A cached row that finishes reads only its new tokens."""
+    prompts = ["Review the blender for me.", "How good is the lamp?"]
+    short, _, full = _growing_texts()
+    scorer.open("final", prompts, 2)
+    try:
+        scorer.extend("final", [0, 1], [short[0], short[1]], finished=[False, False])  # 0 and 1 cached
+        read = scorer.tokens_read
+        got = scorer.extend("final", [0, 1, 2, 3], [full[r] for r in range(4)], finished=[True] * 4)
+        assert sorted(r for g in scorer.sessions["final"].groups for r in g.rows) == [0, 1]
+        assert scorer.scored and scorer.tokens_read > read
+    finally:
+        scorer.close("final")
+    want = scorer.score([prompts[r // 2] for r in range(4)], [full[r] for r in range(4)])
+    assert got == pytest.approx(want, abs=1e-4)
+
+
 def test_streaming_falls_back_to_rescoring_for_encoder_reward_models(tiny_models):
     from transformers import BertConfig, BertForSequenceClassification
 

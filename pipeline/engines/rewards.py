@@ -188,7 +188,7 @@ class RewardScorer:
         self._calls += 1
         state.last_call = self._calls
         try:
-            return self._extend_rows(state, rows, prompts, responses)
+            return self._extend_rows(state, rows, prompts, responses, finished)
         finally:
             state.tokens_read += self.tokens_read - before
             self._bound_cache()
@@ -213,28 +213,38 @@ class RewardScorer:
             held -= size
 
     def _extend_rows(self, state: _StreamSession, rows: list[int], prompts: list[str],
-                     responses: list[str]) -> list[float]:
+                     responses: list[str], finished: list[bool] | None = None) -> list[float]:
+        """The streaming scores of ``rows``: cached rows read their new tokens; uncached rows that go
+        on (not ``finished``) get a cache, a group of at most batch_size rows at a time; a finished
+        row without a cache is read in full without one (nothing will extend it again). The cache
+        bound is kept after each group, so a call holds at most one new group beyond it."""
         if not self.streaming:
             return self.score(prompts, responses)
         token_ids = [self.encode(p, r) for p, r in zip(prompts, responses)]
         scores: dict[int, float] = {}
-        too_long = [i for i, ids in enumerate(token_ids) if len(ids) > self.max_length]
-        if too_long:  # past the context: score statelessly (cut from the left) and stop caching
-            for i, v in zip(too_long, self.score([prompts[i] for i in too_long], [responses[i] for i in too_long])):
+        cached = {r for g in state.groups for r in g.rows}
+        done = set() if finished is None else {r for r, f in zip(rows, finished) if f and r not in cached}
+        stateless = [i for i, ids in enumerate(token_ids) if len(ids) > self.max_length or rows[i] in done]
+        if stateless:  # past the context (cut from the left), or finished: no cache
+            for i, v in zip(stateless, self.score([prompts[i] for i in stateless], [responses[i] for i in stateless])):
                 scores[rows[i]] = v
-            dropped = {rows[i] for i in too_long}
+            self.scored -= len(stateless)  # counted once, below
+            dropped = {rows[i] for i in stateless}
             for group in state.groups:
-                group.keep([i for i, r in enumerate(group.rows) if r not in dropped])
+                if dropped.intersection(group.rows):
+                    group.keep([i for i, r in enumerate(group.rows) if r not in dropped])
             state.groups = [g for g in state.groups if g.rows]
         wanted = {rows[i]: token_ids[i] for i in range(len(rows)) if rows[i] not in scores}
-        cached = {r for g in state.groups for r in g.rows}
         new_rows = [r for r in rows if r in wanted and r not in cached]
+        for group in list(state.groups):  # a group the bound drops meanwhile is still scored
+            scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
+            self._bound_cache()
         for start in range(0, len(new_rows), self.batch_size):
             group = self._new_group(new_rows[start:start + self.batch_size])
             self._prefill_shared(group, [wanted[r] for r in group.rows], [r // state.num_samples for r in group.rows])
             state.groups.append(group)
-        for group in state.groups:
             scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
+            self._bound_cache()
         self.scored += len(rows)
         return [scores[r] for r in rows]
 
