@@ -291,7 +291,7 @@ class RuntimeConfig:
     batch's rows in one vLLM engine (pipeline/engines/vllm_engine.py); candidates are then those of
     Best-of-N for the same seeds. false: one call at a time, each batch decoded alone (HF: the same
     step loop, one batch in it at a time; vLLM: rounds of LLM.generate). Reproducibility on HF: rows
-    sample from their own seeded generators, so the same seed and the same batch composition give
+    sample from their own seeded streams, so the same seed and the same batch composition give
     identical candidates; but a row's logits depend slightly on which rows share its forward pass
     (padding and kernel choice: up to ~1.3e-4 measured on a real model), so when batches share
     steps differently (timing, other batches in flight) a sampled token may rarely differ, and the

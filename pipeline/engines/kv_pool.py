@@ -77,6 +77,30 @@ def bound_heap() -> bool:
     return True
 
 
+TRIM_INTERVAL_S = 5.0
+"""``trim_heap`` returns free heap pages at most once every this many seconds."""
+_last_trim = [0.0]
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the system (glibc's ``malloc_trim``, which also releases free
+    pages inside the heap, not only at its top), at most once every TRIM_INTERVAL_S seconds. The
+    engines call it when a session closes: allocations under the map threshold (tokenizer output,
+    small activations, bookkeeping) fragment the heap, and a long build's resident memory otherwise
+    creeps up with its length. False where there is no glibc or it is too soon."""
+    import ctypes
+    import time
+
+    now = time.monotonic()
+    if now - _last_trim[0] < TRIM_INTERVAL_S:
+        return False
+    _last_trim[0] = now
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 POOL_ATTENTION = "bon_kv_pool"
 """The attention implementation a pool step runs under (registered with transformers'
 AttentionInterface; no mask function, so transformers builds no mask and the pool passes its own)."""

@@ -44,7 +44,7 @@ from pipeline.decoding.domain import RowState
 from pipeline.decoding.sampling import RowStreams, SamplingParams, sample_next
 from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
 from pipeline.decoding.tree import TokenTree
-from pipeline.engines.kv_pool import KVPool, bound_heap
+from pipeline.engines.kv_pool import KVPool, bound_heap, trim_heap
 from pipeline.engines.rows import RowBatch
 
 
@@ -124,7 +124,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], num_samples: int, seeds: list[int],
                 sampling: SamplingParams) -> Session:
-        """A new session: each prompt prefilled once, fanned out to its rows, first tokens sampled."""
+        """A new session: each prompt prefilled once, its rows' first tokens sampled; the prompts' KV
+        is fanned out to the rows now, or (pooled) written into their slots when they join the pool."""
         batch, out = RowBatch.prefill(self.model, prompts, self.pad_id, self.device, counted_by=(self,),
                                       logits_to_keep=1)  # once per prompt
         fan = [r // num_samples for r in range(len(seeds))]
@@ -189,10 +190,12 @@ class ModelRunner:
             state.fan = None
 
     def release(self, state: Session) -> None:
-        """Free whatever the session's rows hold in the pool (a closed session)."""
+        """Free whatever the session's rows hold in the pool (a closed session), and the heap's free
+        pages (kv_pool.trim_heap)."""
         if state.slots:
             self.pool.release(state.slots)
         state.slots = [] if state.slots is not None else None
+        trim_heap()
 
     @torch.inference_mode()
     def step(self, batch: RowBatch, sessions: list[Session], live: list[int]) -> list[list[int]]:
@@ -224,7 +227,7 @@ class ModelRunner:
         if shared:  # the usual case: one draw for all rows
             streams = RowStreams.cat([s.streams for s in sessions])
             sampled = sample_next(logits, sampling, streams)  # [live]
-            if len(sessions) > 1:  # the draw moved the joined copy's counters
+            if len(sessions) > 1 and sampling.temperature != 0:  # the draw moved the joined copy's counters
                 for state in sessions:
                     state.streams.counters.add_(1)
             listed, is_eos = self._listed(sampled, sampling)

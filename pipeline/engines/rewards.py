@@ -40,6 +40,7 @@ from transformers import AutoModelForSequenceClassification
 
 from pipeline.data.prompts import encode_chat, encode_text
 from pipeline.engines.hf import for_inference, load_pretrained, load_tokenizer
+from pipeline.engines.kv_pool import trim_heap
 from pipeline.engines.rows import RowBatch, timed_forward
 
 
@@ -136,6 +137,7 @@ class RewardScorer:
             for i, v in zip(group, logits[:, 0].float().tolist()):
                 scores[i] = float(v) if math.isfinite(v) else math.nan
         self.scored += len(token_ids)
+        trim_heap()
         return scores
 
     def _batches(self, lengths: list[int]) -> list[list[int]]:
@@ -215,7 +217,8 @@ class RewardScorer:
     def _extend_rows(self, state: _StreamSession, rows: list[int], prompts: list[str],
                      responses: list[str], finished: list[bool] | None = None) -> list[float]:
         """The streaming scores of ``rows``: cached rows read their new tokens; uncached rows that go
-        on (not ``finished``) get a cache, a group of at most batch_size rows at a time; a finished
+        on (not ``finished``) get a cache, a group at a time (``_batches``: at most batch_size rows
+        and batch_tokens tokens, so a new group's cache and its prefill stay small); a finished
         row without a cache is read in full without one (nothing will extend it again). The cache
         bound is kept after each group, so a call holds at most one new group beyond it."""
         if not self.streaming:
@@ -239,8 +242,8 @@ class RewardScorer:
         for group in list(state.groups):  # a group the bound drops meanwhile is still scored
             scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
             self._bound_cache()
-        for start in range(0, len(new_rows), self.batch_size):
-            group = self._new_group(new_rows[start:start + self.batch_size])
+        for batch in self._batches([len(wanted[r]) for r in new_rows]):
+            group = self._new_group([new_rows[i] for i in sorted(batch)])
             self._prefill_shared(group, [wanted[r] for r in group.rows], [r // state.num_samples for r in group.rows])
             state.groups.append(group)
             scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
@@ -250,6 +253,7 @@ class RewardScorer:
 
     def close(self, session: str) -> dict:
         state = self.sessions.pop(session, None)
+        trim_heap()
         return {"tokens_read": state.tokens_read if state else 0}
 
     def _stream(self, session: str) -> _StreamSession:

@@ -20,7 +20,7 @@ the waiting jobs, then one step, and again) until its own call is done, then han
 still waiting. A model error in a step reaches every call with rows in that step; the loop goes on
 serving the others.
 
-Rows sample from their own generators, so with the same seeds and the same batch composition the
+Rows sample from their own random streams, so with the same seeds and the same batch composition the
 candidates are identical. A row's logits depend slightly on the rows that share its forward pass
 (left padding to a common length, kernels chosen by batch shape; up to ~1.3e-4 on a real model), so
 a token sampled near a tie in the inverse CDF may rarely differ between runs whose batches were
