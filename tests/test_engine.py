@@ -1,5 +1,6 @@
 """HF engine on a tiny real Llama: KV-cache decoding, batching, pruning, counters."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -394,3 +395,29 @@ def test_a_pooled_session_keeps_one_kv_row_per_prompt_until_its_rows_join_the_po
     assert state.fan is None and state.batch is None
     alone = engine.generate([a, b], 4, list(range(8)), SAMPLE)
     assert [r.token_ids for r in rows] == [r.token_ids for r in alone]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_pool_step_over_rows_apart_attends_in_runs_and_matches_each_rows_own_batch(engine, monkeypatch, attention):
+    """Stepping rows far apart in the pool (rows between them waiting or free) attend in runs, one
+    attention call per run (kv_pool.step_runs), and each row's logits are still its own batch's."""
+    from pipeline.engines.kv_pool import KVPool, step_runs
+    from pipeline.engines.rows import RowBatch
+
+    assert step_runs(np.array([8, 0, 1, 7, 3])) == [(0, 4), (7, 9)]  # 2 bridged (a gap of one), 4-6 not
+    assert step_runs(np.array([5])) == [(5, 6)]
+    monkeypatch.setattr(engine.model.config, "_attn_implementation", attention)
+    texts = ["Describe how the blender works", "Hi", "Tell me if the camera is good", "Why",
+             "Write a review of the lamp", "Is it", "Explain why the phone broke so quickly today", "Ok"]
+    prompts = [ids(engine, t) for t in texts]
+    pool = KVPool(engine.model, engine.device)
+    batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
+    slots = pool.admit(batch, 40)
+    pool.release([slots[4]])
+    stepping = [7, 0, 1, 6]
+    tokens = torch.tensor([5, 7, 9, 11])
+    logits = pool.step([slots[i] for i in stepping], tokens, logits_to_keep=1).logits[:, -1]
+    for row, i in enumerate(stepping):
+        alone, _ = RowBatch.prefill(engine.model, [prompts[i]], engine.pad_id, engine.device)
+        expected = alone.feed(tokens[row].view(1, 1), logits_to_keep=1).logits[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)

@@ -115,17 +115,41 @@ def _pool_attention(module, query, key, value, attention_mask, pool=None, **kwar
     [n, Hq, 1, D] of those rows, ``key``/``value`` [R, Hkv, W, D] views of the slot range the pool
     layer returned. The queries are scattered into their slots' places, the model's own attention
     function (``pool.base``) runs over the range with the pool's mask, and the stepping rows' outputs
-    come back [n, 1, Hq, D]; the other rows' are discarded (nothing of theirs is computed but their
-    attention). No key or value is copied."""
-    rows, mask, base = pool
+    come back [n, 1, Hq, D]. The range is cut into ``runs`` of the stepping rows' slots (a gap of a
+    slot or two bridged), one attention call each, so rows that do not step (a session waiting for
+    its rewards, freed slots) cost nothing but the bridged gaps. No key or value is copied."""
+    rows, runs, mask, base = pool
     if base == "sdpa":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as attention
     else:  # the model's own eager function, in its modeling module
         attention = sys.modules[type(module).__module__].eager_attention_forward
     full = query.new_zeros((key.shape[0], *query.shape[1:]))  # [R, Hq, 1, D]
     full[rows] = query
-    out, _ = attention(module, full, key, value, mask, **kwargs)
+    if len(runs) == 1:
+        out, _ = attention(module, full, key, value, mask, **kwargs)
+        return out[rows], None
+    out = query.new_zeros((key.shape[0], query.shape[2], query.shape[1], query.shape[3]))  # [R, 1, Hq, D]
+    for a, b in runs:
+        out[a:b] = attention(module, full[a:b], key[a:b], value[a:b], mask[a:b], **kwargs)[0]
     return out[rows], None
+
+
+RUN_GAP = 2
+"""Slots that do not step between two stepping ones, up to this many, are attended over (their
+output dropped) rather than cutting the attention in two calls."""
+
+
+def step_runs(positions: np.ndarray, gap: int = RUN_GAP) -> list[tuple[int, int]]:
+    """The stepping rows' positions in the slot range (sorted or not) as runs [a, b): consecutive
+    positions, with gaps of at most ``gap`` positions bridged."""
+    ordered = np.unique(positions)
+    runs: list[list[int]] = []
+    for p in ordered.tolist():
+        if runs and p - runs[-1][1] <= gap:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return [(a, b) for a, b in runs]
 
 
 def _register_pool_attention() -> None:
@@ -337,7 +361,8 @@ class KVPool:
         try:
             with timed_forward(self.device):
                 out = self.model(input_ids=tokens.to(torch.long)[:, None], position_ids=self.position[index, None],
-                                 past_key_values=cache, use_cache=True, pool=(index - lo, mask, base),
+                                 past_key_values=cache, use_cache=True,
+                                 pool=(index - lo, step_runs(host - lo), mask, base),
                                  **model_kwargs)
         finally:
             config._attn_implementation = configured
