@@ -299,7 +299,7 @@ class RuntimeConfig:
     merged_decoding before; that key is still read, with a warning."""
     reward_batch_size: int = 32
     """Sequences per reward-model forward pass."""
-    reward_cache_mb: int = 256
+    reward_cache_mb: int = 128
     """The most reward-side KV, in MiB, that an HF reward actor's streaming sessions keep between
     their calls (strategy.streaming_rewards): the caches of the sessions scored least recently go
     first, and their rows are read in full at their next score (the same scores, more reward

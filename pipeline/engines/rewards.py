@@ -44,7 +44,7 @@ from pipeline.engines.kv_pool import trim_heap
 from pipeline.engines.rows import RowBatch, timed_forward
 
 
-BATCH_TOKENS = 2048
+BATCH_TOKENS = 1024
 """The most padded tokens in one stateless reward pass (``RewardScorer._batches``), beside
 runtime.reward_batch_size's sequences."""
 
