@@ -391,7 +391,7 @@ def test_draft_step_distills_the_generators_first_layers_and_a_rerun_skips_it(ti
     prompts = write_jsonl(tmp_path / "train.jsonl", ifeval_rows(TRAIN_PROMPTS))
     held = write_jsonl(tmp_path / "eval.jsonl", ifeval_rows(EVAL_PROMPTS))
     args = ["--output", str(tmp_path / "models"), "--generator", str(tiny_models["generator"]), "--prompts",
-            str(prompts), "--eval-prompts", str(held), "--samples-per-prompt", "2", "--max-new-tokens", "8",
+            str(prompts), "--eval-prompts", str(held), "--samples-per-prompt", "3", "--max-new-tokens", "12",
             "--eval-max-new-tokens", "8", *TINY_TRAINING, "--draft", "--draft-layers", "1", "--draft-epochs", "3"]
     assert fetch_models.main(args) == 0
     draft_dir = tmp_path / "models" / "draft"
