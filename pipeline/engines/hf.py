@@ -106,10 +106,8 @@ def own_weights(model) -> None:
     there (an embedding, a norm) keeps the whole mapping, with every page the load touched, resident:
     measured on SmolLM2-135M in float32, 0.56 GB of file pages beside the model's own 0.66 GB
     (docs/benchmarks.md, "The KV pool"). A copy of each such tensor lets the map go."""
-    seen: set[int] = set()
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if tensor.device.type == "cpu" and id(tensor) not in seen:
-            seen.add(id(tensor))
+    for tensor in list(model.parameters()) + list(model.buffers()):  # each shared tensor once
+        if tensor.device.type == "cpu":
             tensor.data = tensor.data.clone()
 
 

@@ -61,15 +61,27 @@ buffers end up in the heap, whose freed space is kept) and give every thread a h
 long build's memory then grew with its length (docs/benchmarks.md, "Generator memory")."""
 
 
-def bound_heap() -> bool:
-    """Apply HEAP_SETTINGS through glibc's ``mallopt`` (process-wide; False where there is no glibc)."""
+def _glibc(function: str):
+    """glibc's ``function`` through ctypes; None where there is no glibc."""
     import ctypes
-    import os
 
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
+        return getattr(ctypes.CDLL("libc.so.6"), function)
     except (OSError, AttributeError):
+        return None
+
+
+def _round_up(count: int, block: int) -> int:
+    """``count`` rounded up to a whole number of ``block``."""
+    return -(-count // block) * block
+
+
+def bound_heap() -> bool:
+    """Apply HEAP_SETTINGS through glibc's ``mallopt`` (process-wide; False where there is no glibc)."""
+    import os
+
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     for name, (param, value) in HEAP_SETTINGS.items():
         if name not in os.environ:
@@ -88,17 +100,14 @@ def trim_heap() -> bool:
     engines call it when a session closes: allocations under the map threshold (tokenizer output,
     small activations, bookkeeping) fragment the heap, and a long build's resident memory otherwise
     creeps up with its length. False where there is no glibc or it is too soon."""
-    import ctypes
     import time
 
     now = time.monotonic()
     if now - _last_trim[0] < TRIM_INTERVAL_S:
         return False
     _last_trim[0] = now
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    malloc_trim = _glibc("malloc_trim")
+    return malloc_trim is not None and bool(malloc_trim(0))
 
 
 POOL_ATTENTION = "bon_kv_pool"
@@ -292,8 +301,8 @@ class KVPool:
     def _reserve(self, rows: int, columns: int, like: torch.Tensor) -> None:
         """Room for ``rows`` more rows of ``columns`` columns: the buffers are allocated on first use
         and reallocated (every slot copied once) only when they are too small."""
-        slots = self.slots if len(self.free) >= rows else -(-(len(self.used) + rows) // SLOT_BLOCK) * SLOT_BLOCK
-        width = max(self.columns, -(-columns // COLUMN_BLOCK) * COLUMN_BLOCK)
+        slots = self.slots if len(self.free) >= rows else _round_up(len(self.used) + rows, SLOT_BLOCK)
+        width = max(self.columns, _round_up(columns, COLUMN_BLOCK))
         if slots == self.slots and width == self.columns:
             return
         batch, heads, _, dim = like.shape
@@ -395,7 +404,7 @@ class KVPool:
         if last >= self.columns:
             raise RuntimeError(f"KV pool: a row needs column {last} but the pool has {self.columns} "
                                "(admit was told fewer columns than the row decodes)")
-        return min(self.columns, -(-(last + 1) // WIDTH_BLOCK) * WIDTH_BLOCK)
+        return min(self.columns, _round_up(last + 1, WIDTH_BLOCK))
 
     def _advance(self, host: np.ndarray, index: torch.Tensor) -> None:
         self.length[index] += 1
