@@ -7,7 +7,7 @@ attribute forwarding), so a reader can follow a call down:
 1. row counting (pipeline.coordinator._CountedRows): one per batch, only with runtime.rows_in_flight;
    reports the batch's live rows to the coordinator's admission.
 2. the role handle (GeneratorHandle / ScorerHandle, here): the Generator calls (open, extend,
-   close, search, stats) or the Scorer calls (score, open, extend, close, stats). The coordinator
+   close, search, stats) or the Scorer calls (score, open, extend, close, components, stats). The coordinator
    asks it for ``pinned()`` per batch (a generator) or per streaming session (a scorer): the same
    handle bound to the actor that holds the session, so that after a replacement the session's
    calls fail over (WorkerFailure, the batch rerun) instead of reaching an actor that never saw it.
@@ -147,6 +147,10 @@ class ScorerHandle(_Handle):
 
     def close(self, session: str) -> dict:
         return self._work("close", session)
+
+    def components(self, prompts: list, responses: list[str], finished: list[bool] | None = None,
+                   columns: list[dict] | None = None) -> list[list[float]]:
+        return self._work("components", prompts, responses, finished=finished, columns=columns)
 
 
 def local_generator(worker: Any, concurrent: bool = False, timed: bool = True) -> GeneratorHandle:
@@ -327,10 +331,11 @@ def _plan_actors(config: Config) -> _ActorPlan:
                           "load": m.hf.load_kwargs("generator"), "draft_load": m.hf.load_kwargs("draft"),
                           "vllm": engine_settings(config, "generator")},
         reward_cls=with_faults(RewardActor, "reward", faults),
-        reward_args=(m.reward, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size,
+        reward_args=(m.rewards, m.device, m.dtype, max(1, int(rt.reward.num_cpus)), rt.reward_batch_size,
                      m.cpu_prepack),
         reward_kwargs={"load": m.hf.load_kwargs("reward"), "backend": m.reward_backend,
-                       "vllm": engine_settings(config, "reward"), "cache_mb": rt.reward_cache_mb},
+                       "vllm": engine_settings(config, "reward"), "cache_mb": rt.reward_cache_mb,
+                       "weights": m.reward_weights},
         generator_resources=actor_resources(config, "generator"),
         reward_resources=actor_resources(config, "reward"),
         draft_actor_args=(draft, m.device, m.dtype, max(1, int(rt.draft.num_cpus)), m.cpu_prepack,

@@ -1,4 +1,5 @@
-"""RewardActor: loads a sequence-classification reward model (or a reward function) once and serves the Scorer protocol,
+"""RewardActor: loads a sequence-classification reward model (or a reward function, or a weighted list
+of both: pipeline.engines.rewards.CompositeScorer) once and serves the Scorer protocol,
 stateless ``score`` and the streaming sessions (``open`` / ``extend`` / ``close``) whose KV cache
 lives here, so a session's calls must all reach the same actor (the coordinator pins them).
 
@@ -13,28 +14,28 @@ import torch
 
 from pipeline.engines.backends import EngineOptions
 from pipeline.engines.backends import backend as backend_record
-from pipeline.engines.rewards import FunctionScorer, is_reward_function
+from pipeline.engines.rewards import component_scores, load_rewards
 from pipeline.observability import ActorTimeline, CallTiming
 
 
 class RewardActor:
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
+    def __init__(self, model: str | list[str], device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
                  batch_size: int = 32, prepack: bool = True, load: dict | None = None, backend: str = "hf",
-                 vllm: dict | None = None, cache_mb: int | None = None):
+                 vllm: dict | None = None, cache_mb: int | None = None, weights: list[float] | None = None):
         """``model``: a sequence-classification model (dir or Hub id), or a reward function
-        ``module:function`` (pipeline.engines.rewards.FunctionScorer). ``load``: the model's
-        ``from_pretrained`` keywords (models.hf); ``backend`` (models.reward_backend): the record of
-        pipeline.engines.backends whose reward scorer loads the model ("vllm": vLLM's pooling runner,
-        with ``vllm`` (models.reward_vllm) as ``vllm.LLM`` keywords). ``cache_mb``: runtime.reward_cache_mb
-        (None: no bound)."""
+        ``module:function`` (pipeline.engines.rewards.FunctionScorer), or a list of them, summed with
+        ``weights`` (models.reward_weights; pipeline.engines.rewards.CompositeScorer). ``load``: the
+        models' ``from_pretrained`` keywords (models.hf); ``backend`` (models.reward_backend): the
+        record of pipeline.engines.backends whose reward scorer loads each model ("vllm": vLLM's
+        pooling runner, with ``vllm`` (models.reward_vllm) as ``vllm.LLM`` keywords). ``cache_mb``:
+        runtime.reward_cache_mb, for each model (None: no bound)."""
         torch.set_num_threads(max(1, num_threads))
-        if is_reward_function(model):
-            self.scorer = FunctionScorer(model)
-        else:
-            self.scorer = backend_record(backend, "models.reward_backend").load_reward(model, EngineOptions(
-                device=device, dtype=dtype, num_threads=max(1, num_threads), prepack=prepack, load=load,
-                settings=vllm, batch_size=batch_size,
-                reward_cache_bytes=None if cache_mb is None else cache_mb << 20))
+        options = EngineOptions(device=device, dtype=dtype, num_threads=max(1, num_threads), prepack=prepack, load=load,
+                                settings=vllm, batch_size=batch_size,
+                                reward_cache_bytes=None if cache_mb is None else cache_mb << 20)
+        record = backend_record(backend, "models.reward_backend")
+        self.scorer = load_rewards([model] if isinstance(model, str) else list(model), weights,
+                                   lambda spec: record.load_reward(spec, options))
         self.timeline = ActorTimeline(lambda: len(self.scorer.sessions), compute="tokenizing_and_bookkeeping",
                                       open_wait="waiting_for_generator")
 
@@ -52,6 +53,12 @@ class RewardActor:
                timing: CallTiming | None = None) -> list[float]:
         with self.timeline.call(timing):
             return self.scorer.extend(session, rows, responses, finished=finished)
+
+    def components(self, prompts: list[str], responses: list[str], finished: list[bool] | None = None,
+                   columns: list[dict] | None = None, timing: CallTiming | None = None) -> list[list[float]]:
+        """Each response's score under each reward (pipeline.engines.rewards.component_scores)."""
+        with self.timeline.call(timing):
+            return component_scores(self.scorer, prompts, responses, finished=finished, columns=columns)
 
     def close(self, session: str, timing: CallTiming | None = None) -> dict:
         with self.timeline.call(timing):

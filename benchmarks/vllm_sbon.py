@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, args.overrides, strategy="sbon")
     from pipeline.engines.rewards import is_reward_function
 
-    for path in (config.models.generator, config.models.reward):
-        if not (path == config.models.reward and is_reward_function(path)) and not Path(path).is_dir():
+    for path in (config.models.generator, *config.models.rewards):
+        if not (path in config.models.rewards and is_reward_function(path)) and not Path(path).is_dir():
             fail(f"{path}: no model directory (make real-models)")
     rows = read_prompts(config.data.prompts, args.num_prompts)
     reports = {}

@@ -150,9 +150,10 @@ def check_models(config, generator: bool = True) -> None:
 
     from pipeline.strategies import lookup
 
-    from pipeline.build import check_reward
+    from pipeline.build import check_reward, reward_keys
 
-    check_reward(config.models.reward)  # a reward model, or a reward function (module:function)
+    for key, spec in reward_keys(config.models):  # reward models, or reward functions (module:function)
+        check_reward(spec, key=key)
     models = [("models.generator", config.models.generator)] if generator else []
     if config.models.draft and lookup(config.strategy.name).uses_draft:
         models.append(("models.draft", config.models.draft))

@@ -99,6 +99,8 @@ def config_hash(config: Config) -> str:
     content.pop("runtime")
     for key in ("device", "vllm", "reward_vllm"):
         content["models"].pop(key)
+    if content["models"].get("reward_weights") is None:  # unset: builds from before the key hash alike
+        content["models"].pop("reward_weights", None)
     for key in ("prompts", "output", "storage_options", "split", "subset", "revision"):
         content["data"].pop(key)
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()
@@ -109,6 +111,11 @@ def output_schema(config: Config, extra: ExtraColumns):
     from pipeline.data.schema import PAIR_SCHEMAS
 
     return extra.schema(PAIR_SCHEMAS[config.data.output_format])
+
+
+SCHEMA_VERSION = 2
+"""The pair columns' version, in the build identity: 2 added chosen_scores and rejected_scores (each
+reward's score), so a build of version 1 is not resumed into files of another schema."""
 
 
 def build_identity(config: Config, extra: ExtraColumns) -> tuple[dict, dict]:
@@ -122,8 +129,8 @@ def build_identity(config: Config, extra: ExtraColumns) -> tuple[dict, dict]:
 
     found = models_provenance(config)
     identity = {f"models.{role}": model_identity(prov) for role, prov in found.items() if prov is not None}
-    identity["output schema"] = json.dumps({"format": config.data.output_format, "extra": extra.describe()},
-                                           sort_keys=True)
+    identity["output schema"] = json.dumps({"format": config.data.output_format, "extra": extra.describe(),
+                                            "version": SCHEMA_VERSION}, sort_keys=True)
     return identity, found
 
 
@@ -227,7 +234,8 @@ def check_models(config: Config) -> tuple:
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"models.generator: cannot load the tokenizer of {models.generator!r} "
                           f"({str(exc).strip().splitlines()[0]})") from None
-    check_reward(models.reward, load("reward"))
+    for key, spec in reward_keys(models):
+        check_reward(spec, load("reward"), key)
     record = lookup(config.strategy.name)
     contexts = [_context(generator) or int(tokenizer.model_max_length)]
     if record.uses_draft and models.draft:
@@ -272,7 +280,7 @@ def check_engines(config: Config) -> None:
                               "is false); use models.device cpu, or run on a GPU machine")
         # Each role whose actors load a model, and whether its engine asks Ray for GPUs of its own.
         roles = [("generator", backend(models.backend).spans_gpus)]
-        if not is_reward_function(models.reward):
+        if not all(is_reward_function(spec) for spec in models.rewards):
             roles.append(("reward", backend(models.reward_backend).spans_gpus))
         if lookup(config.strategy.name).uses_draft and models.draft and rt.draft_placement == "actor":
             roles.append(("draft", False))  # a draft model loads as pipeline.engines.draft.HFDrafter
@@ -320,21 +328,29 @@ def _vllm_engine_keys() -> set[str] | None:
             | set(inspect.signature(vllm.LLM.__init__).parameters) - {"self", "kwargs"})
 
 
-def check_reward(reward: str, load: dict | None = None) -> None:
-    """``models.reward``: a reward function (``module:function``) imports and is callable; a reward
-    model is a one-label sequence classifier whose tokenizer loads. ConfigError, one line, otherwise.
-    ``load``: models.hf's keywords for the reward model."""
+def reward_keys(models) -> list[tuple[str, str]]:
+    """(config key, spec) of each reward of ``models.reward``: ``models.reward`` for a single one,
+    ``models.reward[i]`` in a list, so an error names the entry."""
+    if isinstance(models.reward, list):
+        return [(f"models.reward[{i}]", spec) for i, spec in enumerate(models.reward)]
+    return [("models.reward", models.reward)]
+
+
+def check_reward(reward: str, load: dict | None = None, key: str = "models.reward") -> None:
+    """One reward (``key``: where the config names it): a reward function (``module:function``)
+    imports and is callable; a reward model is a one-label sequence classifier whose tokenizer loads.
+    ConfigError, one line, otherwise. ``load``: models.hf's keywords for the reward model."""
     if is_reward_function(reward):
         try:
             load_reward_function(reward)
         except ValueError as exc:
-            raise ConfigError(f"models.reward: {reward!r}: {exc}") from None
+            raise ConfigError(f"{key}: {reward!r}: {exc}") from None
         return
-    _model_config("reward", reward, "reward", load)
+    _model_config(key.removeprefix("models."), reward, "reward", load)
     try:
         load_tokenizer(reward, load)
     except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"models.reward: cannot load the tokenizer of {reward!r} "
+        raise ConfigError(f"{key}: cannot load the tokenizer of {reward!r} "
                           f"({str(exc).strip().splitlines()[0]})") from None
 
 
@@ -520,6 +536,10 @@ class _BuildRun:
         self.run_started = self.last_commit = time.perf_counter()
         self.quarantined = self.truncated_prompts = self.prompts_run = 0
         self.pairs_made = self.tokens = self.bon_tokens = 0
+        models = self.config.models
+        self.composite = models.rewards != [models.reward] or models.weights != [1.0]
+        """A composite reward (models.reward a list, or a weight): each pair's chosen_scores and
+        rejected_scores are asked of the reward actors; one reward's are its chosen and rejected scores."""
         self.coordinator = Coordinator.from_config(self.config, workers.generators, workers.scorers,
                                                    on_retry=self.on_retry)
         runtime = self.config.runtime
@@ -574,6 +594,11 @@ class _BuildRun:
                                                     result.prompt.prompt_id), "pairing",
                                              result.generated_tokens, result.bon_equivalent_tokens))
         else:
+            if self.composite:
+                by_sample = {c.sample: c for c in result.candidates}
+                chosen, rejected = by_sample[pair["chosen_sample"]], by_sample[pair["rejected_sample"]]
+                pair["chosen_scores"], pair["rejected_scores"] = self.coordinator.reward_components(
+                    result.prompt, [chosen.text, rejected.text], [True, not rejected.stopped_early])
             pair.update(prompt_truncated=truncated, source_row=source_row,
                         **self.plan.extra.values(result.prompt.columns))
             shard.pairs.append(pair)

@@ -78,11 +78,17 @@ class HFLoadConfig:
 class ModelsConfig:
     generator: str = ""
     """Policy model: an HF model directory or hub id (AutoModelForCausalLM)."""
-    reward: str = ""
+    reward: str | list = ""
     """Reward model: an HF model directory or hub id (AutoModelForSequenceClassification, 1 label),
     or a Python reward function ``module:function`` with the signature of TRL's GRPOTrainer reward
     functions (prompts, completions, the input's other columns and ``partial`` as keyword lists; one
-    float per completion), e.g. ``pipeline.judge:ifeval_reward`` (IFEval's instruction checkers)."""
+    float per completion), e.g. ``pipeline.judge:ifeval_reward`` (IFEval's instruction checkers).
+    A list of them is a composite reward: the score is sum_k reward_weights[k] * reward_k, raw (no
+    per-prompt standardization), and speculative rejection decides on it; a component with no score
+    for a prefix leaves the decision to the others (pipeline.engines.rewards.CompositeScorer). The
+    output keeps each reward's score for chosen and rejected (chosen_scores, rejected_scores)."""
+    reward_weights: list | None = None
+    """One weight per reward of models.reward, in its order (TRL's reward_weights); null: 1 each."""
     draft: str | None = None
     """Draft model for speculative methods (unused by best_of_n and sbon); empty: dsbd drafts with ADED."""
     dtype: str = "float32"
@@ -119,6 +125,7 @@ class ModelsConfig:
     > 0 turns it on (pipeline.decoding.speculative.SpeculativeDecoding). Output distribution unchanged."""
 
     def __post_init__(self):
+        self._check_rewards()
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ConfigError(f"models.dtype: expected float32, bfloat16, float16 or auto, got {self.dtype!r}")
         for key in ("backend", "reward_backend"):
@@ -131,6 +138,39 @@ class ModelsConfig:
                 if name in ("tensor_parallel_size", "pipeline_parallel_size") and (
                         not isinstance(value, int) or isinstance(value, bool) or value < 1):
                     raise ConfigError(f"models.{key}.{name}: expected an integer >= 1, got {value!r}")
+
+    def _check_rewards(self) -> None:
+        if isinstance(self.reward, list):
+            if not self.reward:
+                raise ConfigError("models.reward: an empty list; give one reward or several")
+            for i, spec in enumerate(self.reward):
+                if not isinstance(spec, str) or not spec.strip():
+                    raise ConfigError(f"models.reward[{i}]: expected a model directory, Hub id or module:function, "
+                                      f"got {spec!r}")
+            repeated = sorted({s for s in self.reward if self.reward.count(s) > 1})
+            if repeated:
+                raise ConfigError(f"models.reward: {repeated[0]!r} is listed twice; weight it once instead")
+        if self.reward_weights is None:
+            return
+        for i, weight in enumerate(self.reward_weights):
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise ConfigError(f"models.reward_weights[{i}]: expected a number, got {weight!r}")
+        if len(self.reward_weights) != len(self.rewards):
+            raise ConfigError(f"models.reward_weights: {len(self.reward_weights)} weights for "
+                              f"{len(self.rewards)} reward(s) in models.reward; give one per reward")
+        if not any(self.reward_weights):
+            raise ConfigError("models.reward_weights: every weight is 0, so every response would score 0")
+        self.reward_weights = [float(w) for w in self.reward_weights]
+
+    @property
+    def rewards(self) -> list[str]:
+        """models.reward as a list (one entry for a single reward)."""
+        return list(self.reward) if isinstance(self.reward, list) else [self.reward]
+
+    @property
+    def weights(self) -> list[float]:
+        """models.reward_weights, or 1 for each reward."""
+        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.rewards)
 
     def vllm_settings(self, role: str) -> dict | None:
         """``role``'s ``vllm.LLM`` keywords (generator: vllm; reward: reward_vllm) where that role runs

@@ -67,6 +67,15 @@ def scored(prompts, completions, partial=None, **columns):
     return _rewards(completions, partial, real_score, real_score)
 
 
+def scored_again(prompts, completions, partial=None, **columns):
+    """A second real score, independent of ``scored``'s (another hash): a composite's other component."""
+    return _rewards(completions, partial, _second_score, _second_score)
+
+
+def _second_score(text):
+    return zlib.crc32(b"second:" + text.encode()) / 2**32
+
+
 def none_partial(prompts, completions, partial=None, **columns):
     """None for every partial response (the issue's case), a real final score."""
     return _rewards(completions, partial, _none, real_score)
@@ -117,7 +126,7 @@ def constant_always(prompts, completions, partial=None, **columns):
     return _rewards(completions, partial, _constant, _constant)
 
 
-FINAL_ALWAYS_FINITE = {"scored", "none_partial", "nan_partial", "inf_partial", "constant_partial",
+FINAL_ALWAYS_FINITE = {"scored", "scored_again", "none_partial", "nan_partial", "inf_partial", "constant_partial",
                        "none_partial_sometimes", "nan_partial_sometimes", "constant_final", "constant_always"}
 """The functions whose final rewards are always finite: their builds quarantine nothing."""
 FINAL_NEVER_FINITE = {"none_final", "none_always"}

@@ -52,6 +52,9 @@ COLUMNS = {
     "rejected": "the candidate with the lowest reward: a finished one unless data.rejected is any (no EOS token)",
     "chosen_score": "reward of the chosen completion",
     "rejected_score": "reward of the rejected completion (a partial one's at its stop when rejected_is_partial)",
+    "chosen_scores": "the chosen completion's score under each reward of models.reward, in its order "
+                     "(chosen_score is their weighted sum)",
+    "rejected_scores": "the rejected completion's score under each reward of models.reward, in its order",
     "strategy": "decoding method that produced the candidates (best_of_n, sbon, sla, dsbd, ults, aded)",
     "num_candidates": "candidates generated for the prompt (N)",
     "generated_tokens": "tokens generated for this prompt, all candidates",
@@ -194,13 +197,29 @@ def _hub_commit(repo_id: str, revision: str | None) -> dict:
 
 def models_provenance(config: Config) -> dict:
     """``model_provenance`` of each model the build loads: generator, reward, and the draft for the
-    strategies that draft with a model."""
+    strategies that draft with a model. A composite reward (models.reward a list) gives one entry
+    per reward, ``reward[0]``, ``reward[1]``, ..., each with its ``weight``."""
     from pipeline.strategies import lookup
 
     models = config.models
     uses_draft = lookup(config.strategy.name).uses_draft
-    return {role: model_provenance(getattr(models, role), models.hf.revision_of(role))
-            for role in ("generator", "reward", "draft") if role != "draft" or uses_draft}
+    out = {"generator": model_provenance(models.generator, models.hf.revision_of("generator"))}
+    if isinstance(models.reward, list):
+        out.update({f"reward[{i}]": {**(model_provenance(spec, models.hf.revision_of("reward")) or {}), "weight": weight}
+                    for i, (spec, weight) in enumerate(zip(models.rewards, models.weights))})
+    else:
+        out["reward"] = model_provenance(models.reward, models.hf.revision_of("reward"))
+    if uses_draft:
+        out["draft"] = model_provenance(models.draft, models.hf.revision_of("draft"))
+    return out
+
+
+def reward_weights(manifest: dict) -> list[tuple[str, float]]:
+    """(reward, weight) of each reward a build's manifest names, in models.reward's order."""
+    models = manifest.get("config", {}).get("models", {})
+    specs = models.get("reward") if isinstance(models.get("reward"), list) else [models.get("reward")]
+    weights = models.get("reward_weights") or [1.0] * len(specs)
+    return list(zip(specs, weights))
 
 
 def model_identity(found: dict | None) -> str | None:
@@ -312,13 +331,16 @@ def card_body(manifest: dict, schema: pa.Schema, uri: str) -> str:
     output_format = config.get("data", {}).get("output_format", "standard")
     models = prov.get("models", {})
     generator = (models.get("generator") or {}).get("model", config.get("models", {}).get("generator"))
-    reward = (models.get("reward") or {}).get("model", config.get("models", {}).get("reward"))
+    rewards = reward_weights(manifest)
+    reward = (f"`{rewards[0][0]}`" if len(rewards) == 1 and rewards[0][1] == 1.0 else
+              "the weighted sum of " + " + ".join(f"{w:g} x `{r}`" for r, w in rewards)
+              + " (`chosen_scores` and `rejected_scores` keep each reward's score, in this order)")
     reasons = manifest.get("reject_reasons") or {}
     lines = [
         "", "# Preference pairs (chosen / rejected) for DPO", "",
         f"Built by [bon-pipeline](#provenance) with the `{strategy}` strategy: for each prompt, "
         f"{config.get('sampling', {}).get('num_samples', '?')} candidate responses from `{generator}`, scored "
-        f"by `{reward}`; the best is `chosen`, the worst `rejected`. TRL's {output_format} format "
+        f"by {reward}; the best is `chosen`, the worst `rejected`. TRL's {output_format} format "
         "(`prompt`, `chosen`, `rejected`), read by `DPOTrainer` as it is.", "",
         *([f"**This build made no pairs.** `load_dataset(\"{uri}\")` stops on a missing file named for "
            "that; the rejected rows below say why, and "
@@ -369,6 +391,8 @@ def card_body(manifest: dict, schema: pa.Schema, uri: str) -> str:
         else:
             what = (f"commit `{found['commit']}`" if found.get("commit")
                     else f"commit unknown: {found.get('commit_reason')}")
+        if "weight" in found:
+            what += f"; weight {found['weight']:g}"
         lines.append(f"| {role} | `{found['model']}` | {found.get('revision') or 'default'} | {what} |")
     packages = prov.get("packages", {})
     source = manifest.get("input")
@@ -399,4 +423,5 @@ def write_card(store: OutputStore, manifest: dict) -> bool:
 
 
 __all__ = ["COLUMNS", "card_body", "model_identity", "model_provenance", "models_provenance", "package_versions",
+           "reward_weights",
            "provenance", "redacted_command", "weights_sha256", "weights_cache_file", "write_card"]

@@ -17,6 +17,8 @@ PAIR_SCHEMA = pa.schema([
     ("rejected", pa.string()),
     ("chosen_score", pa.float64()),
     ("rejected_score", pa.float64()),
+    ("chosen_scores", pa.list_(pa.float64())),
+    ("rejected_scores", pa.list_(pa.float64())),
     ("strategy", pa.string()),
     ("num_candidates", pa.int64()),
     ("generated_tokens", pa.int64()),

@@ -25,11 +25,14 @@ tolerance (tests/test_rewards.py).
 
 ``FunctionScorer`` serves the same protocol from a Python reward function instead of a model
 (``models.reward: module:function``), with the signature of TRL's GRPOTrainer reward functions.
+``CompositeScorer`` serves it from several rewards at once (``models.reward`` as a list, weighted by
+``models.reward_weights``, as TRL's ``reward_funcs`` and ``reward_weights``).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -459,3 +462,138 @@ def _finite(value: Any) -> float:
     except (TypeError, ValueError):
         return math.nan
     return v if math.isfinite(v) else math.nan
+
+
+class CompositeScorer:
+    """Scorer implementation over several rewards (``models.reward`` as a list): each component a
+    RewardScorer, a VLLMRewardScorer or a FunctionScorer, and the score their weighted sum
+    sum_k w_k r_k with ``weights`` (models.reward_weights), as TRL's GRPOTrainer sums its
+    ``reward_funcs`` with ``reward_weights``. The sum is raw: no per-prompt standardization. A
+    final score must not depend on which other candidates share its call (speculative rejection
+    scores a prompt's candidates at different times: those that end early at a decision token, the
+    others at the end), and the weights carry the scales; docs/design.md, "Composite rewards", has
+    the measurement behind the choice.
+
+    No signal (``combine``): a final response needs every component's score (any NaN fails it, as a
+    single reward's NaN does). At a decision token, a component that has no score (None, NaN or inf)
+    for one of a prompt's partial responses in the call is left out for all of that prompt's partial
+    responses in it, so they are ranked on the same rewards; when every component is left out, the
+    rows have no signal there (NaN: speculative rejection keeps them live). So a reward function that
+    says nothing about prefixes leaves the decision to the others, and a tie in one reward (IFEval's
+    checker scores every prefix that has broken nothing alike) is broken by the others.
+
+    Sessions open one session per component, so a streaming reward model keeps its KV cache behind
+    the composite as it does alone; ``components`` gives each reward's own scores (the output's
+    ``chosen_scores`` and ``rejected_scores``)."""
+
+    def __init__(self, scorers: list, weights: list[float], names: list[str]):
+        if not scorers or len(scorers) != len(weights) or len(names) != len(scorers):
+            raise ValueError(f"{len(scorers)} rewards, {len(weights)} weights and {len(names)} names")
+        self.scorers, self.weights, self.names = list(scorers), [float(w) for w in weights], list(names)
+        self.sessions: dict[str, int] = {}  # session -> its num_samples (row // it is the prompt)
+        self.streaming = any(getattr(s, "streaming", False) for s in self.scorers)
+
+    def components(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
+                   columns: list[dict] | None = None) -> list[list[float]]:
+        """Each response's scores, one per component, in ``names``' order (stateless)."""
+        parts = [s.score(prompts, responses, finished=finished, columns=columns) for s in self.scorers]
+        return [list(scores) for scores in zip(*parts)] if responses else []
+
+    def score(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
+              columns: list[dict] | None = None) -> list[float]:
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        parts = [s.score(prompts, responses, finished=finished, columns=columns) for s in self.scorers]
+        groups = [p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in prompts]
+        return combine(parts, self.weights, finished if finished is not None else [True] * len(responses), groups)
+
+    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int,
+             columns: list[dict] | None = None) -> None:
+        if session in self.sessions:
+            raise ValueError(f"reward session {session} is already open")
+        opened = []
+        try:
+            for scorer in self.scorers:
+                scorer.open(session, prompts, num_samples, columns=columns)
+                opened.append(scorer)
+        except BaseException:
+            for scorer in opened:
+                scorer.close(session)
+            raise
+        self.sessions[session] = num_samples
+
+    def extend(self, session: str, rows: list[int], responses: list[str],
+               finished: list[bool] | None = None) -> list[float]:
+        if session not in self.sessions:
+            raise ValueError(f"unknown reward session {session}")
+        parts = [s.extend(session, rows, responses, finished=finished) for s in self.scorers]
+        return combine(parts, self.weights, finished if finished is not None else [True] * len(rows),
+                       [r // self.sessions[session] for r in rows])
+
+    def close(self, session: str) -> dict:
+        self.sessions.pop(session, None)
+        out = [s.close(session) for s in self.scorers]
+        return {"tokens_read": sum(int(o.get("tokens_read", 0)) for o in out)}
+
+    def stats(self) -> dict:
+        parts = [s.stats() for s in self.scorers]
+        totals = {key: sum(int(p.get(key, 0)) for p in parts)
+                  for key in ("forward_passes", "tokens_read", "cached_bytes", "dropped_rows")}
+        return {**totals, "scored": max(int(p.get("scored", 0)) for p in parts), "open_sessions": len(self.sessions),
+                "components": [{"reward": n, "weight": w, **p} for n, w, p in zip(self.names, self.weights, parts)]}
+
+    def shutdown(self) -> None:
+        for scorer in self.scorers:
+            if hasattr(scorer, "shutdown"):
+                scorer.shutdown()
+
+
+def combine(parts: list[list[float]], weights: list[float], finished: list[bool], groups: list) -> list[float]:
+    """The composite score of each response from its components' ``parts`` (one list per component):
+    sum_k weights[k] * parts[k][i]. A finished response needs every component finite (else NaN);
+    partial responses of one group (a prompt) sum the components finite for all of them (none:
+    NaN). See CompositeScorer."""
+    n = len(finished)
+    if any(len(p) != n for p in parts) or len(groups) != n:
+        raise ValueError(f"component scores of lengths {[len(p) for p in parts]} for {n} responses")
+    out = [math.nan] * n
+    partial: dict[object, list[int]] = {}
+    for i in range(n):
+        if not finished[i]:
+            partial.setdefault(groups[i], []).append(i)
+        elif all(math.isfinite(p[i]) for p in parts):
+            out[i] = sum(w * p[i] for w, p in zip(weights, parts))
+    for members in partial.values():
+        speaking = [k for k, p in enumerate(parts) if all(math.isfinite(p[i]) for i in members)]
+        if speaking:
+            for i in members:
+                out[i] = sum(weights[k] * parts[k][i] for k in speaking)
+    return out
+
+
+def load_rewards(specs: list[str], weights: list[float] | None, load_model: Callable[[str], Any]):
+    """The scorer of ``models.reward``: one reward's own scorer (a FunctionScorer for ``module:function``,
+    ``load_model(spec)`` for a model) when there is one reward at weight 1, else a CompositeScorer
+    over each of them with ``weights`` (None: 1 each)."""
+    weights = [1.0] * len(specs) if weights is None else [float(w) for w in weights]
+    scorers = []
+    try:
+        for spec in specs:
+            scorers.append(FunctionScorer(spec) if is_reward_function(spec) else load_model(spec))
+    except BaseException:
+        for scorer in scorers:
+            if hasattr(scorer, "shutdown"):
+                scorer.shutdown()
+        raise
+    if len(scorers) == 1 and weights == [1.0]:
+        return scorers[0]
+    return CompositeScorer(scorers, weights, list(specs))
+
+
+def component_scores(scorer, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
+                     columns: list[dict] | None = None) -> list[list[float]]:
+    """Each response's score under each reward of ``scorer`` (CompositeScorer.components); a single
+    reward's scorer gives its one score per response."""
+    if isinstance(scorer, CompositeScorer):
+        return scorer.components(prompts, responses, finished=finished, columns=columns)
+    return [[s] for s in scorer.score(prompts, responses, finished=finished, columns=columns)]
