@@ -1,8 +1,9 @@
-"""jobs.fetch_models and its parts: GGUF conversion (on a tiny GGUF written here),
-the Bradley-Terry linear probe, the whole fetch-judge-train chain on tiny models with IFEval
-prompts (then a rerun that skips every step), the committed reward model (LoRA factors and head)
-standing in for training only when it fits, its pinned scores on SmolLM2 (when the real models are
-here), and the one-line errors (no network, bad prompt file)."""
+"""jobs.fetch_models and its parts (the training workflow it calls: pipeline.training.real_models):
+GGUF conversion (on a tiny GGUF written here), the Bradley-Terry linear probe, the whole
+fetch-judge-train chain on tiny models with IFEval prompts (then a rerun that skips every step),
+the committed reward model (LoRA factors and head) standing in for training only when it fits,
+its pinned scores on SmolLM2 (when the real models are here), and the one-line errors (no
+network, bad prompt file)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from jobs import fetch_models
+from pipeline.training import real_models
 from tests.conftest import write_jsonl
 
 REAL_GENERATOR = Path(__file__).resolve().parent.parent / ".cache" / "real-models" / "generator"
@@ -273,8 +275,8 @@ def test_a_committed_reward_model_stands_in_for_training_only_when_it_fits(tiny_
     trained = tmp_path / "models" / "reward"
     saved = json.loads(artifact.read_text())
     weights = artifact.with_suffix(".safetensors")
-    assert saved["gguf_sha256"] == fetch_models.sha256_file(download / fetch_models.GGUF)
-    assert saved["weights_sha256"] == fetch_models.sha256_file(weights) and saved["weights"] == "model.safetensors"
+    assert saved["gguf_sha256"] == real_models.sha256_file(download / fetch_models.GGUF)
+    assert saved["weights_sha256"] == real_models.sha256_file(weights) and saved["weights"] == "model.safetensors"
     assert saved["report"]["training_pairs"] == json.loads((trained / "report.json").read_text())["training_pairs"]
     factors = load_file(str(weights))
     assert sorted({k.rsplit(".", 1)[1] for k in factors}) == ["lora_A", "lora_B", "weight"]
@@ -318,10 +320,10 @@ def test_committed_reward_model_on_smollm2_scores_fixed_texts_as_pinned(tmp_path
     from pipeline.engines.rewards import RewardScorer
 
     committed = json.loads(REAL_ARTIFACT.read_text())
-    if committed["gguf_sha256"] != fetch_models.sha256_file(REAL_GGUF):
+    if committed["gguf_sha256"] != real_models.sha256_file(REAL_GGUF):
         pytest.skip("the GGUF here is not the one the committed reward model was trained on")
-    settings = fetch_models.RewardSettings(**committed["settings"])
-    fetch_models.assemble_reward_model(REAL_GENERATOR, tmp_path, REAL_ARTIFACT, settings)
+    settings = real_models.RewardSettings(**committed["settings"])
+    real_models.assemble_reward_model(REAL_GENERATOR, tmp_path, REAL_ARTIFACT, settings)
     scorer = RewardScorer.from_pretrained(str(tmp_path / "reward"))
     prompt = "Describe a sunny day in two sentences. Your entire response should be in English, and in all lowercase letters."
     texts = ["the sun is warm and the sky is clear. children play in the park while birds sing.",
@@ -409,7 +411,7 @@ def test_draft_step_distills_the_generators_first_layers_and_a_rerun_skips_it(ti
     assert report["heldout"]["kl"] < report["heldout_before_training"]["kl"]
     samples = [json.loads(line) for line in (tmp_path / "models" / "draft-data" / "samples-eval.jsonl").open()]
     tokenizer = load_tokenizer(str(tiny_models["generator"]))
-    eval_rows = fetch_models.load_prompts(str(held), tokenizer, 8)
+    eval_rows = real_models.load_prompts(str(held), tokenizer, 8)
     sequences = [(p.token_ids + s["token_ids"], len(p.token_ids)) for p, s in zip(eval_rows, samples) if s["token_ids"]]
     assert evaluate_draft(draft, generator, sequences, tokenizer.pad_token_id) == report["heldout"]
     same = evaluate_draft(generator, generator, sequences, tokenizer.pad_token_id)  # q = p: always accepted
