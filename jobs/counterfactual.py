@@ -1,18 +1,33 @@
 """Counterfactual analysis of speculative rejection (paper section 6.2, appendices D and E).
 
-    bon-counterfactual --generator DIR --reward DIR --prompts FILE.jsonl --num-samples 100 \\
-        [--taus 8 16 32 64] [--alphas 0.5 0.7 0.8 0.9 0.95] [--max-new-tokens 128] [--output DIR]
+    bon-counterfactual --generator DIR --reward SPEC [SPEC ...] [--reward-weights W ...] \
+        --prompts FILE.jsonl --num-samples 100 [--taus 8 16 32 64] [--alphas 0.5 0.7 0.8 0.9 0.95] \
+        [--max-new-tokens 128] [--weight-grid W,W ...] [--standardize] [--output DIR]
     (or python -m jobs.counterfactual ...)
 
 For each prompt it samples N full completions (Best-of-N) and scores every one at each decision
-token tau (streaming reward sessions, so each tau costs only the new chunk) and at the end. Then,
-on those same completions, it replays Algorithm 1 over the alpha x tau grid: the token rate and
-the normalized score of Eq. 6 (pipeline.decoding.metrics), and per prompt the Pearson and
-Kendall correlations of partial vs final reward. Writes DIR/counterfactual.json (the settings
-under the flags' names, the grid, the correlations and every completion's rewards),
+token tau (streaming reward sessions, so each tau costs only the new chunk) and at the end, under
+each reward of --reward (reward model directories or ``module:function`` reward functions, as
+``models.reward`` takes them; a function gets the prompt file's other columns, e.g. IFEval's
+instruction_id_list and kwargs for ``pipeline.judge:ifeval_reward``, and ``partial``). Then, on
+those same completions, it replays Algorithm 1 over the alpha x tau grid, on the rewards combined
+as a build combines them (pipeline.engines.rewards.combine: sum_k w_k r_k with --reward-weights):
+the token rate and the normalized score of Eq. 6 (pipeline.decoding.metrics), and per prompt the
+Pearson and Kendall correlations of partial vs final reward. Where the prompts carry IFEval's
+columns, each cell also has the external judge's verdict on the completion it chooses (IFEval strict,
+pipeline.judge: prompt- and instruction-level accuracy), beside Best-of-N's choice and a random
+sample's (completion 0).
+
+--weight-grid replays the same completions under other weightings (one comma-separated weight per
+reward each), and --standardize also under each weighting standardized per prompt (each reward's
+partial rewards at tau, and its final rewards, z-scored across the prompt's completions before the
+weighted sum): the comparison behind a build's raw sum (docs/design.md, "Composite rewards").
+
+Writes DIR/counterfactual.json (the settings under the flags' names, the grid, the correlations,
+every completion's rewards under each reward, and ``combinations``: each weighting's grid),
 DIR/tradeoff.png (score and token rate against alpha, one line per tau, as the paper's Figure 3)
 and DIR/correlations.png (per-prompt Pearson and Kendall histograms, as Figure 5).
-Bad input (missing file, no usable prompt) prints one line and exits with code 2.
+Bad input (missing file, no usable prompt, a bad weight) prints one line and exits with code 2.
 """
 
 from __future__ import annotations
@@ -22,43 +37,122 @@ import logging
 import math
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.cli import add_device_flags, bars, job_parser, setup_logging
-from pipeline.decoding.metrics import PromptRewards, correlations, grid
+from pipeline.decoding.metrics import PromptRewards, accepted, chosen, correlations, grid
 
 log = logging.getLogger(__name__)
 
 
-def collect(engine, scorer, prompts, n: int, taus: list[int], sampling, seed: int, progress=True) -> list[PromptRewards]:
-    """N completions per prompt with partial rewards at each tau (no row is stopped). ``progress``:
-    a bar; without one, a log line per prompt (INFO; DEBUG beside the bar)."""
+@dataclass
+class Collected:
+    """One prompt's N completions: under each reward, the partial rewards at each tau and the finals."""
+
+    lengths: list[int]
+    final: list[list[float]]
+    """Per reward, each completion's final reward."""
+    partial: dict[int, list[list[float]]]
+    """tau -> per reward, each completion's reward at tau (its final one if it ended before tau)."""
+    ended: dict[int, list[bool]]
+    """tau -> whether each completion had ended by tau (scored as a final response there)."""
+    judged: list[list[bool]] | None = None
+    """IFEval's per-instruction verdict on each final completion (None: the prompt has no instructions)."""
+
+    def rewards(self, weights: list[float], standardize: bool = False) -> PromptRewards:
+        """The prompt's rewards combined as a build combines them (``combine``), or standardized per
+        prompt first (each reward's values z-scored across the completions)."""
+        def scaled(parts: list[list[float]]) -> list[list[float]]:
+            return [zscore(p) for p in parts] if standardize else parts
+
+        n = len(self.lengths)
+        from pipeline.engines.rewards import combine
+
+        return PromptRewards(lengths=self.lengths, final=combine(scaled(self.final), weights, [True] * n, [0] * n),
+                             partial={tau: combine(scaled(parts), weights, self.ended[tau], [0] * n)
+                                      for tau, parts in self.partial.items()})
+
+
+def zscore(values: list[float]) -> list[float]:
+    """Each finite value's z-score among the finite values (0 for all when they are equal); NaN stays."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return list(values)
+    mean = sum(finite) / len(finite)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in finite) / len(finite))
+    return [((v - mean) / sd if sd > 0 else 0.0) if math.isfinite(v) else v for v in values]
+
+
+def collect(engine, scorers: list, prompts, n: int, taus: list[int], sampling, seed: int, progress=True) -> list[Collected]:
+    """N completions per prompt with each reward's partial rewards at each tau (no row is stopped).
+    ``progress``: a bar; without one, a log line per prompt (INFO; DEBUG beside the bar)."""
     from tqdm import tqdm
 
     from pipeline.decoding.sampling import row_seed
+    from pipeline.judge import check
 
     out = []
     for done, p in enumerate(tqdm(prompts, desc="counterfactual", disable=not progress), 1):
         session, rewards = uuid.uuid4().hex, uuid.uuid4().hex
         engine.open(session, [p.token_ids], n, [row_seed(seed, p.prompt_id, s) for s in range(n)], sampling)
-        scorer.open(rewards, [p.reward_input], n)
-        partial: dict[int, dict[int, float]] = {}
+        opened = []
+        partial: dict[int, list[dict[int, float]]] = {}
+        ended: dict[int, dict[int, bool]] = {}
         try:
+            for scorer in scorers:
+                scorer.open(rewards, [p.reward_input], n, columns=[p.columns])
+                opened.append(scorer)
+
+            def score(rows) -> list[dict[int, float]]:
+                ids, texts, finished = [r.row for r in rows], [r.text for r in rows], [r.finished for r in rows]
+                return [dict(zip(ids, s.extend(rewards, ids, texts, finished=finished))) for s in scorers]
+
             for tau in taus:
                 rows = engine.extend(session, until=tau)
                 # Finished rows stay listed so their (final) reward is read once and then reused.
-                partial[tau] = dict(zip([r.row for r in rows], scorer.extend(rewards, [r.row for r in rows],
-                                                                             [r.text for r in rows])))
+                partial[tau], ended[tau] = score(rows), {r.row: r.finished for r in rows}
             rows = engine.extend(session, until=sampling.max_new_tokens)
-            final = scorer.extend(rewards, [r.row for r in rows], [r.text for r in rows])
+            final = score(rows)
         finally:
             engine.close(session)
-            scorer.close(rewards)
-        out.append(PromptRewards(lengths=[len(r.token_ids) for r in rows], final=final,
-                                 partial={tau: [partial[tau][r.row] for r in rows] for tau in taus}))
+            for scorer in opened:
+                scorer.close(rewards)
+        order = [r.row for r in rows]
+        instructions = p.columns.get("instruction_id_list"), p.columns.get("kwargs")
+        judged = None
+        if instructions[0] is not None and instructions[1] is not None:
+            judged = [check(r.text, instructions[0], instructions[1], p.raw_prompt if isinstance(p.raw_prompt, str)
+                            else None) for r in rows]
+        out.append(Collected(lengths=[len(r.token_ids) for r in rows], final=[[f[k] for k in order] for f in final],
+                             partial={tau: [[v[k] for k in order] for v in partial[tau]] for tau in taus},
+                             ended={tau: [ended[tau][k] for k in order] for tau in taus}, judged=judged))
         log.log(logging.DEBUG if progress else logging.INFO, "counterfactual: prompt %d/%d, %d completions",
                 done, len(prompts), n)
     return out
+
+
+def judge_grid(collected: list[Collected], combined: list[PromptRewards], taus: list[int], alphas: list[float],
+               keep_lowest: bool = True) -> dict | None:
+    """The judge's verdict on the completion each cell chooses (IFEval strict accuracy, prompt- and
+    instruction-level), on Best-of-N's choice, and on completion 0 (a random sample: its seed is
+    one of N alike); None when no prompt has IFEval's columns."""
+    from pipeline.judge import accuracy
+
+    judged = [(c, p) for c, p in zip(collected, combined) if c.judged is not None]
+    if not judged:
+        return None
+
+    def verdict(pick) -> dict:
+        picks = [(c, pick(p)) for c, p in judged]
+        return {k: round(v, 4) for k, v in accuracy([c.judged[k] for c, k in picks if k is not None]).items()}
+
+    return {"prompts": len(judged),
+            "best_of_n": verdict(lambda p: chosen(p, set(range(len(p.lengths))))),
+            "random_sample": verdict(lambda p: 0),
+            "grid": [{"tau": tau, "alpha": alpha,
+                      **verdict(lambda p: chosen(p, accepted(p, tau, alpha, keep_lowest)))}
+                     for tau in taus for alpha in alphas]}
 
 
 def summarize(collected: list[PromptRewards], taus: list[int], alphas: list[float], keep_lowest: bool = True) -> dict:
@@ -101,10 +195,38 @@ def plot(summary: dict, taus: list[int], alphas: list[float], output: Path) -> N
     fig.savefig(output / "correlations.png", dpi=150)
 
 
+def report_lines(summary: dict, taus: list[int], alphas: list[float]) -> None:
+    """Per tau: the mean correlations, and per alpha the normalized score / token rate (and the
+    judge's prompt-level accuracy of the choice, where there is a judge)."""
+    judge = summary.get("judge")
+    verdicts = {(g["tau"], g["alpha"]): g for g in judge["grid"]} if judge else {}
+    for tau in taus:
+        cells = {g["alpha"]: g for g in summary["grid"] if g["tau"] == tau}
+        line = "  ".join(f"a={a}: {cells[a]['score']:.1f}/{cells[a]['token_rate']:.2f}"
+                         + (f"/{100 * verdicts[tau, a]['prompt_level_strict']:.1f}" if verdicts else "") for a in alphas)
+        m = summary["mean_correlations"]
+        print(f"tau={tau:<4} pearson {m[f'pearson@{tau}']:.2f} kendall {m[f'kendall@{tau}']:.2f} | score/token rate"
+              f"{'/IFEval prompt-level' if verdicts else ''}: {line}")
+    if judge:
+        print(f"IFEval (strict) on {judge['prompts']} prompts: Best-of-N's choice prompt-level "
+              f"{100 * judge['best_of_n']['prompt_level_strict']:.1f}, instruction-level "
+              f"{100 * judge['best_of_n']['instruction_level_strict']:.1f}; a random sample "
+              f"{100 * judge['random_sample']['prompt_level_strict']:.1f} / "
+              f"{100 * judge['random_sample']['instruction_level_strict']:.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = job_parser("bon-counterfactual", __doc__)
     parser.add_argument("--generator", required=True, help="generator: HF model directory or hub id")
-    parser.add_argument("--reward", required=True, help="reward model (sequence classifier, one label)")
+    parser.add_argument("--reward", required=True, nargs="+",
+                        help="the reward(s), as models.reward takes them: a reward model (sequence classifier, one "
+                             "label) or a reward function module:function; several: a composite reward")
+    parser.add_argument("--reward-weights", type=float, nargs="+", default=None,
+                        help="one weight per --reward (models.reward_weights; default 1 each): the grid's rewards")
+    parser.add_argument("--weight-grid", nargs="+", default=[],
+                        help="more weightings to replay on the same completions, each W,W,... (one per reward)")
+    parser.add_argument("--standardize", action="store_true",
+                        help="also replay each weighting on rewards z-scored per prompt across its completions")
     parser.add_argument("--prompts", required=True, help="JSONL or Parquet with a prompt column (local or s3://)")
     parser.add_argument("--prompt-column", default="prompt", help="the column of --prompts that holds the prompt")
     parser.add_argument("--num-samples", type=int, default=100, help="N: completions per prompt (>= 2)")
@@ -132,48 +254,80 @@ def main(argv: list[str] | None = None) -> int:
         log.error("the trade-off plots need matplotlib: pip install 'bon-pipeline[plots]'")
         return 2
 
-    from pipeline.data.prompts import PromptFormatter, prompt_id, read_raw_rows, validate
+    weights = args.reward_weights or [1.0] * len(args.reward)
+    try:
+        weightings = [weights] + [[float(w) for w in spec.split(",")] for spec in args.weight_grid]
+    except ValueError as exc:
+        log.error("--weight-grid: %s (expected W,W,... numbers)", exc)
+        return 2
+    wrong = [w for w in weightings if len(w) != len(args.reward) or not all(map(math.isfinite, w))]
+    if wrong:
+        log.error("--reward-weights / --weight-grid: %s: expected %d finite weights, one per --reward",
+                  ",".join(map(str, wrong[0])), len(args.reward))
+        return 2
+
+    from pipeline.data.prompts import PromptFormatter, PromptSource, prompt_id, validate
     from pipeline.errors import InputError
     from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.sampling import SamplingParams
     from pipeline.engines.hf import HFEngine
-    from pipeline.engines.rewards import RewardScorer
+    from pipeline.engines.rewards import RewardScorer, is_reward_function, load_rewards
 
     try:
-        rows, _rejects = validate(read_raw_rows(args.prompts, args.prompt_column), args.prompt_column)
+        records = list(PromptSource(args.prompts, args.prompt_column, extra_columns=None).records())
+        rows, _rejects = validate([v for v, _ in records], args.prompt_column, columns=[c for _, c in records])
     except InputError as exc:
         log.error("%s", exc)
         return 2
     if not rows:
         log.error("%s: no usable prompt in column %r", args.prompts, args.prompt_column)
         return 2
+    try:
+        scorers = [load_rewards([spec], None, lambda m: RewardScorer.from_pretrained(m, device=args.device,
+                                                                                     dtype=args.dtype))
+                   for spec in args.reward]
+    except ValueError as exc:
+        log.error("--reward: %s", exc)
+        return 2
     engine = HFEngine.from_pretrained(args.generator, device=args.device, dtype=args.dtype)
-    scorer = RewardScorer.from_pretrained(args.reward, device=args.device, dtype=args.dtype)
     formatter = PromptFormatter(engine.tokenizer, max(1, engine.max_context - args.max_new_tokens))
     prompts = []
     for row in rows[:args.num_prompts]:
         text, ids = formatter.render(row.prompt)
-        prompts.append(PromptInput(prompt_id(row.prompt), text, row.prompt, ids))
+        prompts.append(PromptInput(prompt_id(row.prompt), text, row.prompt, ids, columns=row.columns))
     taus = sorted({t for t in args.taus if t < args.max_new_tokens})
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
-    collected = collect(engine, scorer, prompts, args.num_samples, taus, sampling, args.seed,
-                        bars(args))
-    summary = summarize(collected, taus, args.alphas, args.keep_lowest)
+    collected = collect(engine, scorers, prompts, args.num_samples, taus, sampling, args.seed, bars(args))
+    combinations = []
+    for w in weightings:
+        for standardize in ([False, True] if args.standardize else [False]):
+            combined = [c.rewards(w, standardize) for c in collected]
+            combinations.append({"weights": w, "standardized": standardize,
+                                 **summarize(combined, taus, args.alphas, args.keep_lowest),
+                                 "judge": judge_grid(collected, combined, taus, args.alphas, args.keep_lowest)})
+    summary = combinations[0]
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    report = {"generator": args.generator, "reward": args.reward, "prompts": len(prompts),
+    main_rewards = [c.rewards(weights) for c in collected]
+    report = {"generator": args.generator, "reward": args.reward if len(args.reward) > 1 else args.reward[0],
+              "reward_weights": weights, "prompts": len(prompts),
               "num_samples": args.num_samples, "taus": taus, "alphas": args.alphas,
               "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-              "streaming_reward": scorer.streaming, "reward_tokens_read": scorer.tokens_read, **summary,
-              "completions": [{"lengths": p.lengths, "final": p.final, "partial": {str(t): v for t, v in p.partial.items()}}
-                              for p in collected]}
+              "streaming_reward": any(getattr(s, "streaming", False) for s in scorers),
+              "reward_tokens_read": sum(int(s.stats().get("tokens_read", 0)) for s in scorers),
+              **{k: v for k, v in summary.items() if k not in ("weights", "standardized")},
+              "combinations": combinations,
+              "completions": [{"lengths": p.lengths, "final": p.final, "partial": {str(t): v for t, v in p.partial.items()},
+                               "rewards": {spec: {"final": c.final[k], "partial": {str(t): c.partial[t][k] for t in taus}}
+                                           for k, spec in enumerate(args.reward)},
+                               "ended": {str(t): v for t, v in c.ended.items()}, "judged": c.judged}
+                              for p, c in zip(main_rewards, collected)]}
     (output / "counterfactual.json").write_text(json.dumps(report, indent=1))
     plot(summary, taus, args.alphas, output)
-    for tau in taus:
-        cells = {g["alpha"]: g for g in summary["grid"] if g["tau"] == tau}
-        line = "  ".join(f"a={a}: {cells[a]['score']:.1f}/{cells[a]['token_rate']:.2f}" for a in args.alphas)
-        m = summary["mean_correlations"]
-        print(f"tau={tau:<4} pearson {m[f'pearson@{tau}']:.2f} kendall {m[f'kendall@{tau}']:.2f} | score/token rate: {line}")
+    for combination in combinations:
+        if len(combinations) > 1:
+            print(f"weights {combination['weights']}{' standardized per prompt' if combination['standardized'] else ''}:")
+        report_lines(combination, taus, args.alphas)
     print(f"output: {output}/counterfactual.json, tradeoff.png, correlations.png")
     return 0
 

@@ -184,11 +184,12 @@ def test_rerun_redoes_shards_without_marker_and_ignores_temp_files(mixed_build, 
     # redone shard's rows with different company (padding) than the first run did.
     redone = pq.read_table(out / "train-00001.parquet").to_pylist()
     want = reference.to_pylist()
-    score_keys = ("chosen_score", "rejected_score")
+    score_keys = ("chosen_score", "rejected_score", "chosen_scores", "rejected_scores")
     assert [{k: v for k, v in r.items() if k not in score_keys} for r in redone] == \
         [{k: v for k, v in r.items() if k not in score_keys} for r in want]
     for key in score_keys:
-        assert [r[key] for r in redone] == pytest.approx([r[key] for r in want], abs=1e-5)
+        flat = [[v for r in rows for v in (r[key] if isinstance(r[key], list) else [r[key]])] for rows in (redone, want)]
+        assert flat[0] == pytest.approx(flat[1], abs=1e-5)
     assert (out / "_SUCCESS").exists() and not list(out.rglob(".tmp-*"))
     ids = datasets.load_dataset("parquet", data_files=str(out / "train-*.parquet"), split="train")["prompt_id"]
     assert len(ids) == len(set(ids)) == len(GOOD_PROMPTS)

@@ -176,15 +176,15 @@ def test_counterfactual_logs_a_line_per_prompt_without_bars(caplog):
 
     class Row:
         def __init__(self, row):
-            self.row, self.text, self.token_ids = row, "x", [1, 2]
+            self.row, self.text, self.token_ids, self.finished = row, "x", [1, 2], False
 
     class Fake:
         streaming = True
 
-        def open(self, *args):
+        def open(self, *args, columns=None):
             self.n = args[2]
 
-        def extend(self, session, *args, until=None):
+        def extend(self, session, *args, until=None, finished=None):
             return [Row(r) for r in range(self.n)] if until is not None else [0.0] * len(args[0])
 
         def close(self, session):
@@ -193,8 +193,8 @@ def test_counterfactual_logs_a_line_per_prompt_without_bars(caplog):
     prompts = [PromptInput(f"p{i}", "t", "t", [1]) for i in range(2)]
     sampling = SamplingParams(max_new_tokens=4)
     with caplog.at_level(logging.DEBUG, logger="jobs"):
-        collect(Fake(), Fake(), prompts, 3, [2], sampling, seed=0, progress=False)
-        collect(Fake(), Fake(), prompts, 3, [2], sampling, seed=0, progress=True)
+        collect(Fake(), [Fake()], prompts, 3, [2], sampling, seed=0, progress=False)
+        collect(Fake(), [Fake()], prompts, 3, [2], sampling, seed=0, progress=True)
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "jobs.counterfactual"]
     assert lines == [(logging.INFO, "counterfactual: prompt 1/2, 3 completions"),
                      (logging.INFO, "counterfactual: prompt 2/2, 3 completions"),

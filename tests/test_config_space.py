@@ -57,13 +57,21 @@ class Space(dict):
         return "space"
 
 
+def reward_spec(space: dict, reward: str | None) -> str:
+    """A function of tests/reward_functions.py by name; None: the tiny reward model."""
+    return f"tests.reward_functions:{reward}" if reward else str(space["models"]["reward"])
+
+
 def make_config(space: dict, name: str, output: Path, num_samples: int, max_new_tokens: int, params: dict,
-                runtime: dict, shard_size: int, reward: str | None = None) -> object:
-    """``reward``: a function of tests/reward_functions.py by name; None: the tiny reward model."""
+                runtime: dict, shard_size: int, reward: str | list | None = None, weights: list | None = None) -> object:
+    """``reward``: a function of tests/reward_functions.py by name, None: the tiny reward model, or a
+    list of those (a composite reward, with ``weights``)."""
     models = space["models"]
     raw = {
         "models": {"generator": str(space["rt"] if name == "sla" else models["generator"]),
-                   "reward": f"tests.reward_functions:{reward}" if reward else str(models["reward"]),
+                   "reward": [reward_spec(space, r) for r in reward] if isinstance(reward, list)
+                   else reward_spec(space, reward),
+                   "reward_weights": weights,
                    "draft": str(models["draft"])},
         "strategy": {"name": name, **params},
         "sampling": {"num_samples": num_samples, "max_new_tokens": max_new_tokens, "top_p": 0.95},
@@ -79,7 +87,8 @@ def build(space: dict, config) -> dict:
     from actors import start_workers
     from pipeline.build import plan_build, run_build
 
-    key = (config.strategy.name, config.runtime.continuous_batching, config.models.generator, config.models.reward)
+    key = (config.strategy.name, config.runtime.continuous_batching, config.models.generator,
+           tuple(config.models.rewards), tuple(config.models.weights))
     if key not in space["workers"]:
         space["workers"][key] = start_workers(config)
     plan = plan_build(config)
@@ -290,3 +299,45 @@ FOUND_WITH_REWARDS = [
 @pytest.mark.parametrize("name, num_samples, max_new_tokens, params, runtime, shard_size, reward", FOUND_WITH_REWARDS)
 def test_found_with_rewards(space, name, num_samples, max_new_tokens, params, runtime, shard_size, reward):
     assert run_case(space, name, num_samples, max_new_tokens, params, runtime, shard_size, reward) == "built"
+
+
+def check_composite(output: Path, config, rewards: list) -> None:
+    """Every pair keeps each reward's score; chosen_score and rejected_score are their weighted sums;
+    a function's score is the function's own on the final text."""
+    pairs = [r for p in sorted(output.glob("train-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    weights = config.models.weights
+    for p in pairs:
+        for side in ("chosen", "rejected"):
+            parts = p[f"{side}_scores"]
+            assert len(parts) == len(rewards) and all(math.isfinite(v) for v in parts)
+            assert p[f"{side}_score"] == pytest.approx(sum(w * v for w, v in zip(weights, parts)), rel=1e-4, abs=1e-4)
+            for name, value in zip(rewards, parts):
+                if name is not None:
+                    fn = getattr(reward_functions, name)
+                    assert value == fn([p["raw_prompt"]], [p[side]], partial=[False])[0]
+
+
+composite_rewards = st.lists(st.sampled_from([None, *reward_functions.ALL]), min_size=1, max_size=3, unique=True)
+
+
+@settings(SETTINGS, max_examples=16)
+@given(strategy=st.sampled_from(["sbon", "best_of_n"]), params=sbon_params, rewards=composite_rewards,
+       data=st.data(), **common)
+def test_composite_reward_space(space, strategy, params, rewards, data, num_samples, max_new_tokens, runtime,
+                                shard_size):
+    """Issue 37: models.reward as a list of the tiny reward model and reward functions that may say
+    nothing (None, NaN, inf) or tie, with weights (or none): built or refused in one line, never lost
+    or mixed, and the pairs keep each reward's score."""
+    weights = data.draw(st.one_of(st.none(), st.lists(st.sampled_from([-1.0, 0.0, 0.25, 1.0, 3.0]),
+                                                      min_size=len(rewards), max_size=len(rewards))))
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "out"
+        try:
+            config = make_config(space, strategy, output, num_samples, max_new_tokens,
+                                 params if strategy == "sbon" else {}, runtime, shard_size, rewards, weights)
+        except ConfigError as exc:
+            assert "\n" not in str(exc) and weights is not None and not any(weights)
+            return
+        manifest = build(space, config)
+        check_output(output, config, manifest)
+        check_composite(output, config, rewards)

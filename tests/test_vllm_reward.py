@@ -173,7 +173,8 @@ def test_scores_equal_the_hf_scorers_on_the_real_reward_model():
         scorer.shutdown()
 
 
-def run_build(tmp_path: Path, generator: Path, reward: Path, backend: str, strategy: str) -> tuple[dict, list[dict]]:
+def run_build(tmp_path: Path, generator: Path, reward: Path | str, backend: str, strategy: str,
+              extra: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
     """``jobs.build_dataset`` in a process of its own (runtime.local: in-process actors), the reward
     model on vLLM; its manifest and pairs (read through the output store, as every job reads them)."""
     from pipeline.data.store import OutputStore
@@ -187,6 +188,7 @@ def run_build(tmp_path: Path, generator: Path, reward: Path, backend: str, strat
         sets += ["strategy.decision_token=8", "strategy.rejection_rate=0.5"]
     if backend == "vllm":
         sets.append("models.vllm.max_model_len=256")
+    sets += extra
     argv = [sys.executable, "-m", "jobs.build_dataset", "--config", "configs/demo.yaml", "--strategy", strategy,
             "--prompts", str(prompts), "--output", str(output), "--no-progress"]
     for item in sets:
@@ -249,3 +251,23 @@ def test_the_benchmarks_vllm_reward_runs_put_the_reward_model_on_vllm(monkeypatc
     assert added == ["--set", "models.reward_backend=vllm", "--set", "models.reward_vllm.gpu_memory_utilization=0.2"]
     report = {"actor_time": {"reward": {"busy_seconds": 3.5, "breakdown_seconds": {"forward": 3.0}}}}
     assert bench.reward_seconds(report) == {"busy": 3.5, "forward": 3.0} and bench.reward_seconds({}) is None
+
+
+def test_a_composite_reward_with_the_model_on_vllm_keeps_each_rewards_score(tmp_path, reward_model, hf_scorer):
+    """Issue 37: models.reward a list, the model on vLLM's pooling runner beside a reward function in
+    the same reward actor; speculative rejection decides on the weighted sum, and each pair keeps
+    both scores: the model's equal the HF scorer's, the function's are the function's."""
+    from jobs.make_tiny_models import make_vllm_model
+    from tests import reward_functions
+
+    generator = make_vllm_model(tmp_path / "generator")
+    manifest, pairs = run_build(tmp_path, generator, f"[{reward_model}, tests.reward_functions:scored]", "vllm",
+                                "sbon", ("models.reward_weights=[1.0, 0.5]",))
+    assert manifest["pairs"] == len(pairs) == 4 and manifest["config"]["models"]["reward_weights"] == [1.0, 0.5]
+    for pair in pairs:
+        model_scores = [pair["chosen_scores"][0], pair["rejected_scores"][0]]
+        assert_close(model_scores, hf_scorer.score([pair["raw_prompt"]] * 2, [pair["chosen"], pair["rejected"]]))
+        for side in ("chosen", "rejected"):
+            model, function = pair[f"{side}_scores"]
+            assert function == reward_functions.real_score(pair[side])
+            assert abs(pair[f"{side}_score"] - (model + 0.5 * function)) <= ATOL

@@ -44,17 +44,32 @@ class PromptRewards:
     """tau -> s(Y_k^{<= tau_k}) (for a completion shorter than tau: its final reward)."""
 
 
-def simulate(prompt: PromptRewards, tau: int, alpha: float, keep_lowest: bool = True) -> tuple[float, float]:
-    """(normalized score, token rate) of Algorithm 1 at (tau, alpha) on pre-collected completions,
-    as a live run with the same ``keep_lowest`` (SpeculativeRejectionParams) would decide."""
+def accepted(prompt: PromptRewards, tau: int, alpha: float, keep_lowest: bool = True) -> set[int]:
+    """I_accepted (Eq. 4) of Algorithm 1 at (tau, alpha) on pre-collected completions, as a live run
+    with the same ``keep_lowest`` (SpeculativeRejectionParams) would decide: the completions that
+    go on past tau, and those that ended before it. A completion with no partial reward at tau (NaN:
+    no signal) goes on, as in a live run."""
     partial = prompt.partial[tau]
     r_cut = rejection_cutoff(partial, alpha)  # Eq. 3
     # A response of exactly tau tokens has not emitted EOS by tau: live runs can stop it, so may we.
     live = [k for k in range(len(partial)) if prompt.lengths[k] >= tau and math.isfinite(partial[k])]
     floor = min(live, key=lambda k: (partial[k], k)) if keep_lowest and live else None
-    accepted = {k for k, r in enumerate(partial) if prompt.lengths[k] < tau or r >= r_cut or k == floor}  # Eq. 4
-    tokens = sum(prompt.lengths[k] if k in accepted else min(prompt.lengths[k], tau) for k in range(len(partial)))
-    best = max((prompt.final[k] for k in accepted if math.isfinite(prompt.final[k])), default=-math.inf)
+    return {k for k, r in enumerate(partial)
+            if prompt.lengths[k] < tau or not math.isfinite(r) or r >= r_cut or k == floor}  # Eq. 4
+
+
+def chosen(prompt: PromptRewards, kept: set[int]) -> int | None:
+    """The completion Algorithm 1 returns out of ``kept``: the best finite final reward (ties: the
+    lowest index, as pair selection breaks them); None when none is finite."""
+    finite = [k for k in sorted(kept) if math.isfinite(prompt.final[k])]
+    return max(finite, key=lambda k: (prompt.final[k], -k)) if finite else None
+
+
+def simulate(prompt: PromptRewards, tau: int, alpha: float, keep_lowest: bool = True) -> tuple[float, float]:
+    """(normalized score, token rate) of Algorithm 1 at (tau, alpha) on pre-collected completions."""
+    kept = accepted(prompt, tau, alpha, keep_lowest)
+    tokens = sum(prompt.lengths[k] if k in kept else min(prompt.lengths[k], tau) for k in range(len(prompt.lengths)))
+    best = max((prompt.final[k] for k in kept if math.isfinite(prompt.final[k])), default=-math.inf)
     return normalized_score(prompt.final, best), tokens / max(1, sum(prompt.lengths))
 
 
