@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.output)
     sets = [f"sampling.num_samples={args.num_samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
-            *([f"models.reward={args.reward}"] if args.reward else []), *args.overrides]
+            *([f"models.reward={args.reward}", "models.reward_weights=null"] if args.reward else []), *args.overrides]
     config = load_config(args.config, sets, strategy=args.strategy)
     figures: dict = {"config": args.config, "strategy": args.strategy, "reward": config.models.reward,
                      "generator": config.models.generator, "pair_build": {"num_samples": args.num_samples,

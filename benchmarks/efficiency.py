@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None):
 
 def build(strategy: str, args, models: dict[str, str], prompts: Path) -> dict:
     """One build through the build job; its run report."""
-    overrides = [f"models.generator={models['generator']}", f"models.reward={models['reward']}",
+    overrides = [f"models.generator={models['generator']}", f"models.reward={models['reward']}", "models.reward_weights=null",
                  f"sampling.num_samples={args.num_samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
                  f"seed={args.seed}"]
     if strategy == "sbon":

@@ -285,7 +285,7 @@ def run_build(plan: dict, strategy: str) -> dict:
     """One build through the build job, in-process; its report's figures."""
     output = Path(plan["output"]) / strategy
     overrides = [f"models.generator={plan['models']['generator']}", f"models.reward={plan['models']['reward']}",
-                 f"models.device={plan['device']}", f"models.dtype={plan['dtype']}",
+                 "models.reward_weights=null", f"models.device={plan['device']}", f"models.dtype={plan['dtype']}",
                  f"sampling.num_samples={plan['num_samples']}", f"sampling.max_new_tokens={plan['max_new_tokens']}",
                  "sampling.temperature=1.0", "sampling.top_k=0", "sampling.top_p=1.0", f"seed={plan['seed']}",
                  "runtime.local=true", f"runtime.prompts_per_batch={plan['prompts_per_batch']}",

@@ -96,6 +96,8 @@ def settings(args: argparse.Namespace) -> tuple[list[str], dict]:
                       ("seed", "seed")):
         if getattr(args, flag) is not None:
             shared.append(f"{key}={getattr(args, flag)}")
+            if flag == "reward":  # one reward instead of the config's: the config's weights are not its
+                shared.append("models.reward_weights=null")
     if args.device.startswith("cuda"):
         for role in ("generator", "reward"):
             if not any(o.startswith(f"runtime.{role}.num_gpus=") for o in args.overrides):

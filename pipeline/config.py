@@ -157,7 +157,8 @@ class ModelsConfig:
                 raise ConfigError(f"models.reward_weights[{i}]: expected a number, got {weight!r}")
         if len(self.reward_weights) != len(self.rewards):
             raise ConfigError(f"models.reward_weights: {len(self.reward_weights)} weights for "
-                              f"{len(self.rewards)} reward(s) in models.reward; give one per reward")
+                              f"{len(self.rewards)} reward(s) in models.reward; give one per reward "
+                              "(models.reward_weights=null: 1 each)")
         if not any(self.reward_weights):
             raise ConfigError("models.reward_weights: every weight is 0, so every response would score 0")
         self.reward_weights = [float(w) for w in self.reward_weights]
