@@ -226,8 +226,10 @@ def check_output(out, tiny_models) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("strategy", ["sbon", "best_of_n"])
+@pytest.mark.parametrize("strategy", ["sbon", "best_of_n", "aded", "ults", "dsbd"])
 def test_a_composite_build_keeps_each_rewards_scores_and_lists_them_on_the_card(tiny_models, tmp_path, strategy):
+    """Every strategy that takes a reward takes the composite (the model-side ones score their
+    candidates through the same Scorer); dsbd drafts with ADED here (no models.draft)."""
     raw = composite_config(tiny_models, tmp_path, strategy)
     manifest = run(raw)
     out = tmp_path / "out"
