@@ -7,10 +7,11 @@ attribute forwarding), so a reader can follow a call down:
 1. row counting (pipeline.coordinator._CountedRows): one per batch, only with runtime.rows_in_flight;
    reports the batch's live rows to the coordinator's admission.
 2. the role handle (GeneratorHandle / ScorerHandle, here): the Generator calls (open, extend,
-   close, search, stats) or the Scorer calls (score, open, extend, close, components, stats). The coordinator
-   asks it for ``pinned()`` per batch (a generator) or per streaming session (a scorer): the same
-   handle bound to the actor that holds the session, so that after a replacement the session's
-   calls fail over (WorkerFailure, the batch rerun) instead of reaching an actor that never saw it.
+   close, search, stats) or the Scorer calls (score, open, extend, close, components, stats). The
+   coordinator asks it for ``pinned()`` per batch (a generator) or per streaming session (a
+   scorer): the same handle bound to the actor that holds the session, so that after a replacement
+   the session's calls fail over (WorkerFailure, the batch rerun) instead of reaching an actor that
+   never saw it.
 3. timing: the slot's CallLedger (pipeline.observability) gives each work call a CallTiming, and
    totals the round trips; ``Workers.stats()["actor_time"]`` says where the actors' time went.
    Handles on bare engines (tests) have no ledger: their calls carry none.

@@ -537,7 +537,7 @@ class _BuildRun:
         self.quarantined = self.truncated_prompts = self.prompts_run = 0
         self.pairs_made = self.tokens = self.bon_tokens = 0
         models = self.config.models
-        self.composite = models.rewards != [models.reward] or models.weights != [1.0]
+        self.composite = isinstance(models.reward, list) or models.weights != [1.0]
         """A composite reward (models.reward a list, or a weight): each pair's chosen_scores and
         rejected_scores are asked of the reward actors; one reward's are its chosen and rejected scores."""
         self.coordinator = Coordinator.from_config(self.config, workers.generators, workers.scorers,
