@@ -423,5 +423,4 @@ def write_card(store: OutputStore, manifest: dict) -> bool:
 
 
 __all__ = ["COLUMNS", "card_body", "model_identity", "model_provenance", "models_provenance", "package_versions",
-           "reward_weights",
-           "provenance", "redacted_command", "weights_sha256", "weights_cache_file", "write_card"]
+           "provenance", "redacted_command", "reward_weights", "weights_sha256", "weights_cache_file", "write_card"]
