@@ -69,7 +69,7 @@ class Collected:
         n = len(self.lengths)
         from pipeline.engines.rewards import combine
 
-        return PromptRewards(lengths=self.lengths, final=combine(scaled(self.final), weights, [True] * n, [0] * n),
+        return PromptRewards(lengths=self.lengths, final=combine(scaled(self.final), weights, None, [0] * n),
                              partial={tau: combine(scaled(parts), weights, self.ended[tau], [0] * n)
                                       for tau, parts in self.partial.items()})
 
@@ -298,17 +298,17 @@ def main(argv: list[str] | None = None) -> int:
     taus = sorted({t for t in args.taus if t < args.max_new_tokens})
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
     collected = collect(engine, scorers, prompts, args.num_samples, taus, sampling, args.seed, bars(args))
-    combinations = []
+    combinations, main_rewards = [], None
     for w in weightings:
         for standardize in ([False, True] if args.standardize else [False]):
             combined = [c.rewards(w, standardize) for c in collected]
+            main_rewards = main_rewards or combined  # the first: --reward-weights, raw
             combinations.append({"weights": w, "standardized": standardize,
                                  **summarize(combined, taus, args.alphas, args.keep_lowest),
                                  "judge": judge_grid(collected, combined, taus, args.alphas, args.keep_lowest)})
     summary = combinations[0]
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    main_rewards = [c.rewards(weights) for c in collected]
     report = {"generator": args.generator, "reward": args.reward if len(args.reward) > 1 else args.reward[0],
               "reward_weights": weights, "prompts": len(prompts),
               "num_samples": args.num_samples, "taus": taus, "alphas": args.alphas,

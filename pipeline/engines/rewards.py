@@ -497,16 +497,18 @@ class CompositeScorer:
     def components(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
                    columns: list[dict] | None = None) -> list[list[float]]:
         """Each response's scores, one per component, in ``names``' order (stateless)."""
-        parts = [s.score(prompts, responses, finished=finished, columns=columns) for s in self.scorers]
-        return [list(scores) for scores in zip(*parts)] if responses else []
+        return [list(scores) for scores in zip(*self._parts(prompts, responses, finished, columns))] if responses else []
 
     def score(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
               columns: list[dict] | None = None) -> list[float]:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-        parts = [s.score(prompts, responses, finished=finished, columns=columns) for s in self.scorers]
         groups = [p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in prompts]
-        return combine(parts, self.weights, finished if finished is not None else [True] * len(responses), groups)
+        return combine(self._parts(prompts, responses, finished, columns), self.weights, finished, groups)
+
+    def _parts(self, prompts, responses, finished, columns) -> list[list[float]]:
+        """Each component's stateless scores of the responses (one list per component)."""
+        return [s.score(prompts, responses, finished=finished, columns=columns) for s in self.scorers]
 
     def open(self, session: str, prompts: list[str | list[dict]], num_samples: int,
              columns: list[dict] | None = None) -> None:
@@ -528,8 +530,7 @@ class CompositeScorer:
         if session not in self.sessions:
             raise ValueError(f"unknown reward session {session}")
         parts = [s.extend(session, rows, responses, finished=finished) for s in self.scorers]
-        return combine(parts, self.weights, finished if finished is not None else [True] * len(rows),
-                       [r // self.sessions[session] for r in rows])
+        return combine(parts, self.weights, finished, [r // self.sessions[session] for r in rows])
 
     def close(self, session: str) -> dict:
         self.sessions.pop(session, None)
@@ -549,13 +550,14 @@ class CompositeScorer:
                 scorer.shutdown()
 
 
-def combine(parts: list[list[float]], weights: list[float], finished: list[bool], groups: list) -> list[float]:
+def combine(parts: list[list[float]], weights: list[float], finished: list[bool] | None, groups: list) -> list[float]:
     """The composite score of each response from its components' ``parts`` (one list per component):
-    sum_k weights[k] * parts[k][i]. A finished response needs every component finite (else NaN);
-    partial responses of one group (a prompt) sum the components finite for all of them (none:
-    NaN). See CompositeScorer."""
-    n = len(finished)
-    if any(len(p) != n for p in parts) or len(groups) != n:
+    sum_k weights[k] * parts[k][i]. A finished response (``finished`` None: all are) needs every
+    component finite (else NaN); partial responses of one group (a prompt) sum the components finite
+    for all of them (none: NaN). See CompositeScorer."""
+    n = len(groups)
+    finished = [True] * n if finished is None else finished
+    if any(len(p) != n for p in parts) or len(finished) != n:
         raise ValueError(f"component scores of lengths {[len(p) for p in parts]} for {n} responses")
     out = [math.nan] * n
     partial: dict[object, list[int]] = {}
