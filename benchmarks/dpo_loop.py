@@ -5,7 +5,7 @@ the generator's own held-out IFEval accuracy before and after.
         [--strategy best_of_n] [--train-prompts configs/prompts/ifeval-train.jsonl]
         [--eval-prompts configs/prompts/ifeval-eval.jsonl] [--num-samples 4] [--max-new-tokens 128]
         [--eval-max-new-tokens 192] [--epochs 1] [--batch-size 8] [--learning-rate 5e-6] [--beta 0.1]
-        [--eval-samples 4] [--output out/bench/dpo-loop] [--json FILE]
+        [--eval-samples 4] [--resamples 10000] [--output out/bench/dpo-loop] [--json FILE]
 
 1. ``jobs.build_dataset`` on the train prompts (the config's models and sampling; ``--reward`` and
    the flags above override): TRL-format pairs, each keeping its prompt's IFEval columns;
@@ -13,8 +13,12 @@ the generator's own held-out IFEval accuracy before and after.
    ``--epochs`` passes, from the generator; the policy goes to OUTPUT/policy;
 3. before and after: ``--eval-samples`` responses per held-out prompt from the generator and from
    the policy, same sampling settings and the same seeds (pipeline.decoding.sampling.row_seed), judged
-   by IFEval's checkers (pipeline.judge, strict): prompt-level and instruction-level accuracy.
-The figures: pairs, DPO steps, each step's wall time, and the before/after accuracies.
+   by IFEval's checkers (pipeline.judge, strict): prompt-level and instruction-level accuracy, and
+   their gains with a paired bootstrap 95% interval over prompts (pipeline.judge.accuracy_gain).
+The figures: pairs, DPO steps, each step's wall time, the before/after accuracies and the gains; the
+JSON keeps every response's per-instruction verdicts. Each step's result is kept under OUTPUT
+(pairs, policy, eval-before.json, eval-after.json) and reused by a rerun with the same settings, so
+an interrupted run goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--learning-rate", type=float, default=5e-6)
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples of the held-out prompts")
     return parse(parser, argv)
 
 
@@ -66,12 +71,27 @@ def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: i
                     prompts[i // samples].columns["kwargs"], prompts[i // samples].raw_prompt)
               for i, o in enumerate(out)]
     return {"prompts": len(prompts), "responses": len(judged), **accuracy(judged),
-            "mean_tokens": round(sum(len(o.token_ids) for o in out) / max(1, len(out)), 1)}
+            "mean_tokens": round(sum(len(o.token_ids) for o in out) / max(1, len(out)), 1),
+            "verdicts": [judged[i * samples:(i + 1) * samples] for i in range(len(prompts))]}
+
+
+def cached(path: Path, settings: dict, compute) -> dict:
+    """compute()'s result, kept at ``path`` with the settings that made it; reused while they match."""
+    if path.exists():
+        kept = json.loads(path.read_text())
+        if kept.get("settings") == settings:
+            return kept["result"]
+    result = compute()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"settings": settings, "result": result}))
+    tmp.replace(path)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.coordinator import sampling_params
     from pipeline.config import load_config
+    from pipeline.judge import accuracy_gain
     from pipeline.training.dpo import load_pairs, train_dpo
 
     args = parse_args(argv)
@@ -96,26 +116,44 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs = load_pairs(str(out / "pairs"))
     steps = max(1, int(args.epochs * len(pairs) / args.batch_size))
-    start = time.perf_counter()
-    metrics = train_dpo(pairs, config.models.generator, str(out / "policy"), max_steps=steps,
-                        batch_size=args.batch_size, learning_rate=args.learning_rate, beta=args.beta,
-                        max_length=args.max_length, seed=config.seed, progress=False)
-    figures["dpo"] = {"steps": metrics["steps"], "batch_size": args.batch_size, "learning_rate": args.learning_rate,
-                      "beta": args.beta, "seconds": round(time.perf_counter() - start, 1),
-                      **{k: v for k, v in metrics.items() if k != "steps"}}
-    print(f"DPO: {metrics['steps']} steps in {figures['dpo']['seconds']}s, loss {metrics['train_loss']:.4f}", flush=True)
+    dpo_settings = {"pairs": len(pairs), "steps": steps, "batch_size": args.batch_size,
+                    "learning_rate": args.learning_rate, "beta": args.beta, "max_length": args.max_length,
+                    "generator": config.models.generator, "seed": config.seed}
+
+    def dpo_round() -> dict:
+        start = time.perf_counter()
+        metrics = train_dpo(pairs, config.models.generator, str(out / "policy"), max_steps=steps,
+                            batch_size=args.batch_size, learning_rate=args.learning_rate, beta=args.beta,
+                            max_length=args.max_length, seed=config.seed, progress=False)
+        return {"batch_size": args.batch_size, "learning_rate": args.learning_rate, "beta": args.beta,
+                "seconds": round(time.perf_counter() - start, 1), **metrics}
+
+    figures["dpo"] = cached(out / "dpo.json", dpo_settings, dpo_round)
+    print(f"DPO: {figures['dpo']['steps']} steps of {args.batch_size} pairs in {figures['dpo']['seconds']}s, "
+          f"loss {figures['dpo']['train_loss']:.4f}", flush=True)
 
     eval_sampling = dataclasses.replace(sampling_params(config), max_new_tokens=args.eval_max_new_tokens)
     for name, model in (("before", config.models.generator), ("after", str(out / "policy"))):
-        start = time.perf_counter()
-        figures[name] = judged_samples(model, args.eval_prompts, args.eval_samples, eval_sampling, config.seed,
-                                       config.sampling.chat_template)
-        figures[name]["seconds"] = round(time.perf_counter() - start, 1)
-    for name in ("before", "after"):
+        def evaluate(model=model) -> dict:
+            start = time.perf_counter()
+            result = judged_samples(model, args.eval_prompts, args.eval_samples, eval_sampling, config.seed,
+                                    config.sampling.chat_template)
+            return {**result, "seconds": round(time.perf_counter() - start, 1)}
+
+        settings = {"model": model, "prompts": args.eval_prompts, "samples": args.eval_samples,
+                    "sampling": dataclasses.asdict(eval_sampling), "seed": config.seed,
+                    "chat_template": config.sampling.chat_template, **({"dpo": dpo_settings} if name == "after" else {})}
+        figures[name] = cached(out / f"eval-{name}.json", settings, evaluate)
         f = figures[name]
         print(f"held-out IFEval {name:<6} ({f['responses']} responses, {f['prompts']} prompts): prompt-level "
               f"{100 * f['prompt_level_strict']:.1f}, instruction-level {100 * f['instruction_level_strict']:.1f}, "
-              f"mean {f['mean_tokens']} tokens")
+              f"mean {f['mean_tokens']} tokens ({f['seconds']}s)", flush=True)
+    figures["gain"] = accuracy_gain(figures["before"]["verdicts"], figures["after"]["verdicts"],
+                                    resamples=args.resamples, seed=config.seed)
+    for key, name in (("prompt_level_strict", "prompt-level"), ("instruction_level_strict", "instruction-level")):
+        g = figures["gain"][key]
+        print(f"{name} gain {100 * g['gain']:+.1f} points, bootstrap 95% interval over "
+              f"{figures['gain']['prompts']} prompts [{100 * g['low']:+.1f}, {100 * g['high']:+.1f}]")
     write_json(args.json, figures, args)
     return 0
 

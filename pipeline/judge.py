@@ -212,3 +212,39 @@ def accuracy(judgements: list[list[bool]]) -> dict:
     instructions = [followed for judged in judgements for followed in judged]
     return {"prompt_level_strict": sum(map(all, judgements)) / len(judgements) if judgements else math.nan,
             "instruction_level_strict": sum(instructions) / len(instructions) if instructions else math.nan}
+
+
+def accuracy_gain(before: list[list[list[bool]]], after: list[list[list[bool]]], *, resamples: int = 10000,
+                  seed: int = 0, level: float = 0.95) -> dict:
+    """The change of IFEval's two strict figures from ``before`` to ``after``, with a paired
+    percentile bootstrap interval over prompts. Each argument holds, per prompt (the same prompts in
+    the same order), its judged responses (accuracy's format); the responses of one prompt are a
+    unit, so a resample draws prompts with replacement and keeps all their responses, before and
+    after alike. Returns, per figure, ``{"before", "after", "gain", "low", "high"}`` (the gain's
+    ``level`` interval), and the number of prompts and resamples."""
+    import numpy as np
+
+    if len(before) != len(after):
+        raise ValueError(f"{len(before)} prompts before but {len(after)} after: the same prompts are needed")
+    if not before:
+        raise ValueError("no prompts to compare")
+
+    def counts(per_prompt):
+        # per prompt: responses following all, responses, instructions followed, instructions
+        return np.array([[sum(map(all, judged)), len(judged), sum(sum(j) for j in judged), sum(len(j) for j in judged)]
+                         for judged in per_prompt], dtype=float)
+
+    b, a = counts(before), counts(after)
+    if (b[:, 1] == 0).any() or (a[:, 1] == 0).any():
+        raise ValueError("a prompt with no responses")
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(b), size=(resamples, len(b)))
+    sums_b, sums_a = b[draws].sum(axis=1), a[draws].sum(axis=1)  # (resamples, 4)
+    tail = (1 - level) / 2
+    out = {"prompts": len(b), "resamples": resamples, "level": level}
+    for name, (hit, total) in (("prompt_level_strict", (0, 1)), ("instruction_level_strict", (2, 3))):
+        gains = sums_a[:, hit] / sums_a[:, total] - sums_b[:, hit] / sums_b[:, total]
+        before_value, after_value = b[:, hit].sum() / b[:, total].sum(), a[:, hit].sum() / a[:, total].sum()
+        out[name] = {"before": before_value, "after": after_value, "gain": after_value - before_value,
+                     "low": float(np.quantile(gains, tail)), "high": float(np.quantile(gains, 1 - tail))}
+    return out

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.judge import PUNKT_INSTRUCTIONS, SUPPORTED, accuracy, broken, check, ifeval_reward, registry
+from pipeline.judge import (PUNKT_INSTRUCTIONS, SUPPORTED, accuracy, accuracy_gain, broken, check, ifeval_reward,
+                            registry)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -203,6 +204,48 @@ def test_reward_errors_are_one_line():
 def test_accuracy_is_ifevals_two_figures():
     figures = accuracy([[True, True], [True, False, False], [False]])
     assert figures == {"prompt_level_strict": 1 / 3, "instruction_level_strict": 3 / 6}
+
+
+def test_accuracy_gain_point_figures_and_paired_interval():
+    # 3 prompts, 2 responses each; prompt 0 has 2 instructions per response.
+    before = [[[True, False], [False, False]], [[False], [False]], [[True], [True]]]
+    after = [[[True, True], [True, False]], [[True], [False]], [[True], [True]]]
+    gain = accuracy_gain(before, after, resamples=2000, seed=1)
+    prompt, instr = gain["prompt_level_strict"], gain["instruction_level_strict"]
+    assert (prompt["before"], prompt["after"]) == (2 / 6, 4 / 6)
+    assert (instr["before"], instr["after"]) == (3 / 8, 6 / 8)  # a ratio of sums, not a mean of prompt ratios
+    assert prompt["gain"] == pytest.approx(2 / 6) and instr["gain"] == pytest.approx(3 / 8)
+    # No prompt got worse, so no resample shows a loss; the one that did not change can be drawn alone.
+    assert prompt["low"] == 0 and instr["low"] == 0
+    assert prompt["low"] <= prompt["gain"] <= prompt["high"] <= 1
+    assert gain["prompts"] == 3 and gain["resamples"] == 2000
+    assert accuracy_gain(before, after, resamples=2000, seed=1) == gain  # seeded
+    # The same responses before and after: no gain, and every resample says so.
+    same = accuracy_gain(before, before, resamples=500)
+    assert all(same[k]["gain"] == same[k]["low"] == same[k]["high"] == 0
+               for k in ("prompt_level_strict", "instruction_level_strict"))
+
+
+@given(st.lists(st.tuples(st.lists(st.lists(st.booleans(), min_size=1, max_size=3), min_size=1, max_size=3),
+                          st.lists(st.lists(st.booleans(), min_size=1, max_size=3), min_size=1, max_size=3)),
+                min_size=1, max_size=6), st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_accuracy_gain_swapped_is_negated(prompts, seed):
+    before, after = [b for b, _ in prompts], [a for _, a in prompts]
+    forward = accuracy_gain(before, after, resamples=200, seed=seed)
+    backward = accuracy_gain(after, before, resamples=200, seed=seed)
+    for key in ("prompt_level_strict", "instruction_level_strict"):
+        f, b = forward[key], backward[key]
+        assert -1 <= f["low"] <= f["high"] <= 1
+        assert f["gain"] == pytest.approx(-b["gain"])
+        assert (f["low"], f["high"]) == pytest.approx((-b["high"], -b["low"]))
+
+
+def test_accuracy_gain_refuses_unpaired_input():
+    with pytest.raises(ValueError, match="2 prompts before but 1 after"):
+        accuracy_gain([[[True]], [[False]]], [[[True]]])
+    with pytest.raises(ValueError, match="no responses"):
+        accuracy_gain([[[True]], []], [[[True]], [[False]]])
 
 
 def test_import_prints_nothing_and_needs_no_network():
