@@ -7,8 +7,9 @@ our HF engine, end to end through the build job on the real models (issue 14 ite
 
     make bench-vllm    # the same, in .venv-vllm (make install-vllm, make real-models)
 
-Each run is one ``jobs.build_dataset`` build of configs/real.yaml (SmolLM2-135M-Instruct, its
-reward model, N 32, 256 tokens, tau 96, alpha 0.85) on the first ``--num-prompts`` prompts, same seed,
+Each run is one ``jobs.build_dataset`` build of configs/real.yaml (SmolLM2-135M-Instruct, the
+composite of IFEval's checkers and its reward model, N 32, 256 tokens, tau 64, alpha 0.75) on the
+first ``--num-prompts`` prompts, same seed,
 Ray actors as the config places them; only these differ:
 
 - ``bon_vllm``: Best-of-N, models.backend vllm, continuous batching (runtime.continuous_batching: every

@@ -109,3 +109,39 @@ def test_missing_pairs_is_a_one_line_user_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_dpo_loop_benchmark_measures_the_gain_and_reuses_its_steps(tmp_path, tiny_models):
+    """benchmarks.dpo_loop end to end on the tiny models: pairs on IFEval rows, a DPO round, both
+    policies judged on the same held-out prompts with the same seeds, the gain's bootstrap
+    interval; a rerun reuses every step's result instead of redoing it."""
+    import json
+
+    from benchmarks.dpo_loop import main as dpo_loop
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "prompts"
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join((root / "ifeval-train.jsonl").read_text().splitlines(True)[:4]))
+    held_out.write_text("".join((root / "ifeval-eval.jsonl").read_text().splitlines(True)[:3]))
+    argv = ["--config", str(root.parent / "real.yaml"), "--strategy", "sbon", "--set", f"models.generator={tiny_models['generator']}",
+            "--set", f"models.reward=[pipeline.judge:ifeval_reward, {tiny_models['reward']}]",
+            "--set", "runtime.local=true", "--set", "sampling.chat_template=never", "--set", "strategy.decision_token=8",
+            "--num-samples", "4", "--max-new-tokens", "16", "--eval-max-new-tokens", "16", "--eval-samples", "2",
+            "--train-prompts", str(train), "--eval-prompts", str(held_out), "--batch-size", "2", "--max-length", "96",
+            "--learning-rate", "1e-3", "--resamples", "300", "--output", str(tmp_path / "loop")]
+    assert dpo_loop([*argv, "--json", str(tmp_path / "first.json")]) == 0
+    first = json.loads((tmp_path / "first.json").read_text())
+    assert first["pair_build"]["prompts"] == 4 and first["dpo"]["steps"] >= 1
+    for name in ("before", "after"):
+        assert first[name]["prompts"] == 3 and first[name]["responses"] == 6
+        assert [len(v) for v in first[name]["verdicts"]] == [2, 2, 2]
+    for key in ("prompt_level_strict", "instruction_level_strict"):
+        gain = first["gain"][key]
+        assert gain["gain"] == pytest.approx(first["after"][key] - first["before"][key])
+        assert gain["low"] <= gain["high"]
+    assert (tmp_path / "loop" / "policy" / "config.json").exists()
+
+    assert dpo_loop([*argv, "--json", str(tmp_path / "second.json")]) == 0
+    second = json.loads((tmp_path / "second.json").read_text())
+    assert second["pair_build"]["pairs_this_run"] == 0
+    assert {k: second[k] for k in ("dpo", "before", "after", "gain")} == {k: first[k] for k in ("dpo", "before", "after", "gain")}
