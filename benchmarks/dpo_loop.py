@@ -79,7 +79,7 @@ def cached(path: Path, settings: dict, compute) -> dict:
     """compute()'s result, kept at ``path`` with the settings that made it; reused while they match."""
     if path.exists():
         kept = json.loads(path.read_text())
-        if kept.get("settings") == settings:
+        if kept.get("settings") == json.loads(json.dumps(settings)):  # as JSON keeps them (tuples as lists)
             return kept["result"]
     result = compute()
     tmp = path.with_suffix(".tmp")
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict = {"config": args.config, "strategy": args.strategy, "reward": config.models.reward,
                      "generator": config.models.generator, "pair_build": {"num_samples": args.num_samples,
                                                                           "max_new_tokens": args.max_new_tokens}}
+    import torch
+
+    threads = torch.get_num_threads()
     start = time.perf_counter()
     report = run_job(args.strategy, job_argv(args.config, args.strategy, args.train_prompts, out / "pairs", sets,
                                              overwrite=False), out / "pairs")
@@ -114,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pairs: {manifest['pairs']} from {manifest['prompts_in']} prompts of {args.train_prompts} "
           f"({report['pairs']} made in this run's {figures['pair_build']['seconds_this_run']}s)", flush=True)
 
+    # In-process (runtime.local) the build's actors set torch's threads to their num_cpus; DPO and the
+    # evaluations get the process's own again.
+    torch.set_num_threads(threads)
     pairs = load_pairs(str(out / "pairs"))
     steps = max(1, int(args.epochs * len(pairs) / args.batch_size))
     dpo_settings = {"pairs": len(pairs), "steps": steps, "batch_size": args.batch_size,
