@@ -89,6 +89,8 @@ def cached(path: Path, settings: dict, compute) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     from pipeline.coordinator import sampling_params
     from pipeline.config import load_config
     from pipeline.judge import accuracy_gain
@@ -102,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict = {"config": args.config, "strategy": args.strategy, "reward": config.models.reward,
                      "generator": config.models.generator, "pair_build": {"num_samples": args.num_samples,
                                                                           "max_new_tokens": args.max_new_tokens}}
-    import torch
-
     threads = torch.get_num_threads()
     start = time.perf_counter()
     report = run_job(args.strategy, job_argv(args.config, args.strategy, args.train_prompts, out / "pairs", sets,
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     pairs = load_pairs(str(out / "pairs"))
     steps = max(1, int(args.epochs * len(pairs) / args.batch_size))
-    dpo_settings = {"pairs": len(pairs), "steps": steps, "batch_size": args.batch_size,
+    dpo_settings = {"pairs": len(pairs), "pairs_config_hash": manifest["config_hash"], "steps": steps, "batch_size": args.batch_size,
                     "learning_rate": args.learning_rate, "beta": args.beta, "max_length": args.max_length,
                     "generator": config.models.generator, "seed": config.seed}
 
