@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import bench_parser, job_argv, parse, run_job, write_json
+from benchmarks import bench_parser, fail, job_argv, parse, run_job, write_json
 
 
 def parse_args(argv: list[str] | None):
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pipeline.coordinator import sampling_params
-    from pipeline.config import load_config
+    from pipeline.config import ConfigError, load_config
     from pipeline.judge import accuracy_gain
     from pipeline.training.dpo import load_pairs, train_dpo
 
@@ -100,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output)
     sets = [f"sampling.num_samples={args.num_samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
             *([f"models.reward={args.reward}", "models.reward_weights=null"] if args.reward else []), *args.overrides]
-    config = load_config(args.config, sets, strategy=args.strategy)
+    try:
+        config = load_config(args.config, sets, strategy=args.strategy)
+    except ConfigError as e:
+        fail(str(e))
     figures: dict = {"config": args.config, "strategy": args.strategy, "reward": config.models.reward,
                      "generator": config.models.generator, "pair_build": {"num_samples": args.num_samples,
                                                                           "max_new_tokens": args.max_new_tokens}}

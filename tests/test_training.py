@@ -145,3 +145,14 @@ def test_dpo_loop_benchmark_measures_the_gain_and_reuses_its_steps(tmp_path, tin
     second = json.loads((tmp_path / "second.json").read_text())
     assert second["pair_build"]["pairs_this_run"] == 0
     assert {k: second[k] for k in ("dpo", "before", "after", "gain")} == {k: first[k] for k in ("dpo", "before", "after", "gain")}
+
+
+def test_dpo_loop_bad_set_is_a_one_line_user_error(tmp_path, capsys):
+    from benchmarks.dpo_loop import main as dpo_loop
+
+    with pytest.raises(SystemExit) as stop:
+        dpo_loop(["--set", "sampling.chat_template=bogus", "--output", str(tmp_path / "loop")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: sampling.chat_template") and "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "loop").exists()
