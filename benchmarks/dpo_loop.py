@@ -14,7 +14,8 @@ the generator's own held-out IFEval accuracy before and after.
 3. before and after: ``--eval-samples`` responses per held-out prompt from the generator and from
    the policy, same sampling settings and the same seeds (pipeline.decoding.sampling.row_seed), judged
    by IFEval's checkers (pipeline.judge, strict): prompt-level and instruction-level accuracy, and
-   their gains with a paired bootstrap 95% interval over prompts (pipeline.judge.accuracy_gain).
+   their gains with a paired bootstrap 95% interval over prompts (pipeline.judge.accuracy_gain), and,
+   where a positive gain's interval still reaches 0, about how many held-out prompts would clear it.
 The figures: pairs, DPO steps, each step's wall time, the before/after accuracies and the gains; the
 JSON keeps every response's per-instruction verdicts. Each step's result is kept under OUTPUT
 (pairs, policy, eval-before.json, eval-after.json) and reused by a rerun with the same settings, so
@@ -162,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, name in (("prompt_level_strict", "prompt-level"), ("instruction_level_strict", "instruction-level")):
         g = figures["gain"][key]
         print(f"{name} gain {100 * g['gain']:+.1f} points, bootstrap 95% interval over "
-              f"{figures['gain']['prompts']} prompts [{100 * g['low']:+.1f}, {100 * g['high']:+.1f}]")
+              f"{figures['gain']['prompts']} prompts [{100 * g['low']:+.1f}, {100 * g['high']:+.1f}]"
+              + (f"; above 0 with about {g['prompts_to_clear_zero']} prompts at this gain and spread"
+                 if g["prompts_to_clear_zero"] and g["low"] <= 0 else ""))
     write_json(args.json, figures, args)
     return 0
 

@@ -221,7 +221,13 @@ def accuracy_gain(before: list[list[list[bool]]], after: list[list[list[bool]]],
     the same order), its judged responses (accuracy's format); the responses of one prompt are a
     unit, so a resample draws prompts with replacement and keeps all their responses, before and
     after alike. Returns, per figure, ``{"before", "after", "gain", "low", "high"}`` (the gain's
-    ``level`` interval), and the number of prompts and resamples."""
+    ``level`` interval), ``se`` (the resampled gains' standard deviation) and ``prompts_to_clear_zero``:
+    about how many prompts, drawn like these, would put the interval above 0 at this gain and this
+    spread (``prompts * (z * se / gain)**2``, the normal approximation; None unless the gain is
+    positive), and the number of prompts and resamples."""
+    import math
+    from statistics import NormalDist
+
     import numpy as np
 
     if len(before) != len(after):
@@ -241,10 +247,13 @@ def accuracy_gain(before: list[list[list[bool]]], after: list[list[list[bool]]],
     draws = rng.integers(0, len(b), size=(resamples, len(b)))
     sums_b, sums_a = b[draws].sum(axis=1), a[draws].sum(axis=1)  # (resamples, 4)
     tail = (1 - level) / 2
+    z = NormalDist().inv_cdf(1 - tail)
     out = {"prompts": len(b), "resamples": resamples, "level": level}
     for name, (hit, total) in (("prompt_level_strict", (0, 1)), ("instruction_level_strict", (2, 3))):
         gains = sums_a[:, hit] / sums_a[:, total] - sums_b[:, hit] / sums_b[:, total]
         before_value, after_value = b[:, hit].sum() / b[:, total].sum(), a[:, hit].sum() / a[:, total].sum()
-        out[name] = {"before": before_value, "after": after_value, "gain": after_value - before_value,
-                     "low": float(np.quantile(gains, tail)), "high": float(np.quantile(gains, 1 - tail))}
+        gain, se = after_value - before_value, float(gains.std())
+        out[name] = {"before": before_value, "after": after_value, "gain": gain,
+                     "low": float(np.quantile(gains, tail)), "high": float(np.quantile(gains, 1 - tail)), "se": se,
+                     "prompts_to_clear_zero": math.ceil(len(b) * (z * se / gain) ** 2) if gain > 1e-12 else None}
     return out

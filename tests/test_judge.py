@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -239,6 +241,22 @@ def test_accuracy_gain_swapped_is_negated(prompts, seed):
         assert -1 <= f["low"] <= f["high"] <= 1
         assert f["gain"] == pytest.approx(-b["gain"])
         assert (f["low"], f["high"]) == pytest.approx((-b["high"], -b["low"]))
+
+
+def test_accuracy_gain_prompts_to_clear_zero():
+    """The prompts an interval needs is a property of the gain and its per-prompt spread, not of how
+    many prompts measured it: four copies of the same prompts halve the spread and need as many."""
+    rng = random.Random(3)
+    before = [[[rng.random() < 0.3] for _ in range(4)] for _ in range(40)]
+    after = [[[rng.random() < 0.4] for _ in range(4)] for _ in range(40)]
+    one, four = (accuracy_gain(before * k, after * k, resamples=4000, seed=2)["prompt_level_strict"] for k in (1, 4))
+    assert one["gain"] > 0 and four["gain"] == pytest.approx(one["gain"])
+    assert four["se"] == pytest.approx(one["se"] / 2, rel=0.1)
+    assert one["prompts_to_clear_zero"] == math.ceil(40 * (1.959964 * one["se"] / one["gain"]) ** 2)
+    assert four["prompts_to_clear_zero"] == pytest.approx(one["prompts_to_clear_zero"], rel=0.2)
+    # This interval is already above 0: it needs fewer prompts than it has.
+    assert one["low"] > 0 and one["prompts_to_clear_zero"] < 40
+    assert accuracy_gain(after, before, resamples=500)["prompt_level_strict"]["prompts_to_clear_zero"] is None
 
 
 def test_accuracy_gain_refuses_unpaired_input():
