@@ -145,6 +145,26 @@ def _stderr(line: str) -> None:
     log.info("%s", line)
 
 
+def _step_log(max_steps: int):
+    """A TrainerCallback that logs about ten progress lines over a run (step, loss, elapsed seconds):
+    a round on a CPU takes an hour, and without tqdm it would otherwise be silent."""
+    import time
+
+    from transformers import TrainerCallback
+
+    every = max(1, max_steps // 10)
+
+    class StepLog(TrainerCallback):
+        start = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs and (state.global_step % every == 0 or state.global_step == max_steps):
+                log.info("DPO step %d/%d: loss %.4f (%.0fs)", state.global_step, max_steps, logs["loss"],
+                         time.perf_counter() - self.start)
+
+    return StepLog()
+
+
 def train_dpo(pairs, model: str, output: str, *, max_steps: int = 10, batch_size: int = 4,
               learning_rate: float = 5e-6, beta: float = 0.1, max_length: int = 512, seed: int = 0,
               eval_fraction: float = 0.0, progress: bool = True) -> dict[str, Any]:
@@ -194,6 +214,7 @@ def train_dpo(pairs, model: str, output: str, *, max_steps: int = 10, batch_size
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # with tqdm off it would print every log line
+        trainer.add_callback(_step_log(max_steps))
     result = trainer.train()
 
     metrics: dict[str, Any] = {"train_loss": result.training_loss, "steps": trainer.state.global_step}
