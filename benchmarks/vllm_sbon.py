@@ -131,7 +131,10 @@ def build(name: str, args: argparse.Namespace, prompts: Path, count: int) -> dic
         overrides = [o for o in overrides if o != "VLLM_REWARD"] + [
             "models.reward_backend=vllm", f"models.reward_vllm.gpu_memory_utilization={args.reward_kv_fraction}"]
     output = Path(args.output) / name
-    overrides = overrides + [o for o in args.overrides if strategy == "sbon" or not o.startswith("strategy.")]
+    # --set data.prompts chose the file whose first --num-prompts rows are in ``prompts``; passed on, it
+    # would replace them with the whole file.
+    overrides = overrides + [o for o in args.overrides if (strategy == "sbon" or not o.startswith("strategy."))
+                             and not o.startswith("data.prompts=")]
     start = time.perf_counter()
     report = run_job(name, job_argv(args.config, strategy, prompts, output, overrides), output)
     report["tokens_per_second"] = round(report["generated_tokens"] / report["run_seconds"], 1)

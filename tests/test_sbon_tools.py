@@ -231,3 +231,26 @@ def test_bon_equivalent_estimate_is_within_10_percent_of_a_real_best_of_n_run(sm
     claimed = sum(r.bon_equivalent_tokens for r in sbon)
     assert sum(r.generated_tokens for r in sbon) < real
     assert abs(claimed / real - 1) < 0.10, (claimed, real)
+
+
+def test_vllm_benchmark_builds_read_the_first_num_prompts_rows(monkeypatch, tmp_path):
+    """``--set data.prompts=FILE`` picks the file benchmarks.vllm_sbon takes its first --num-prompts
+    rows from; every build reads those rows, not the whole file (it once ran all 64 of 8 asked)."""
+    import benchmarks.vllm_sbon as bench
+
+    argvs = {}
+
+    def run_job(name, argv, output):
+        argvs[name] = argv
+        return {"run_seconds": 2.0, "startup_seconds": 1.0, "generated_tokens": 10}
+
+    monkeypatch.setattr(bench, "run_job", run_job)
+    args = bench.parse_args(["--runs", "bon_vllm,sbon_continuous", "--set", "data.prompts=configs/prompts/ifeval-eval.jsonl",
+                             "--set", "strategy.decision_token=32", "--output", str(tmp_path)])
+    for name in args.runs:
+        bench.build(name, args, tmp_path / "prompts.jsonl", 8)
+    for name, argv in argvs.items():
+        sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+        assert not any(s.startswith("data.prompts=") for s in sets), name
+        assert argv[argv.index("--prompts") + 1] == str(tmp_path / "prompts.jsonl")
+    assert "strategy.decision_token=32" in argvs["sbon_continuous"] and "strategy.decision_token=32" not in argvs["bon_vllm"]
