@@ -52,6 +52,21 @@ def cluster():
     ray.shutdown()
 
 
+@pytest.fixture
+def vllm_bench(monkeypatch):
+    """benchmarks.vllm_sbon with its builds recorded, not run: (the module, {run name: build job argv})."""
+    import benchmarks.vllm_sbon as bench
+
+    argvs = {}
+
+    def run_job(name, argv, output):
+        argvs[name] = argv
+        return {"run_seconds": 2.0, "startup_seconds": 1.0, "generated_tokens": 10}
+
+    monkeypatch.setattr(bench, "run_job", run_job)
+    return bench, argvs
+
+
 @contextlib.contextmanager
 def moto_s3(bucket: str = "bucket"):
     """A real S3 protocol server (moto) on 127.0.0.1 holding one empty bucket and nothing else; yields

@@ -233,18 +233,10 @@ def test_bon_equivalent_estimate_is_within_10_percent_of_a_real_best_of_n_run(sm
     assert abs(claimed / real - 1) < 0.10, (claimed, real)
 
 
-def test_vllm_benchmark_builds_read_the_first_num_prompts_rows(monkeypatch, tmp_path):
+def test_vllm_benchmark_builds_read_the_first_num_prompts_rows(vllm_bench, tmp_path):
     """``--set data.prompts=FILE`` picks the file benchmarks.vllm_sbon takes its first --num-prompts
     rows from; every build reads those rows, not the whole file (it once ran all 64 of 8 asked)."""
-    import benchmarks.vllm_sbon as bench
-
-    argvs = {}
-
-    def run_job(name, argv, output):
-        argvs[name] = argv
-        return {"run_seconds": 2.0, "startup_seconds": 1.0, "generated_tokens": 10}
-
-    monkeypatch.setattr(bench, "run_job", run_job)
+    bench, argvs = vllm_bench
     args = bench.parse_args(["--runs", "bon_vllm,sbon_continuous", "--set", "data.prompts=configs/prompts/ifeval-eval.jsonl",
                              "--set", "strategy.decision_token=32", "--output", str(tmp_path)])
     for name in args.runs:

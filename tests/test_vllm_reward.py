@@ -230,17 +230,9 @@ def test_a_build_with_the_generator_on_hf_and_the_reward_model_on_vllm_gives_pai
     check_pairs(manifest, pairs, hf_scorer)
 
 
-def test_the_benchmarks_vllm_reward_runs_put_the_reward_model_on_vllm(monkeypatch, tmp_path):
+def test_the_benchmarks_vllm_reward_runs_put_the_reward_model_on_vllm(vllm_bench, tmp_path):
     """benchmarks.vllm_sbon's ``*_vllm_reward`` runs are their plain runs plus the reward model on vLLM."""
-    import benchmarks.vllm_sbon as bench
-
-    builds = {}
-
-    def run_job(name, argv, output):
-        builds[name] = argv
-        return {"run_seconds": 2.0, "startup_seconds": 1.0, "generated_tokens": 10}
-
-    monkeypatch.setattr(bench, "run_job", run_job)
+    bench, builds = vllm_bench
     args = bench.parse_args(["--runs", "sbon_continuous,sbon_continuous_vllm_reward", "--reward-kv-fraction", "0.2",
                              "--output", str(tmp_path)])
     for name in args.runs:
