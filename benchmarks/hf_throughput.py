@@ -3,6 +3,7 @@
     python -m benchmarks.hf_throughput --generator DIR [--rows 128] [--max-new-tokens 128] [--repeats 3] [--threads 2]
     python -m benchmarks.hf_throughput --generator DIR --compare-prepack [--repeats 3]
     python -m benchmarks.hf_throughput --generator DIR --compare-attention [--device cuda --dtype bfloat16]
+    python -m benchmarks.hf_throughput --generator DIR --compare-dtype [--repeats 3]
 
 Each repeat opens one session of --rows rows (a fixed set of chat prompts, chat template applied,
 sampled --rows / prompts times each), extends it to exactly --max-new-tokens tokens per row (temperature
@@ -23,6 +24,10 @@ PyTorch dispatches it, eager, and sdpa with its kernel pinned to math, flash, ef
 one engine per implementation in one process, repeats alternating; a kernel the device lacks is
 reported, not measured. This is how the attention default was chosen (docs/benchmarks.md,
 "Attention").
+
+``--compare-dtype``: the same measurement in float32 (prepacked, the engine's CPU default) and in
+bfloat16, one engine each in one process, repeats alternating: what ``jobs.fetch_models
+--sampling-dtype`` trades when the reward model's training samples are drawn.
 """
 
 from __future__ import annotations
@@ -138,6 +143,26 @@ def compare_prepack(model_dir: str, rows: int, tokens: int, repeats: int, thread
     return result
 
 
+def compare_dtype(model_dir: str, rows: int, tokens: int, repeats: int, threads: int,
+                  dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict:
+    """The engine's decoding throughput in each of ``dtypes`` on CPU, in one process, repeats
+    alternating; ratios to the first."""
+    torch.set_num_threads(threads)
+    engines = {dtype: HFEngine.from_pretrained(model_dir, device="cpu", dtype=dtype) for dtype in dtypes}
+    prompts = chat_prompts(engines[dtypes[0]].tokenizer, rows)
+    for engine in engines.values():
+        run_session(engine, prompts, rows, min(tokens, 8))  # warm-up
+    rates: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
+    for _ in range(repeats):
+        for dtype, engine in engines.items():
+            rates[dtype].append(_rate(engine, prompts, rows, tokens))
+    return {"model": model_dir, "transformers": transformers.__version__, "torch": torch.__version__, "rows": rows,
+            "tokens": tokens, "threads": threads, **{dtype: _summary(rates[dtype]) for dtype in dtypes},
+            f"throughput_ratio_over_{dtypes[0]}": {
+                dtype: round(statistics.median(rates[dtype]) / statistics.median(rates[dtypes[0]]), 3)
+                for dtype in dtypes}}
+
+
 ATTENTION = ("sdpa", "eager", "sdpa:math", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn")
 """The attention paths ``--compare-attention`` measures: transformers' sdpa with PyTorch's own
 choice of kernel, eager, and sdpa with its kernel pinned (``torch.nn.attention.sdpa_kernel``); a
@@ -194,6 +219,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pass-repeats", type=int, default=20)
     parser.add_argument("--compare-attention", action="store_true",
                         help="the engine's throughput under eager, sdpa and sdpa with each kernel pinned")
+    parser.add_argument("--compare-dtype", action="store_true",
+                        help="float32 (prepacked) and bfloat16 on CPU side by side")
     parser.add_argument("--device", default="cpu", help="--compare-attention's device (cpu, cuda)")
     parser.add_argument("--dtype", default="float32", help="--compare-attention's dtype")
     args = parse(parser, argv)
@@ -209,6 +236,11 @@ def main(argv=None) -> int:
                     f"{r['median_tokens_per_s'] / result[best]['median_tokens_per_s']:.2f}x the fastest"
                     if "error" not in r else f"not run: {r['error']}")
             print(f"{path:15s} {line}")
+    elif args.compare_dtype:
+        result = compare_dtype(model, args.rows, args.max_new_tokens, args.repeats, args.threads)
+        for dtype, ratio in result["throughput_ratio_over_float32"].items():
+            print(f"{dtype:9s} {result[dtype]['median_tokens_per_s']:.1f} tokens/s {result[dtype]['tokens_per_s']}, "
+                  f"{ratio:.2f}x float32")
     elif args.compare_prepack:
         result = compare_prepack(model, args.rows, args.max_new_tokens, args.repeats, args.threads, args.pass_repeats)
         for name in ("prepack", "default"):

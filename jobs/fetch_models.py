@@ -128,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-prompts", default=defaults.eval_prompts,
                         help="held-out prompts, same columns, none shared with --prompts")
     parser.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt,
-                        help="responses sampled per training and held-out prompt (>= 2)")
+                        help="responses sampled per training prompt (>= 2)")
+    parser.add_argument("--eval-samples-per-prompt", type=int, default=defaults.eval_samples_per_prompt,
+                        help="responses sampled per held-out prompt (>= 2)")
+    parser.add_argument("--sampling-dtype", choices=("float32", "bfloat16", "float16"), default=defaults.sampling_dtype,
+                        help="the generator's dtype while it samples (bfloat16: about 1.6x faster on AVX512-BF16 CPUs)")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
                         help="token cap of the training samples")
     parser.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens,
@@ -175,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         settings = RewardSettings(prompts=args.prompts, eval_prompts=args.eval_prompts,
-                                  samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
+                                  samples_per_prompt=args.samples_per_prompt,
+                                  eval_samples_per_prompt=args.eval_samples_per_prompt,
+                                  sampling_dtype=args.sampling_dtype, max_new_tokens=args.max_new_tokens,
                                   eval_max_new_tokens=args.eval_max_new_tokens, seed=args.seed,
                                   train_taus=args.train_taus, lora_layers=args.lora_layers, lora_rank=args.lora_rank,
                                   lora_alpha=2.0 * args.lora_rank, epochs=args.epochs,

