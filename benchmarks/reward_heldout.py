@@ -1,7 +1,8 @@
 """Reward models side by side on one set of judged held-out responses.
 
     python -m benchmarks.reward_heldout --data out/rm8/reward-data --reward .cache/real-models/reward
-        [OTHER_REWARD_DIR ...] [--checker] [--taus 16 32 64 128] [--tokenizer DIR] [--json FILE]
+        [OTHER_REWARD_DIR ...] [--checker [--composite-weight W]] [--taus 16 32 64 128] [--tokenizer DIR]
+        [--json FILE]
 
 ``--data`` is a reward-model build's DIR/reward-data (``python -m jobs.fetch_models``, steps 4-5):
 its samples-eval.jsonl (responses sampled for the held-out prompts) and judged-eval.jsonl (IFEval's
@@ -21,7 +22,8 @@ prints, with pipeline.training.reward_model's functions (the ones a build's repo
 minus the share of its instructions already broken). The held-out prompt file named in DATA's
 settings.json gives each prompt's instructions. Its final reward is the judge's own verdict (its
 agreement is 1 by construction). Its prefix figures measure how much of the verdict 64 tokens
-already settle.
+already settle. With ``--composite-weight W`` each reward model is also scored as the composite
+a build sums (models.reward [checker, model], models.reward_weights [1, W]: raw, as TRL sums).
 """
 
 from __future__ import annotations
@@ -85,12 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="a reward model build's DIR/reward-data (held-out samples, judged)")
     parser.add_argument("--reward", nargs="*", default=[], help="reward model directories to compare")
     parser.add_argument("--checker", action="store_true", help="also IFEval's checkers as a reward")
+    parser.add_argument("--composite-weight", type=float, default=None,
+                        help="with --checker: also the checker + W x each reward model, summed raw")
     parser.add_argument("--taus", type=int, nargs="+", default=[16, 32, 64, 128], help="decision tokens")
     parser.add_argument("--tokenizer", default=None,
                         help="the generator's tokenizer, to cut responses for --checker (default: the first --reward)")
     args = parse(parser, argv)
     if not args.reward and not args.checker:
         fail("nothing to compare: give --reward DIR ... and/or --checker")
+    if args.composite_weight is not None and not (args.checker and args.reward):
+        fail("--composite-weight needs --checker and --reward DIR")
     for path in args.reward:
         if not (Path(path) / "config.json").exists():
             fail(f"--reward: {path}/config.json: no such file")
@@ -99,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.engines.rewards import RewardScorer
     from pipeline.training.reward_model import partial_rewards
 
-    results = {}
+    results, scores = {}, {}
     for path in args.reward:
         scorer = RewardScorer.from_pretrained(path)
         final = scorer.score([s.prompt for s in samples], [s.text for s in samples])
-        results[path] = figures(samples, fractions, final, partial_rewards(scorer, samples, args.taus, scorer.tokenizer))
+        scores[path] = final, partial_rewards(scorer, samples, args.taus, scorer.tokenizer)
+        results[path] = figures(samples, fractions, *scores[path])
     if args.checker:
         from pipeline.engines.hf import load_tokenizer
         from pipeline.errors import FetchError, InputError
@@ -125,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"{prompts}: {len(missing)} sampled prompts are not in the file")
         final, partial = checker_rewards(samples, instructions, args.taus, load_tokenizer(source))
         results["pipeline.judge:ifeval_reward"] = figures(samples, fractions, final, partial)
+        w = args.composite_weight
+        for path, (model_final, model_partial) in scores.items() if w is not None else ():
+            results[f"checker + {w:g} x {path}"] = figures(
+                samples, fractions, [a + w * b for a, b in zip(final, model_final)],
+                {tau: {i: v + w * model_partial[tau][i] for i, v in partial[tau].items()} for tau in partial})
     print(f"{len(samples)} held-out responses of {len({s.prompt_id for s in samples})} prompts ({data})")
     print(f"{'reward':<40} {'agree':>6}  per-prompt / pooled Kendall, prefix agreement at tau")
     for name, f in results.items():

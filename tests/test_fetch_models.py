@@ -478,8 +478,9 @@ def test_reward_heldout_compares_rewards_on_a_builds_judged_held_out_samples(tin
     (data / "settings.json").write_text(json.dumps({"eval_prompts": str(held)}))
     reward = str(tiny_models["reward"])
     out = tmp_path / "figures.json"
-    assert reward_heldout.main(["--data", str(data), "--reward", reward, "--checker", "--taus", "4", "40",
-                                "--tokenizer", str(tiny_models["generator"]), "--json", str(out)]) == 0
+    assert reward_heldout.main(["--data", str(data), "--reward", reward, "--checker", "--composite-weight", "0.5",
+                                "--taus", "4", "40", "--tokenizer", str(tiny_models["generator"]),
+                                "--json", str(out)]) == 0
     figures = json.loads(out.read_text())["rewards"]
     pairs = preference_pairs([prompt_id(prompt)] * 4, [1.0, 0.0, 0.0, 1.0], 0.0)
     assert len(pairs) == 4 == figures[reward]["pairs"]
@@ -491,6 +492,10 @@ def test_reward_heldout_compares_rewards_on_a_builds_judged_held_out_samples(tin
     assert checker["prefix_agreement"]["4"] == {"pairs": 4, "agreement": 0.75}
     # At 40 tokens "WELL" is in; the short response has ended, so only its two pairs with it drop out.
     assert checker["prefix_agreement"]["40"] == {"pairs": 2, "agreement": 1.0}
+    # The composite a build sums: the checker's verdict plus 0.5 x the model's reward.
+    composite = figures[f"checker + 0.5 x {reward}"]
+    summed = [c + 0.5 * r for c, r in zip([1.0, 0.0, 0.0, 1.0], scores)]
+    assert composite["agreement"] == pytest.approx(pairwise_agreement(summed, pairs), abs=1e-4)
     assert "held-out responses of 1 prompts" in capsys.readouterr().out
 
     with pytest.raises(SystemExit) as exit_:
