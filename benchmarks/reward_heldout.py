@@ -1,7 +1,7 @@
 """Reward models side by side on one set of judged held-out responses.
 
     python -m benchmarks.reward_heldout --data out/rm8/reward-data --reward .cache/real-models/reward
-        [OTHER_REWARD_DIR ...] [--checker [--composite-weight W]] [--taus 16 32 64 128] [--tokenizer DIR]
+        [OTHER_REWARD_DIR ...] [--checker [--composite-weight W [W ...]]] [--taus 16 32 64 128] [--tokenizer DIR]
         [--json FILE]
 
 ``--data`` is a reward-model build's DIR/reward-data (``python -m jobs.fetch_models``, steps 4-5):
@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="a reward model build's DIR/reward-data (held-out samples, judged)")
     parser.add_argument("--reward", nargs="*", default=[], help="reward model directories to compare")
     parser.add_argument("--checker", action="store_true", help="also IFEval's checkers as a reward")
-    parser.add_argument("--composite-weight", type=float, default=None,
-                        help="with --checker: also the checker + W x each reward model, summed raw")
+    parser.add_argument("--composite-weight", type=float, nargs="+", default=None,
+                        help="with --checker: also the checker + W x each reward model, summed raw (one W for "
+                             "all, or one per --reward)")
     parser.add_argument("--taus", type=int, nargs="+", default=[16, 32, 64, 128], help="decision tokens")
     parser.add_argument("--tokenizer", default=None,
                         help="the generator's tokenizer, to cut responses for --checker (default: the first --reward)")
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         fail("nothing to compare: give --reward DIR ... and/or --checker")
     if args.composite_weight is not None and not (args.checker and args.reward):
         fail("--composite-weight needs --checker and --reward DIR")
+    if args.composite_weight is not None and len(args.composite_weight) not in (1, len(args.reward)):
+        fail(f"--composite-weight: one weight, or one per --reward ({len(args.reward)}), got "
+             f"{len(args.composite_weight)}")
     for path in args.reward:
         if not (Path(path) / "config.json").exists():
             fail(f"--reward: {path}/config.json: no such file")
@@ -132,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"{prompts}: {len(missing)} sampled prompts are not in the file")
         final, partial = checker_rewards(samples, instructions, args.taus, load_tokenizer(source))
         results["pipeline.judge:ifeval_reward"] = figures(samples, fractions, final, partial)
-        w = args.composite_weight
-        for path, (model_final, model_partial) in scores.items() if w is not None else ():
+        weights = args.composite_weight or []
+        for w, (path, (model_final, model_partial)) in zip(weights * len(scores) if len(weights) == 1 else weights,
+                                                           scores.items()):
             results[f"checker + {w:g} x {path}"] = figures(
                 samples, fractions, [a + w * b for a, b in zip(final, model_final)],
                 {tau: {i: v + w * model_partial[tau][i] for i, v in partial[tau].items()} for tau in partial})
