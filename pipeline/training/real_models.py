@@ -76,7 +76,7 @@ class RewardSettings:
     """Responses sampled per held-out prompt (the per-prompt correlations need several longer than tau)."""
     sampling_dtype: str = "bfloat16"
     """The generator's dtype while it samples (pipeline.engines.hf.HFEngine, models.dtype's values):
-    "bfloat16" decodes about 1.6x faster on CPUs with AVX512-BF16/AMX."""
+    "bfloat16" decodes 1.8x faster on this project's CPUs (AMX; docs/benchmarks.md, "bfloat16 sampling")."""
     max_new_tokens: int = 128
     """Token cap of the training samples."""
     eval_max_new_tokens: int = 256
