@@ -85,6 +85,19 @@ def _summary(rates: list[float]) -> dict:
     return {"tokens_per_s": [round(r, 1) for r in rates], "median_tokens_per_s": round(statistics.median(rates), 1)}
 
 
+def alternating_rates(engines: dict[str, HFEngine], prompts: list[list[int]], rows: int, tokens: int,
+                      repeats: int) -> dict[str, list[float]]:
+    """Tokens/s of each engine over ``repeats`` sessions, the engines taking turns (after one short
+    warm-up session each), so that a drift of the machine's speed falls on all of them alike."""
+    for engine in engines.values():
+        run_session(engine, prompts, rows, min(tokens, 8))  # warm-up
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            rates[name].append(_rate(engine, prompts, rows, tokens))
+    return rates
+
+
 def hf_tokens_per_second(model_dir: str, rows: int = 128, tokens: int = 128, repeats: int = 3,
                          threads: int = 2, prepack: bool = True) -> dict:
     """HFEngine's decoding throughput on ``model_dir`` (float32, CPU, ``threads`` threads,
@@ -123,12 +136,7 @@ def compare_prepack(model_dir: str, rows: int, tokens: int, repeats: int, thread
     engines = {name: HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32", prepack=name == "prepack")
                for name in ("prepack", "default")}
     prompts = chat_prompts(engines["prepack"].tokenizer, rows)
-    for engine in engines.values():
-        run_session(engine, prompts, rows, min(tokens, 8))  # warm-up
-    rates: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(repeats):
-        for name, engine in engines.items():
-            rates[name].append(_rate(engine, prompts, rows, tokens))
+    rates = alternating_rates(engines, prompts, rows, tokens, repeats)
     passes = {name: {fed: pass_seconds(engine, prompts[0], fed, pass_repeats) for fed in (1, 2, 4, 8)}
               for name, engine in engines.items()}
     result = {"model": model_dir, "transformers": transformers.__version__, "torch": torch.__version__,
@@ -149,13 +157,7 @@ def compare_dtype(model_dir: str, rows: int, tokens: int, repeats: int, threads:
     alternating; ratios to the first."""
     torch.set_num_threads(threads)
     engines = {dtype: HFEngine.from_pretrained(model_dir, device="cpu", dtype=dtype) for dtype in dtypes}
-    prompts = chat_prompts(engines[dtypes[0]].tokenizer, rows)
-    for engine in engines.values():
-        run_session(engine, prompts, rows, min(tokens, 8))  # warm-up
-    rates: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
-    for _ in range(repeats):
-        for dtype, engine in engines.items():
-            rates[dtype].append(_rate(engine, prompts, rows, tokens))
+    rates = alternating_rates(engines, chat_prompts(engines[dtypes[0]].tokenizer, rows), rows, tokens, repeats)
     return {"model": model_dir, "transformers": transformers.__version__, "torch": torch.__version__, "rows": rows,
             "tokens": tokens, "threads": threads, **{dtype: _summary(rates[dtype]) for dtype in dtypes},
             f"throughput_ratio_over_{dtypes[0]}": {
