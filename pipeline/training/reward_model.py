@@ -8,6 +8,8 @@ W frozen, A Kaiming-uniform as peft initialises it, B zero), and the score head
 ``score.weight`` ([1, H], no bias: a constant does not change a preference) learns in full. The
 reward of prompt x and response y is read at the last token of the chat-formatted conversation,
 as LlamaForSequenceClassification pools and pipeline.engines.rewards.RewardScorer reads it.
+Rank 0 trains the top K layers' projections in full instead (FullLinear: a full-rank update
+beside each frozen weight, merged the same way); K = L would be the full fine-tune.
 
 Loss (Bradley-Terry, as in Ouyang et al., 2022, eq. 1): for a pair (y_w, y_l) of one prompt's
 responses whose judge fractions differ (y_w follows more of the prompt's instructions),
@@ -199,6 +201,20 @@ class LoRALinear(nn.Module):
         return self.lora_B @ self.lora_A * self.scale
 
 
+class FullLinear(nn.Module):
+    """``base`` (frozen) plus a full-rank update ``delta`` ([out, in], zero at start): training
+    ``delta`` is training the weight itself (a full fine-tune of the projection), and it merges
+    the same way as LoRA's B A. What ``split_reward_model(rank=0)`` puts in the top layers."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.delta = nn.Parameter(torch.zeros_like(base.weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.base.weight + self.delta, self.base.bias)
+
+
 @dataclass
 class SplitRewardModel:
     """The reward model in two parts: ``bottom`` (embeddings and the frozen layers 0 .. L-K-1, no
@@ -209,32 +225,36 @@ class SplitRewardModel:
     bottom: nn.Module
     top: nn.Module
     score: nn.Linear
-    lora: dict[str, LoRALinear]
-    """"model.layers.{i}.{target}" (the full model's names) -> its LoRA module in ``top``."""
+    lora: dict[str, LoRALinear | FullLinear]
+    """"model.layers.{i}.{target}" (the full model's names) -> its LoRA (or full-rank) module in
+    ``top``."""
     first_top_layer: int
 
+    def _trained(self) -> dict[str, nn.Parameter]:
+        """``{name}.lora_A`` / ``.lora_B`` (LoRA) or ``{name}.delta`` (full rank) -> the parameter."""
+        return {f"{name}.{part}": p for name, m in self.lora.items() for part, p in m.named_parameters(recurse=False)}
+
     def parameters(self) -> list[nn.Parameter]:
-        """What training updates: the LoRA factors and the score head."""
-        return [p for m in self.lora.values() for p in (m.lora_A, m.lora_B)] + [self.score.weight]
+        """What training updates: the LoRA factors (or full-rank updates) and the score head."""
+        return list(self._trained().values()) + [self.score.weight]
 
     def factors(self) -> dict[str, torch.Tensor]:
         """The trained tensors by name (``...q_proj.lora_A``, ``score.weight``), detached copies."""
-        out = {f"{name}.{part}": getattr(m, part).detach().clone() for name, m in self.lora.items()
-               for part in ("lora_A", "lora_B")}
+        out = {k: p.detach().clone() for k, p in self._trained().items()}
         out["score.weight"] = self.score.weight.detach().clone()
         return out
 
     def load_factors(self, factors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for name, m in self.lora.items():
-                m.lora_A.copy_(factors[f"{name}.lora_A"])
-                m.lora_B.copy_(factors[f"{name}.lora_B"])
+            for key, p in self._trained().items():
+                p.copy_(factors[key])
             self.score.weight.copy_(factors["score.weight"].reshape(1, -1))
 
 
 def split_reward_model(backbone: str | Path, top_layers: int, rank: int, alpha: float, seed: int) -> SplitRewardModel:
     """The generator directory ``backbone`` as a SplitRewardModel with ``top_layers`` LoRA layers
-    (rank ``rank``, scale alpha / rank, A drawn from ``seed``) and a zero score head."""
+    (rank ``rank``, scale alpha / rank, A drawn from ``seed``) and a zero score head. Rank 0
+    trains the top layers' projections in full instead (FullLinear; ``alpha`` is unused)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaModel
 
@@ -263,7 +283,8 @@ def split_reward_model(backbone: str | Path, top_layers: int, rank: int, alpha: 
         for target in LORA_TARGETS:
             parent_name, name = target.split(".")
             parent = getattr(layer, parent_name)
-            module = LoRALinear(getattr(parent, name), rank, alpha, generator)
+            base = getattr(parent, name)
+            module = FullLinear(base) if rank == 0 else LoRALinear(base, rank, alpha, generator)
             setattr(parent, name, module)
             lora[f"model.layers.{cut + i}.{target}"] = module
     score = nn.Linear(config.hidden_size, 1, bias=False)
@@ -273,13 +294,16 @@ def split_reward_model(backbone: str | Path, top_layers: int, rank: int, alpha: 
 
 def merge_lora(model, factors: dict[str, torch.Tensor], scale: float) -> None:
     """Writes ``factors`` (SplitRewardModel.factors) into a LlamaForSequenceClassification: each
-    projection's weight += scale * B A, and ``score.weight``; the result is a plain model."""
+    projection's weight += scale * B A (LoRA) or += delta (full rank), and ``score.weight``; the
+    result is a plain model."""
     with torch.no_grad():
         modules = dict(model.named_modules())
         for key, a in factors.items():
             if key.endswith(".lora_A"):
                 name = key[: -len(".lora_A")]
                 modules[name].weight += factors[f"{name}.lora_B"] @ a * scale
+            elif key.endswith(".delta"):
+                modules[key[: -len(".delta")]].weight += a
         model.score.weight.copy_(factors["score.weight"].reshape(1, -1))
 
 
