@@ -272,18 +272,20 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
     assert full["model"]["trainable_parameters"] > 5 * report["model"]["trainable_parameters"]
 
 
-def test_a_committed_reward_model_stands_in_for_training_only_when_it_fits(tiny_gguf, tmp_path, capsys, monkeypatch):
-    """--save-artifact writes the trained model (JSON and the LoRA factors and head); with it as
-    --artifact, a fresh output assembles the same reward model (same rewards) without sampling or
-    training; another GGUF, other settings or other weights do not fit: --committed-only is then
-    one line and exit code 2."""
+@pytest.mark.parametrize("rank", ["4", "0"])
+def test_a_committed_reward_model_stands_in_for_training_only_when_it_fits(tiny_gguf, tmp_path, capsys, monkeypatch,
+                                                                           rank):
+    """--save-artifact writes the trained model (JSON and the LoRA factors, or at rank 0 the
+    full-rank updates, and head); with it as --artifact, a fresh output assembles the same reward
+    model (same rewards) without sampling or training; another GGUF, other settings or other
+    weights do not fit: --committed-only is then one line and exit code 2."""
     from safetensors.torch import load_file
 
     from pipeline.engines.rewards import RewardScorer
 
     download = _wheel(tiny_gguf, tmp_path)
     artifact = tmp_path / "committed" / "model.json"
-    args = _args(tmp_path, download)
+    args = _args(tmp_path, download) + ["--lora-rank", rank]
     assert fetch_models.main(args + ["--artifact", str(tmp_path / "none.json"), "--save-artifact", str(artifact)]) == 0
     trained = tmp_path / "models" / "reward"
     saved = json.loads(artifact.read_text())
@@ -292,18 +294,20 @@ def test_a_committed_reward_model_stands_in_for_training_only_when_it_fits(tiny_
     assert saved["weights_sha256"] == real_models.sha256_file(weights) and saved["weights"] == "model.safetensors"
     assert saved["report"]["training_pairs"] == json.loads((trained / "report.json").read_text())["training_pairs"]
     factors = load_file(str(weights))
-    assert sorted({k.rsplit(".", 1)[1] for k in factors}) == ["lora_A", "lora_B", "weight"]
+    assert sorted({k.rsplit(".", 1)[1] for k in factors}) == (["delta", "weight"] if rank == "0" else
+                                                               ["lora_A", "lora_B", "weight"])
     assert all(k.startswith("model.layers.1.") for k in factors if k != "score.weight")  # the top layer only
 
     def refuse(*a, **k):
         raise AssertionError("sampled or trained instead of using the committed reward model")
 
     monkeypatch.setattr("pipeline.engines.hf.HFEngine.from_pretrained", refuse)
-    fresh = _args(tmp_path, download)
+    fresh = _args(tmp_path, download) + ["--lora-rank", rank]
     fresh[fresh.index("--output") + 1] = str(tmp_path / "fast")
     assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only"]) == 0
     report = json.loads((tmp_path / "fast" / "reward" / "report.json").read_text())
-    assert report["reward_source"] == "committed model" and "the committed LoRA factors" in capsys.readouterr().out
+    updates = "full-rank updates" if rank == "0" else "LoRA factors"
+    assert report["reward_source"] == "committed model" and f"the committed {updates}" in capsys.readouterr().out
     texts = ["A kind and clear answer.", "no no no no no", "Thanks for the lamp, it is bright."]
     want = RewardScorer.from_pretrained(str(trained)).score(["Review the lamp."] * 3, texts)
     got = RewardScorer.from_pretrained(str(tmp_path / "fast" / "reward")).score(["Review the lamp."] * 3, texts)

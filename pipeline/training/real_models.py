@@ -410,7 +410,8 @@ def _agreement_detail(held: list, rewards: list[float], pairs: list[tuple[int, i
 
 def format_report(report: dict, reward: Path) -> str:
     if report.get("reward_source") == COMMITTED:
-        source = (f"the generator + the committed LoRA factors and head {report['artifact']} (its GGUF sha256 "
+        updates = "full-rank updates" if report["settings"]["lora_rank"] == 0 else "LoRA factors"
+        source = (f"the generator + the committed {updates} and head {report['artifact']} (its GGUF sha256 "
                   "matches; --retrain trains one here)")
     else:
         source = "trained here (steps 4-6)"
