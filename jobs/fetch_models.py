@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuts (tokens) of the training prefix pairs")
     parser.add_argument("--lora-layers", type=int, default=defaults.lora_layers,
                         help="top decoder layers with LoRA factors (the ones below are frozen)")
-    parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank, help="rank of the LoRA factors (0: train the --lora-layers layers' projections in full; "
-                        "an artifact of about 14 MB per layer)")
+    parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank,
+                        help="rank of the LoRA factors (0: train the --lora-layers layers' projections in full; "
+                             "an artifact of about 14 MB per layer)")
     parser.add_argument("--epochs", type=int, default=defaults.epochs, help="reward model training epochs")
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
                         help="reward model learning rate")
