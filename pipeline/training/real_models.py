@@ -189,9 +189,9 @@ def build_reward_model(generator: Path, output: Path, settings: RewardSettings, 
     return _train_and_evaluate(generator, data, reward, splits, settings, seconds, start, progress)
 
 
-def lora_scale(settings: dict) -> float:
-    """LoRA's alpha / rank of a RewardSettings dict (1 for rank 0: full-rank updates merge as they are)."""
-    return settings["lora_alpha"] / settings["lora_rank"] if settings["lora_rank"] else 1.0
+def lora_scale(rank: int, alpha: float) -> float:
+    """LoRA's alpha / rank (1 for rank 0: full-rank updates merge as they are)."""
+    return alpha / rank if rank else 1.0
 
 
 def _adapter(settings: RewardSettings) -> str:
@@ -321,7 +321,7 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
         prompts_per_step=settings.prompts_per_step, head_l2=settings.head_l2, seed=settings.seed), progress)
     seconds["train"] = training.pop("seconds")
     factors = model.factors()
-    scale = lora_scale(asdict(settings))
+    scale = lora_scale(settings.lora_rank, settings.lora_alpha)
     tmp = reward.with_name(f"{reward.name}.building")
     save_reward_model(generator, factors, scale, tmp)
 
@@ -596,7 +596,9 @@ def assemble_reward_model(generator: Path, output: Path, artifact: Path, setting
             _skip(reward)
             return report
     tmp = reward.with_name(f"{reward.name}.building")
-    save_reward_model(generator, load_file(str(artifact_weights(artifact))), lora_scale(committed["settings"]), tmp)
+    trained = committed["settings"]
+    save_reward_model(generator, load_file(str(artifact_weights(artifact))),
+                      lora_scale(trained["lora_rank"], trained["lora_alpha"]), tmp)
     report = {"reward_source": COMMITTED, "artifact": str(artifact), "weights_sha256": committed["weights_sha256"],
               "gguf_sha256": committed["gguf_sha256"], "generator": str(generator), "settings": committed["settings"],
               **committed["report"]}
