@@ -2,8 +2,8 @@
 own samples with IFEval's checkers as the judge.
 
     bon-fetch-models --output DIR [--download DIR] [--generator DIR] [--prompts FILE]
-        [--eval-prompts FILE] [--samples-per-prompt 4] [--max-new-tokens 128] [--eval-max-new-tokens 256]
-        [--seed 0] [--lora-layers 4] [--lora-rank 8] [--epochs 3] [--learning-rate 1e-3] [--prefix-weight 0.5]
+        [--eval-prompts FILE] [--samples-per-prompt 8] [--max-new-tokens 128] [--eval-max-new-tokens 256]
+        [--seed 0] [--lora-layers 8] [--lora-rank 8] [--epochs 2] [--learning-rate 1e-3] [--prefix-weight 0.5]
         [--artifact FILE] [--retrain | --committed-only] [--save-artifact FILE]
         [--draft [--draft-layers 4] [--draft-samples-per-prompt 2] [--draft-epochs 2]]
     (or python -m jobs.fetch_models ...)
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-taus", type=int, nargs="+", default=defaults.train_taus,
                         help="cuts (tokens) of the training prefix pairs")
     parser.add_argument("--lora-layers", type=int, default=defaults.lora_layers,
-                        help="top decoder layers with LoRA factors (the ones below are frozen)")
+                        help="top decoder layers with LoRA factors (the ones below are frozen); every layer "
+                             "with --lora-rank 0 is a full fine-tune of the projections")
     parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank,
                         help="rank of the LoRA factors (0: train the --lora-layers layers' projections in full; "
                              "an artifact of about 14 MB per layer)")

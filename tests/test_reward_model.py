@@ -72,15 +72,22 @@ def test_reward_texts_share_the_head_and_cut_each_sample_at_tau(tokenizer, score
         assert len(set(own)) > 1  # the head is the longest common prefix
 
 
-@pytest.mark.parametrize("rank", [4, 0])
-def test_split_model_scores_equal_the_merged_directory_read_by_reward_scorer(tiny_models, tokenizer, tmp_path, rank):
+@pytest.mark.parametrize("rank, top_layers", [(4, 1), (0, 1), (0, "all")])
+def test_split_model_scores_equal_the_merged_directory_read_by_reward_scorer(tiny_models, tokenizer, tmp_path,
+                                                                             rank, top_layers):
     """The training-time model (bottom states with a shared head, then the LoRA top, or the
-    full-rank top at rank 0) and the saved, merged AutoModelForSequenceClassification give the
-    same reward to every text."""
+    full-rank top at rank 0; every layer at rank 0 is a full fine-tune, the bottom only the
+    embeddings) and the saved, merged AutoModelForSequenceClassification give the same reward to
+    every text."""
+    from transformers import AutoConfig
+
     from pipeline.engines.rewards import RewardScorer
 
     generator = tiny_models["generator"]
-    model = rm.split_reward_model(generator, top_layers=1, rank=rank, alpha=8.0, seed=0)
+    layers = AutoConfig.from_pretrained(generator).num_hidden_layers
+    top_layers = layers if top_layers == "all" else top_layers
+    model = rm.split_reward_model(generator, top_layers=top_layers, rank=rank, alpha=8.0, seed=0)
+    assert len(model.bottom.layers) == layers - top_layers and model.first_top_layer == layers - top_layers
     update = "lora_B" if rank else "delta"  # zero at start: the part that makes the model differ
     assert all(isinstance(m, rm.FullLinear if rank == 0 else rm.LoRALinear) for m in model.lora.values())
     gen = torch.Generator().manual_seed(3)
@@ -147,8 +154,9 @@ def test_rank_distillation_pairs_every_two_cut_samples_and_targets_the_final_ord
     assert scores.grad[0] == 0 and scores.grad[1] == 0  # the final rewards are the target, not trained here
 
 
-@pytest.mark.parametrize("rank, learning_rate", [(4, 1e-2), (0, 1e-3)])
-def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenizer, rank, learning_rate):
+# top_layers 2: both of the tiny generator's layers, a full fine-tune with no frozen layer
+@pytest.mark.parametrize("rank, learning_rate, top_layers", [(4, 1e-2, 1), (0, 1e-3, 1), (0, 1e-3, 2)])
+def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenizer, rank, learning_rate, top_layers):
     """The judge prefers responses without "no": after training the reward model orders held-out
     prompts' pairs by it, and the LoRA factors (or the full-rank updates, at rank 0) moved (the
     probe alone is epoch 0 in the history)."""
@@ -159,7 +167,7 @@ def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenize
     responses = {p: [good[k % 3], bad[k % 3], good[(k + 1) % 3], bad[(k + 2) % 3]] for k, p in enumerate(prompts)}
     samples = _samples(tokenizer, responses)
     fractions = [1.0 if "no" not in s.text.split() else 0.0 for s in samples]
-    model = rm.split_reward_model(tiny_models["generator"], top_layers=1, rank=rank, alpha=8.0, seed=0)
+    model = rm.split_reward_model(tiny_models["generator"], top_layers=top_layers, rank=rank, alpha=8.0, seed=0)
     groups = rm.reward_texts(tokenizer, samples, [2, 4])
     rm.bottom_states(model, groups, tokenizer.pad_token_id)
     before = {k: v.clone() for k, v in model.factors().items()}

@@ -347,8 +347,9 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
         "reward_source": "trained",
         "judge": judge_description(),
         "generator": str(generator),
-        "model": {"about": f"LlamaForSequenceClassification from the generator: layers 0..{model.first_top_layer - 1} "
-                           f"frozen, {_adapter(settings)} on "
+        "model": {"about": f"LlamaForSequenceClassification from the generator: "
+                           f"{f'layers 0..{model.first_top_layer - 1} frozen' if model.first_top_layer else 'no layer frozen'}, "
+                           f"{_adapter(settings)} on "
                            f"{', '.join(LORA_TARGETS)} of layers {model.first_top_layer}.."
                            f"{model.first_top_layer + settings.lora_layers - 1}, score head trained, merged",
                   "trainable_parameters": sum(v.numel() for v in factors.values())},

@@ -444,9 +444,17 @@ def bottom_states(model: SplitRewardModel, groups: list[PromptTexts], pad_id: in
     unless decoding and re-encoding the cut moved a token boundary), so it keeps the final text's
     cache and states up to the tokens they share (the other cached positions masked out, as
     pipeline.engines.rows.RowBatch.truncate does) and runs only its remaining tokens, at their
-    true positions."""
+    true positions. With no frozen layer (``top_layers`` all of them: a full fine-tune), the states
+    are the token embeddings."""
     from transformers import DynamicCache
 
+    if not len(model.bottom.layers):  # every layer trains (a full fine-tune): the states are the embeddings
+        for group in groups:
+            group.head_states = model.bottom.embed_tokens(torch.tensor(group.head))
+            group.states = [model.bottom.embed_tokens(torch.tensor(t.token_ids[len(group.head):])) for t in group.texts]
+            if progress is not None:
+                progress.update(1)
+        return
     for group in groups:
         head = len(group.head)
         head_out, head_cache = _head_pass(model.bottom, torch.tensor([group.head]))
