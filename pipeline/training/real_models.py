@@ -343,15 +343,15 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
     held_pairs = preference_pairs([s.prompt_id for s in held], [j.fraction for j in held_judged], 0.0)
     partial = partial_rewards(scorer, held, settings.taus, scorer.tokenizer)
     seconds["evaluate"] = round(time.perf_counter() - t, 1)
+    first = model.first_top_layer
+    frozen = f"layers 0..{first - 1} frozen" if first else "no layer frozen"
     report = {
         "reward_source": "trained",
         "judge": judge_description(),
         "generator": str(generator),
-        "model": {"about": f"LlamaForSequenceClassification from the generator: "
-                           f"{f'layers 0..{model.first_top_layer - 1} frozen' if model.first_top_layer else 'no layer frozen'}, "
-                           f"{_adapter(settings)} on "
-                           f"{', '.join(LORA_TARGETS)} of layers {model.first_top_layer}.."
-                           f"{model.first_top_layer + settings.lora_layers - 1}, score head trained, merged",
+        "model": {"about": f"LlamaForSequenceClassification from the generator: {frozen}, {_adapter(settings)} on "
+                           f"{', '.join(LORA_TARGETS)} of layers {first}..{first + settings.lora_layers - 1}, "
+                           "score head trained, merged",
                   "trainable_parameters": sum(v.numel() for v in factors.values())},
         "settings": asdict(settings),
         "train_prompts": len(groups),
