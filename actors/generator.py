@@ -30,7 +30,8 @@ class GeneratorActor:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
                  draft: str | None = None, draft_actor=None, backend: str = "hf", continuous_batching: bool = False,
                  speculative=None, prepack: bool = True, load: dict | None = None,
-                 draft_load: dict | None = None, vllm: dict | None = None):
+                 draft_load: dict | None = None, vllm: dict | None = None, kv_cache_memory=None,
+                 heap: bool = False):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side strategies that draft
         (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``
@@ -44,12 +45,15 @@ class GeneratorActor:
         ``prepack`` (models.cpu_prepack): the HF models' linears prepacked for oneDNN on CPU
         (pipeline.engines.hf.for_inference). ``load`` / ``draft_load``: ``from_pretrained`` keywords of the
         generator and the draft (models.hf: revision, attn_implementation, trust_remote_code, ...);
-        ``vllm``: the backend's engine keywords (models.vllm: ``vllm.LLM`` keywords) with backend "vllm"."""
+        ``vllm``: the backend's engine keywords (models.vllm: ``vllm.LLM`` keywords) with backend "vllm".
+        ``kv_cache_memory`` (runtime.kv_cache_memory): the HF engine's KV cache budget; ``heap``
+        (runtime.bound_heap): glibc heap tuning for this process."""
         torch.set_num_threads(max(1, num_threads))
         self.backend = backend_record(backend)
         self.engine = self.backend.load_generator(model, EngineOptions(
             device=device, dtype=dtype, num_threads=max(1, num_threads), continuous_batching=continuous_batching,
-            speculative=speculative, prepack=prepack, load=load, settings=vllm))
+            speculative=speculative, prepack=prepack, load=load, settings=vllm, kv_cache_memory=kv_cache_memory,
+            bound_heap=heap))
         if draft_actor is not None:
             from actors.remote import RemoteDrafter
 

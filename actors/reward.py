@@ -21,17 +21,20 @@ from pipeline.observability import ActorTimeline, CallTiming
 class RewardActor:
     def __init__(self, model: str | list[str], device: str = "cpu", dtype: str = "float32", num_threads: int = 1,
                  batch_size: int = 32, prepack: bool = True, load: dict | None = None, backend: str = "hf",
-                 vllm: dict | None = None, cache_mb: int | None = None, weights: list[float] | None = None):
+                 vllm: dict | None = None, cache_mb: int | None = None, weights: list[float] | None = None,
+                 pass_tokens: int = 0, heap: bool = False):
         """``model``: a sequence-classification model (dir or Hub id), or a reward function
         ``module:function`` (pipeline.engines.rewards.FunctionScorer), or a list of them, summed with
         ``weights`` (models.reward_weights; pipeline.engines.rewards.CompositeScorer). ``load``: the
         models' ``from_pretrained`` keywords (models.hf); ``backend`` (models.reward_backend): the
         record of pipeline.engines.backends whose reward scorer loads each model ("vllm": vLLM's
         pooling runner, with ``vllm`` (models.reward_vllm) as ``vllm.LLM`` keywords). ``cache_mb``:
-        runtime.reward_cache_mb, for each model (None: no bound)."""
+        runtime.reward_cache_mb, for each model (None: no bound). ``pass_tokens``: runtime.reward_pass_tokens
+        (0: the device's default); ``heap``: runtime.bound_heap."""
         torch.set_num_threads(max(1, num_threads))
         options = EngineOptions(device=device, dtype=dtype, num_threads=max(1, num_threads), prepack=prepack, load=load,
-                                settings=vllm, batch_size=batch_size,
+                                settings=vllm, batch_size=batch_size, reward_pass_tokens=pass_tokens or None,
+                                bound_heap=heap,
                                 reward_cache_bytes=None if cache_mb is None else cache_mb << 20)
         record = backend_record(backend, "models.reward_backend")
         self.scorer = load_rewards([model] if isinstance(model, str) else list(model), weights,

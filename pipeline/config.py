@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from pipeline.decoding.speculative import SpeculativeDecoding
-from pipeline.engines.backends import backend
+from pipeline.engines.backends import backend, parse_memory
 from pipeline.errors import ConfigError
 from pipeline.strategies import STRATEGIES, lookup
 
@@ -340,6 +340,19 @@ class RuntimeConfig:
     merged_decoding before; that key is still read, with a warning."""
     reward_batch_size: int = 32
     """Sequences per reward-model forward pass."""
+    reward_pass_tokens: int = 0
+    """The most padded tokens in one reward-model forward pass, beside reward_batch_size's
+    sequences (HF reward models). 0: the device's default (1,024 on a CPU, 65,536 on a GPU:
+    pipeline.engines.rewards.BATCH_TOKENS)."""
+    kv_cache_memory: Any = "auto"
+    """The HF generator's KV cache (pipeline.engines.kv_cache): a pool of 128-token blocks allocated
+    once at this size. A size ("24GB", "512MB"; a bare number is GB), a fraction in (0, 1] of the
+    memory free once the weights are loaded, or auto: 0.8 of a GPU's free memory, 0.25 of a CPU
+    host's available memory (on a CPU the pool's pages become resident only as blocks are used).
+    Rows are admitted by free blocks and preempted (recomputed later) when blocks run out."""
+    bound_heap: bool = False
+    """glibc heap tuning (map threshold 4 MiB, two arenas) in the HF actors' processes; off by
+    default, since it slowed other work in the process (docs/benchmarks.md)."""
     reward_cache_mb: int = 128
     """The most reward-side KV, in MiB, that an HF reward actor's streaming sessions keep between
     their calls (strategy.streaming_rewards): the caches of the sessions scored least recently go
@@ -376,6 +389,13 @@ class RuntimeConfig:
                 raise ConfigError(f"runtime.{key}: must be >= 1, got {getattr(self, key)}")
         if self.rows_in_flight < 0:
             raise ConfigError(f"runtime.rows_in_flight: must be >= 0 (0: no row limit), got {self.rows_in_flight}")
+        if self.reward_pass_tokens < 0:
+            raise ConfigError(f"runtime.reward_pass_tokens: must be >= 0 (0: the device's default), "
+                              f"got {self.reward_pass_tokens}")
+        try:
+            parse_memory(self.kv_cache_memory)
+        except ValueError as exc:
+            raise ConfigError(f"runtime.kv_cache_memory: {exc}") from None
         if self.reward_cache_mb < 0:
             raise ConfigError(f"runtime.reward_cache_mb: must be >= 0 (0: keep no cache between calls), "
                               f"got {self.reward_cache_mb}")

@@ -42,7 +42,7 @@ def test_pruned_rows_leave_the_batch_and_kept_rows_continue_unchanged(engine):
     engine.open("prune", [prompt], 4, seeds, SAMPLE)
     first = engine.extend("prune", until=4)
     assert [len(r.token_ids) for r in first] == [4, 4, 4, 4]
-    before = len(engine.sessions["prune"].slots)  # its rows sit in the engine's KV pool
+    before = len(engine.sessions["prune"].kv)  # its rows sit in the engine's KV cache
     rest = engine.extend("prune", until=12, keep=[1, 3])
     state = engine.sessions.get("prune")
     assert [r.row for r in rest] == [1, 3]
@@ -53,22 +53,28 @@ def test_pruned_rows_leave_the_batch_and_kept_rows_continue_unchanged(engine):
     assert counters == {"generated_tokens": 4 * 4 + 2 * 8, "forward_passes": 1 + 3 + 8}
 
 
-def test_pruning_frees_slots_and_moves_no_row(engine):
-    """The KV pool (issue 38): a prune frees the dropped rows' slots; the kept rows stay where they
-    are, in buffers allocated once (no row's KV is copied), and a close frees the rest."""
-    pool = engine.runner.pool
-    prompt = ids(engine, "Tell me if the camera is good")
+def test_pruning_frees_blocks_and_moves_no_row(engine):
+    """The paged KV cache (issue 48): a prune frees the dropped rows' blocks; the kept rows' blocks
+    stay where they are, in buffers allocated once (no row's KV is copied), the prompt's whole
+    blocks are shared by its samples, and a close frees the rest."""
+    kv = engine.runner.kv
+    prompt = ids(engine, "Tell me if the camera is good " * 30)  # longer than one block
     engine.open("shrink", [prompt], 6, list(range(6)), SAMPLE)
     engine.extend("shrink", until=3)
-    slots, buffer = list(engine.sessions["shrink"].slots), pool.keys[0].data_ptr()
-    kept = [pool.keys[0][slots[i], :, :int(pool.length[slots[i]])].clone() for i in (0, 2)]
+    assert len(prompt) > kv.block_size
+    handles, buffer = list(engine.sessions["shrink"].kv), kv.keys[0].data_ptr()
+    tables = {h: kv._rows.tables[h, :2].copy() for h in handles}
+    assert len({tables[h][0] for h in handles}) == 1  # the prompt's whole block, shared by the six rows
+    assert kv.refs[tables[handles[0]][0]] == 6
+    used = kv.used_blocks
     engine.extend("shrink", until=5, keep=[0, 2])
-    assert engine.sessions["shrink"].slots == [slots[0], slots[2]] and pool.keys[0].data_ptr() == buffer
-    for slot, before in zip((slots[0], slots[2]), kept):  # the cached columns are untouched, two more appended
-        assert torch.equal(pool.keys[0][slot, :, :before.shape[1]], before) and int(pool.length[slot]) == before.shape[1] + 2
+    assert engine.sessions["shrink"].kv == [handles[0], handles[2]] and kv.keys[0].data_ptr() == buffer
+    assert kv.used_blocks == used - 4 and kv.refs[tables[handles[0]][0]] == 2  # four tails back; shared ref 2
+    for h in (handles[0], handles[2]):
+        assert (kv._rows.tables[h, :2] == tables[h]).all() and kv._rows.length[h] == len(prompt) + 4
     engine.close("shrink")
-    pool.collect()
-    assert not pool.used
+    kv.collect()
+    assert kv.used_blocks == 0 and kv.stats()["kv_prompt_bytes_shared"] >= 5 * kv.block_bytes
 
 
 def test_eos_stops_a_row_and_is_not_in_the_text(tiny_models):
@@ -127,7 +133,8 @@ def test_concurrent_sessions_make_the_same_candidates_as_one_at_a_time(tiny_mode
     # One at a time, each step decodes one session; together, the sessions shared forward passes.
     assert alone.forward_passes == sum(c["forward_passes"] for _, c in expected)
     assert shared.forward_passes < sum(c["forward_passes"] for _, c in got)
-    assert shared.sessions == {} and shared.loop._members == [] and shared.loop._batch is None
+    shared.runner.kv.collect()
+    assert shared.sessions == {} and shared.loop._members == [] and shared.runner.kv.used_blocks == 0
 
 
 def test_the_step_loop_hands_a_model_error_to_every_call_in_the_step(tiny_models):
@@ -147,7 +154,7 @@ def test_the_step_loop_hands_a_model_error_to_every_call_in_the_step(tiny_models
                     call.result()
     finally:
         engine.model.forward = forward
-    assert engine.loop._members == [] and engine.loop._batch is None and engine.loop._driving is None
+    assert engine.loop._members == [] and engine.loop._driving is None
     engine.open("c", [prompt], 2, [1, 2], SAMPLE)  # the loop still serves
     assert len(engine.extend("c", until=4)) == 2
 
@@ -302,42 +309,39 @@ def test_models_cpu_prepack_reaches_every_actor(tiny_models, tmp_path):
         assert packed(generator.engine.model) == packed(reward.scorer.model) == (setting and can_prepack("cpu", "float32"))
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager", "other"])
-def test_kv_pool_steps_match_each_rows_own_batch(engine, monkeypatch, attention):
-    """KVPool (issue 38): rows of different lengths admitted from two batches, some released, stepped
-    together (the stepping rows alone under sdpa and eager, the others riding along under any other
-    attention): each row's logits are those of its own unpadded RowBatch, and a row that does not
-    step keeps its cache."""
-    import pipeline.engines.kv_pool as kv_pool
-    from pipeline.engines.kv_pool import KVPool
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("block_size", [4, 16, 128])
+def test_kv_cache_steps_match_each_rows_own_batch(engine, monkeypatch, attention, block_size):
+    """KVCache (issue 48): rows of different lengths admitted from two batches (one prompt's blocks
+    shared by two samples), one released, the others stepped in any order across block edges: each
+    row's logits are those of its own unpadded RowBatch, whatever the model's own attention
+    implementation (a step always reads the blocks with flex_attention), and a row that does not
+    step keeps its blocks."""
+    from pipeline.engines.kv_cache import KVCache
     from pipeline.engines.rows import RowBatch
 
-    if attention == "other":  # an implementation the pool cannot scatter for: the riding path
-        monkeypatch.setattr(kv_pool, "SCATTER_BASES", ())
-    else:
-        monkeypatch.setattr(engine.model.config, "_attn_implementation", attention)
+    monkeypatch.setattr(engine.model.config, "_attn_implementation", attention)
     prompts = [ids(engine, "Describe how the blender works"), ids(engine, "Hi"),
                ids(engine, "Tell me if the camera is good, and why, in two lines")]
-    pool = KVPool(engine.model, engine.device)
+    kv = KVCache(engine.model, engine.device, memory=4 << 20, block_size=block_size)
     first, _ = RowBatch.prefill(engine.model, prompts[:2], engine.pad_id, engine.device)
     second, _ = RowBatch.prefill(engine.model, prompts[2:], engine.pad_id, engine.device)
-    slots = pool.admit(first, 40) + pool.admit(second, 40)
-    pool.release([slots[0]])
-    tokens = torch.tensor([5, 7])
-    logits = pool.step([slots[2], slots[1]], tokens, logits_to_keep=1).logits[:, -1]  # slot 1 after slot 2
-    for row, (prompt, token) in enumerate(zip((prompts[2], prompts[1]), tokens)):
-        alone, _ = RowBatch.prefill(engine.model, [prompt], engine.pad_id, engine.device)
-        expected = alone.feed(token.view(1, 1), logits_to_keep=1).logits[0, -1]
-        torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
-    riding = pool.keys[0][slots[1]].clone()
-    logits = pool.step([slots[2]], torch.tensor([9]), logits_to_keep=1).logits[:, -1]  # slot 1 does not step
-    alone, _ = RowBatch.prefill(engine.model, [prompts[2]], engine.pad_id, engine.device)
-    alone.feed(torch.tensor([[5]]))
-    torch.testing.assert_close(logits[0], alone.feed(torch.tensor([[9]]), logits_to_keep=1).logits[0, -1],
-                               atol=1e-4, rtol=1e-4)
-    width = int(pool.length[slots[1]])
-    assert torch.equal(pool.keys[0][slots[1], :, :width], riding[:, :width])
-    assert engine.model.config._attn_implementation == (attention if attention != "other" else "sdpa")
+    handles = kv.admit(first, [0, 0, 1]) + kv.admit(second)
+    kv.release([handles[0]])
+    own = {h: RowBatch.prefill(engine.model, [p], engine.pad_id, engine.device)[0]
+           for h, p in zip(handles[1:], prompts)}
+    stepping = [handles[3], handles[2], handles[1]]
+    for step in range(2 * block_size + 3):
+        if step == block_size:
+            still = kv._rows.tables[handles[2]].copy(), kv._rows.length[handles[2]]
+            stepping = [handles[3], handles[1]]  # handles[2] waits
+        tokens = torch.tensor([5 + step + i for i in range(len(stepping))])
+        logits = kv.step(stepping, tokens, logits_to_keep=1).logits[:, -1]
+        for row, (h, token) in enumerate(zip(stepping, tokens)):
+            expected = own[h].feed(token.view(1, 1), logits_to_keep=1).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+    assert (kv._rows.tables[handles[2]] == still[0]).all() and kv._rows.length[handles[2]] == still[1]
+    assert engine.model.config._attn_implementation == attention
 
 
 def test_the_engines_samples_follow_the_models_distribution(engine):
@@ -395,29 +399,3 @@ def test_a_pooled_session_keeps_one_kv_row_per_prompt_until_its_rows_join_the_po
     assert state.fan is None and state.batch is None
     alone = engine.generate([a, b], 4, list(range(8)), SAMPLE)
     assert [r.token_ids for r in rows] == [r.token_ids for r in alone]
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_a_pool_step_over_rows_apart_attends_in_runs_and_matches_each_rows_own_batch(engine, monkeypatch, attention):
-    """Stepping rows far apart in the pool (rows between them waiting or free) attend in runs, one
-    attention call per run (kv_pool.step_runs), and each row's logits are still its own batch's."""
-    from pipeline.engines.kv_pool import KVPool, step_runs
-    from pipeline.engines.rows import RowBatch
-
-    assert step_runs(np.array([8, 0, 1, 7, 3])) == [(0, 4), (7, 9)]  # 2 bridged (a gap of one), 4-6 not
-    assert step_runs(np.array([5])) == [(5, 6)]
-    monkeypatch.setattr(engine.model.config, "_attn_implementation", attention)
-    texts = ["Describe how the blender works", "Hi", "Tell me if the camera is good", "Why",
-             "Write a review of the lamp", "Is it", "Explain why the phone broke so quickly today", "Ok"]
-    prompts = [ids(engine, t) for t in texts]
-    pool = KVPool(engine.model, engine.device)
-    batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
-    slots = pool.admit(batch, 40)
-    pool.release([slots[4]])
-    stepping = [7, 0, 1, 6]
-    tokens = torch.tensor([5, 7, 9, 11])
-    logits = pool.step([slots[i] for i in stepping], tokens, logits_to_keep=1).logits[:, -1]
-    for row, i in enumerate(stepping):
-        alone, _ = RowBatch.prefill(engine.model, [prompts[i]], engine.pad_id, engine.device)
-        expected = alone.feed(tokens[row].view(1, 1), logits_to_keep=1).logits[0, -1]
-        torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)

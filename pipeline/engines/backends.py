@@ -94,6 +94,12 @@ class EngineOptions:
     """The backend's own engine keywords (``Backend.settings``: models.vllm / models.reward_vllm)."""
     batch_size: int = 32
     """Sequences per reward-model forward pass (runtime.reward_batch_size; reward scorers only)."""
+    kv_cache_memory: Any = None
+    """runtime.kv_cache_memory: the HF generator's KV cache budget (pipeline.engines.backends.parse_memory)."""
+    bound_heap: bool = False
+    """runtime.bound_heap: glibc heap tuning for the actor's process (HF engines)."""
+    reward_pass_tokens: int | None = None
+    """runtime.reward_pass_tokens: padded tokens per reward forward pass (None: the device's default)."""
     reward_cache_bytes: int | None = None
     """Reward-side KV the HF scorer's streaming sessions keep between calls (runtime.reward_cache_mb);
     None: no bound."""
@@ -153,3 +159,35 @@ def backend(name: str, key: str = "models.backend") -> Backend:
 def _load(path: str) -> type:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def parse_memory(value) -> float | int | None:
+    """runtime.kv_cache_memory as the manager takes it: None ("auto": a default per device), a
+    fraction in (0, 1] of the memory free after the weights, or a byte count ("4GB", "512MB",
+    "2GiB", or a number of GB). Raises ValueError with the accepted forms."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"expected auto, a fraction in (0, 1] or a size such as 4GB, got {value!r}")
+    if isinstance(value, (int, float)):
+        if 0 < value <= 1:
+            return float(value)
+        if value > 1:
+            return int(value * 2**30)
+        raise ValueError(f"expected auto, a fraction in (0, 1] or a size such as 4GB, got {value!r}")
+    text = str(value).strip().upper().replace(" ", "")
+    for suffix, scale in (("GIB", 2**30), ("MIB", 2**20), ("GB", 2**30), ("MB", 2**20), ("G", 2**30), ("M", 2**20)):
+        if text.endswith(suffix):
+            try:
+                amount = float(text[: -len(suffix)])
+            except ValueError:
+                break
+            if amount > 0:
+                return int(amount * scale)
+            break
+    else:
+        try:
+            return parse_memory(float(text))
+        except ValueError:
+            pass
+    raise ValueError(f"expected auto, a fraction in (0, 1] or a size such as 4GB, got {value!r}")

@@ -129,10 +129,11 @@ class HFEngine:
     """Concurrent calls share the step loop's forward passes (any number of threads may call)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu",
-                 speculative: SpeculativeDecoding | None = None):
+                 speculative: SpeculativeDecoding | None = None, kv_cache_memory=None, heap: bool = False):
         """``speculative``: speculative decoding of extends to the cap (pipeline.engines.model_runner);
-        None or k = 0: off."""
-        self.runner = ModelRunner(model, tokenizer, device, speculative)
+        None or k = 0: off. ``kv_cache_memory`` (runtime.kv_cache_memory): the KV cache's budget
+        (pipeline.engines.backends.parse_memory; None: auto). ``heap``: runtime.bound_heap."""
+        self.runner = ModelRunner(model, tokenizer, device, speculative, kv_cache_memory=kv_cache_memory, heap=heap)
         self.loop = StepLoop(self.runner)
         self.model, self.tokenizer, self.device = self.runner.model, tokenizer, self.runner.device
         self.eos_ids, self.pad_id = self.runner.eos_ids, self.runner.pad_id
@@ -146,7 +147,7 @@ class HFEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
                         speculative: SpeculativeDecoding | None = None, prepack: bool = True,
-                        load: dict | None = None) -> HFEngine:
+                        load: dict | None = None, kv_cache_memory=None, heap: bool = False) -> HFEngine:
         """Any HF causal LM; a Reward Transformer directory (pipeline.engines.reward_transformer)
         loads with its reward channel, which model-side strategies such as SLA read. ``prepack``: see
         ``for_inference``. ``load``: ``from_pretrained`` keywords (models.hf, ``load_pretrained``)."""
@@ -157,7 +158,8 @@ class HFEngine:
             model = RewardTransformer.from_pretrained(name_or_path, dtype=torch_dtype(dtype), device=device, load=load)
         else:
             model = load_pretrained(AutoModelForCausalLM, name_or_path, dtype, load)
-        return cls(for_inference(model, device, dtype, prepack), tokenizer, device, speculative=speculative)
+        return cls(for_inference(model, device, dtype, prepack), tokenizer, device, speculative=speculative,
+                   kv_cache_memory=kv_cache_memory, heap=heap)
 
     @classmethod
     def from_options(cls, name_or_path: str, options) -> HFEngine:
@@ -165,7 +167,8 @@ class HFEngine:
         always batches continuously; ``options.continuous_batching`` is the actor's to apply (false:
         it serializes the calls)."""
         return cls.from_pretrained(name_or_path, device=options.device, dtype=options.dtype,
-                                   speculative=options.speculative, prepack=options.prepack, load=options.load)
+                                   speculative=options.speculative, prepack=options.prepack, load=options.load,
+                                   kv_cache_memory=options.kv_cache_memory, heap=options.bound_heap)
 
     @property
     def max_context(self) -> int:
@@ -220,12 +223,8 @@ class HFEngine:
         return {"generated_tokens": state.generated_tokens, "forward_passes": state.forward_passes}
 
     def stats(self) -> dict:
-        pool = self.runner.pool
         return {"generated_tokens": self.generated_tokens, "forward_passes": self.forward_passes,
-                "open_sessions": len(self.sessions),
-                "kv_pool_bytes": pool.nbytes() if pool is not None else 0,
-                "kv_pool_slots": pool.slots if pool is not None else 0,
-                "kv_pool_grown": pool.grown if pool is not None else 0}
+                "open_sessions": len(self.sessions), **self.runner.kv.stats()}
 
     def shutdown(self) -> None:
         """Nothing to free: the HF engine holds no processes, and its memory goes with the object."""

@@ -44,7 +44,8 @@ from pipeline.decoding.domain import RowState
 from pipeline.decoding.sampling import RowStreams, SamplingParams, sample_next
 from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
 from pipeline.decoding.tree import TokenTree
-from pipeline.engines.kv_pool import KVPool, bound_heap, trim_heap
+from pipeline.engines.backends import parse_memory
+from pipeline.engines.kv_cache import KVCache, bound_heap, trim_heap
 from pipeline.engines.rows import RowBatch
 
 
@@ -66,8 +67,9 @@ class Session:
 
     sampling: SamplingParams
     batch: RowBatch | None
-    """The live rows' KV cache, aligned with ``rows``; None while the rows sit in the step loop's
-    shared batch or in the KV pool (``slots``)."""
+    """The live rows' KV before their admission to the KV cache (one row per prompt while ``fan`` is
+    set), or out of it for speculative decoding; None while the rows are in the KV cache (``kv``) or
+    preempted."""
     rows: list[int]  # live row ids, aligned with the batch dimension
     streams: RowStreams  # the live rows' random streams, aligned with ``rows``
     tokens: dict[int, list[int]]  # row id -> response tokens (EOS excluded)
@@ -78,14 +80,18 @@ class Session:
     until: int | None = None  # the target of the extend under way; None: none is
     prompts: list[list[int]] = field(default_factory=list)  # their token ids (speculative decoding drafts from them)
     num_samples: int = 1  # rows per prompt: row r answers prompts[r // num_samples]
-    slots: list[int] | None = None
-    """The live rows' slots in the runner's KV pool, aligned with ``rows``, once they joined the step
-    loop (from then on until they finish or are pruned); None while the rows are in ``batch``."""
+    kv: list[int] | None = None
+    """The live rows' handles in the runner's KV cache (pipeline.engines.kv_cache), aligned with
+    ``rows``, from their admission until they finish or are pruned; None while the rows are in
+    ``batch`` (not admitted yet) or preempted."""
     fan: list[int] | None = None
-    """Before a pooled session's rows join the pool: the row of ``batch`` (one per prompt, not fanned
-    out) whose KV each live row starts from, aligned with ``rows``; the pool writes each prompt's KV
-    into its rows' slots (``KVPool.admit``), so the fanned-out copy is never made. None: ``batch``
-    holds one row per live row."""
+    """Before a session's rows are admitted: the row of ``batch`` (one per prompt, not fanned out)
+    whose KV each live row starts from, aligned with ``rows``; the admission writes each prompt's
+    whole blocks once and shares them (``KVCache.admit``), so the fanned-out copy is never made.
+    None: ``batch`` holds one row per live row."""
+    preempted: bool = False
+    """The rows' blocks were taken back for others (``ModelRunner.preempt``); their KV is recomputed
+    from their tokens when they are admitted again."""
 
     @property
     def cache(self) -> DynamicCache:
@@ -101,8 +107,10 @@ class ModelRunner:
     """The model, its tokenizer and the sessions' model work (see the module docstring)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu",
-                 speculative: SpeculativeDecoding | None = None):
-        """``speculative``: speculative decoding of extends to the cap; None or k = 0: off."""
+                 speculative: SpeculativeDecoding | None = None, kv_cache_memory=None, heap: bool = False):
+        """``speculative``: speculative decoding of extends to the cap; None or k = 0: off.
+        ``kv_cache_memory``: runtime.kv_cache_memory (``parse_memory``'s forms; None: auto).
+        ``heap``: runtime.bound_heap (glibc heap tuning for the process; off by default)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -114,27 +122,29 @@ class ModelRunner:
         """Tokens sampled for every session and model-side search on this model."""
         self.forward_passes = 0
         """Forward passes over this model's sessions (a shared step counts once)."""
-        bound_heap()
-        self.pool = KVPool(self.model, self.device, counted_by=(self,)) if KVPool.supports(self.model) else None
-        """The sessions' KV once they join the step loop (pipeline.engines.kv_pool); None for a model
-        with other than full-attention layers, whose rows stay in row batches."""
+        if heap:
+            bound_heap()
+        if not KVCache.supports(self.model):
+            raise ValueError(f"HF engine: {type(self.model).__name__} has sliding-window attention layers, "
+                             "which the paged KV cache does not hold; use models.backend vllm")
+        self.kv = KVCache(self.model, self.device, parse_memory(kv_cache_memory), counted_by=(self,))
+        """The sessions' KV from their admission (pipeline.engines.kv_cache)."""
+        self.resident: list[Session] = []
+        """Sessions holding blocks, in admission order (the newest is preempted first)."""
 
     # -- a session's rows --------------------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], num_samples: int, seeds: list[int],
                 sampling: SamplingParams) -> Session:
-        """A new session: each prompt prefilled once, its rows' first tokens sampled; the prompts' KV
-        is fanned out to the rows now, or (pooled) written into their slots when they join the pool."""
+        """A new session: each prompt prefilled once, its rows' first tokens sampled; each prompt's
+        KV is written into the KV cache when the rows are admitted, shared by its samples."""
         batch, out = RowBatch.prefill(self.model, prompts, self.pad_id, self.device, counted_by=(self,),
                                       logits_to_keep=1)  # once per prompt
-        fan = [r // num_samples for r in range(len(seeds))]
-        if self.pool is None:
-            batch.fan_out(num_samples)
         state = Session(sampling=sampling, batch=batch, rows=list(range(len(seeds))),
                         streams=RowStreams.seeded(seeds, self.device),
                         tokens={r: [] for r in range(len(seeds))}, forward_passes=1, prompts=prompts,
-                        num_samples=num_samples, fan=fan if self.pool is not None else None)
+                        num_samples=num_samples, fan=[r // num_samples for r in range(len(seeds))])
         finished = self._sample(state, out.logits[:, -1, :].repeat_interleave(num_samples, 0))  # [R, V]
         if finished:
             self._select(state, _without(len(state.rows), finished))
@@ -161,40 +171,90 @@ class ModelRunner:
     # -- decoding ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step_pool(self, sessions: list[Session]) -> list[list[int]]:
-        """One decoding step of ``sessions``' live rows, which sit in the KV pool (``Session.slots``),
-        in one forward pass over the pool (KVPool.step): feed each row's pending token, sample its
-        next one, record it; rows that hit EOS or the cap leave their session and free their slots.
-        Per session, the indices of those rows in its rows before the step."""
+    def step_kv(self, sessions: list[Session]) -> list[list[int]]:
+        """One decoding step of ``sessions``' live rows, which are in the KV cache (``Session.kv``),
+        in one forward pass (KVCache.step): feed each row's pending token, sample its next one,
+        record it; rows that hit EOS or the cap leave their session and free their blocks. The
+        blocks the step takes must be free (``room``). Per session, the indices of those rows in
+        its rows before the step."""
         pending = torch.cat([s.last_token for s in sessions])  # [live]
-        slots = [slot for s in sessions for slot in s.slots]
-        logits = self.pool.step(slots, pending, logits_to_keep=1).logits[:, -1, :]  # [live, V]
+        handles = [h for s in sessions for h in s.kv]
+        logits = self.kv.step(handles, pending, logits_to_keep=1).logits[:, -1, :]  # [live, V]
         return self._advance(sessions, logits)
 
-    def admit(self, state: Session) -> None:
-        """Move the session's rows from their own batch into the KV pool (their one copy)."""
-        if state.batch is None or state.slots is not None:
+    def blocks_needed(self, sessions: list[Session]) -> int:
+        """Blocks the next step of ``sessions`` takes beyond the free ones (0: it fits)."""
+        return max(0, self.kv.needed([h for s in sessions for h in s.kv]) - self.kv.free_blocks)
+
+    def _admission(self, state: Session) -> tuple[RowBatch, list[int] | None]:
+        """The batch and sources a session is admitted from: its prefill's, or (preempted) its rows'
+        tokens recomputed, one row each: the prompt and every response token but the pending one."""
+        if not state.preempted:
+            return state.batch, state.fan
+        texts = [state.prompts[r // state.num_samples] + state.tokens[r][:-1] for r in state.rows]
+        batch, _ = RowBatch.prefill(self.model, texts, self.pad_id, self.device, counted_by=(self,),
+                                    logits_to_keep=1)
+        state.forward_passes += 1
+        return batch, None
+
+    @torch.inference_mode()
+    def admit(self, state: Session) -> bool:
+        """Write the session's rows into the KV cache (their one copy; a preempted session's
+        recomputed first); False, nothing done, when their blocks do not fit now. Raises
+        KVBudgetError when they could never fit."""
+        if state.kv is not None:
+            return True
+        if not state.rows:
+            state.kv, state.batch, state.fan, state.preempted = [], None, None, False
+            return True
+        if state.preempted:  # recompute only once the blocks fit
+            lengths = [len(state.prompts[r // state.num_samples]) + len(state.tokens[r]) - 1 for r in state.rows]
+            if not self.kv.fits(lengths, [1] * len(lengths)):
+                return False
+        batch, sources = self._admission(state)
+        handles = self.kv.admit(batch, sources)
+        if handles is None:
+            return False
+        state.kv, state.batch, state.fan, state.preempted = handles, None, None, False
+        self.resident.append(state)
+        return True
+
+    def preempt(self, state: Session) -> None:
+        """Give back the session's blocks (the newest session, when a step needs more than are free);
+        its rows keep their tokens and samplers, and their KV is recomputed at their next admission."""
+        if state.kv is None:
             return
-        columns = state.batch.attention_mask.shape[1] + state.sampling.max_new_tokens
-        state.slots = self.pool.admit(state.batch, columns, state.fan) if state.rows else []
-        state.batch, state.fan = None, None
+        self.kv.release(state.kv)
+        self.kv.collect()
+        state.kv, state.preempted = None, True
+        self.kv.preemptions += 1
+        self._evict(state)
+
+    def _evict(self, state: Session) -> None:
+        if state in self.resident:
+            self.resident.remove(state)
 
     def unpool(self, state: Session) -> None:
         """The session's rows in a batch of their own, one row each (speculative decoding verifies
-        on it): out of the pool, or fanned out from its prompts' KV."""
-        if state.slots is not None:
-            state.batch = self.pool.take(state.slots) if state.slots else None
-            state.slots = None
+        on it): out of the KV cache, fanned out from its prompts' KV, or recomputed (preempted)."""
+        if state.kv is not None:
+            state.batch = self.kv.take(state.kv) if state.kv else None
+            state.kv = None
+            self._evict(state)
+        elif state.preempted:
+            state.batch, _ = self._admission(state)
+            state.preempted = False
         elif state.fan is not None:
             state.batch.select(state.fan)
             state.fan = None
 
     def release(self, state: Session) -> None:
-        """Free whatever the session's rows hold in the pool (a closed session), and the heap's free
-        pages (kv_pool.trim_heap)."""
-        if state.slots:
-            self.pool.release(state.slots)
-        state.slots = [] if state.slots is not None else None
+        """Free whatever the session's rows hold in the KV cache (a closed session), and the heap's
+        free pages (kv_cache.trim_heap)."""
+        if state.kv:
+            self.kv.release(state.kv)
+        state.kv = [] if state.kv is not None else None
+        self._evict(state)
         trim_heap()
 
     @torch.inference_mode()
@@ -221,7 +281,7 @@ class ModelRunner:
     def _advance(self, sessions: list[Session], logits: torch.Tensor) -> list[list[int]]:
         """Sample the next token of every live row of ``sessions`` from logits [live, V] (the
         sessions' rows one after another) and record it; rows that hit EOS or the cap leave their
-        session's per-row state (and their pool slots). Per session, their indices before the step."""
+        session's per-row state (and their blocks). Per session, their indices before the step."""
         sampling = sessions[0].sampling
         shared = all(s.sampling == sampling for s in sessions)
         if shared:  # the usual case: one draw for all rows
@@ -243,8 +303,8 @@ class ModelRunner:
                 done = self._sample(state, logits[rows])
             if done:
                 keep = _without(len(state.rows), done)
-                if state.slots is not None:
-                    self.pool.release([state.slots[i] for i in done])
+                if state.kv is not None:
+                    self.kv.release([state.kv[i] for i in done])
                 self._keep(state, keep, torch.tensor(keep, dtype=torch.long, device=state.last_token.device))
             finished.append(done)
         return finished
@@ -322,11 +382,12 @@ class ModelRunner:
         return done
 
     def _select(self, state: Session, keep: list[int]) -> None:
-        """Keep batch positions ``keep``: the batch (or the pool's slots: the others are freed, no
-        row moves), the KV cache and the samplers shrink together."""
-        if state.slots is not None:
+        """Keep batch positions ``keep``: the batch (or the KV cache's rows: the others' blocks are
+        freed, no row moves), the KV cache and the samplers shrink together."""
+        if state.kv is not None or state.preempted:
             kept = set(keep)
-            self.pool.release([slot for i, slot in enumerate(state.slots) if i not in kept])
+            if state.kv is not None:
+                self.kv.release([h for i, h in enumerate(state.kv) if i not in kept])
             self._keep(state, keep, torch.tensor(keep, dtype=torch.long, device=self.device))
             return
         if state.fan is not None:  # the prompts' KV stays as it is; the rows drop their references
@@ -341,8 +402,8 @@ class ModelRunner:
         state.last_token = state.last_token[index]
         state.rows = [state.rows[i] for i in keep]
         state.streams = state.streams.select(index.to(state.streams.device))
-        if state.slots is not None:
-            state.slots = [state.slots[i] for i in keep]
+        if state.kv is not None:
+            state.kv = [state.kv[i] for i in keep]
 
 
 def _without(count: int, dropped: list[int]) -> list[int]:

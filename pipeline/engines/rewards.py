@@ -43,20 +43,27 @@ from transformers import AutoModelForSequenceClassification
 
 from pipeline.data.prompts import encode_chat, encode_text
 from pipeline.engines.hf import for_inference, load_pretrained, load_tokenizer
-from pipeline.engines.kv_pool import trim_heap
+from pipeline.engines.kv_cache import bound_heap, trim_heap
 from pipeline.engines.rows import RowBatch, timed_forward
 
 
-BATCH_TOKENS = 1024
-"""The most padded tokens in one stateless reward pass (``RewardScorer._batches``), beside
-runtime.reward_batch_size's sequences."""
+BATCH_TOKENS = {"cpu": 1024, "cuda": 65536}
+"""The most padded tokens in one reward pass (``RewardScorer._batches``), beside
+runtime.reward_batch_size's sequences, per device unless runtime.reward_pass_tokens sets it: on a
+CPU a pass's cost grows with its tokens anyway, and a bounded pass keeps its activations small; a
+GPU runs a pass of many sequences in about the time of one, within its memory."""
+
+
+def default_pass_tokens(device: str | torch.device) -> int:
+    """BATCH_TOKENS for ``device`` (a device type not listed takes the GPU's)."""
+    return BATCH_TOKENS.get(torch.device(device).type, BATCH_TOKENS["cuda"])
 
 
 class RewardScorer:
     """Scorer implementation (see pipeline.decoding.domain.Scorer)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", batch_size: int = 32,
-                 batch_tokens: int = BATCH_TOKENS, cache_bytes: int | None = None):
+                 batch_tokens: int | None = None, cache_bytes: int | None = None):
         """``cache_bytes``: the most bytes of reward-side KV the streaming sessions keep between calls
         (runtime.reward_cache_mb); None: no bound."""
         if getattr(model.config, "num_labels", 1) != 1:
@@ -68,7 +75,8 @@ class RewardScorer:
             model.config.pad_token_id = tokenizer.pad_token_id
         self.device = torch.device(device)
         self.batch_size = batch_size
-        self.batch_tokens = batch_tokens
+        self.batch_tokens = batch_tokens or default_pass_tokens(device)
+        """runtime.reward_pass_tokens (None: ``default_pass_tokens``)."""
         self.cache_bytes = cache_bytes
         self.dropped_rows = 0
         """Rows whose cache was dropped to keep within ``cache_bytes`` (each read in full at its next score)."""
@@ -97,6 +105,10 @@ class RewardScorer:
         scorer = cls.from_pretrained(name_or_path, device=options.device, dtype=options.dtype,
                                      batch_size=options.batch_size, prepack=options.prepack, load=options.load)
         scorer.cache_bytes = options.reward_cache_bytes
+        if options.reward_pass_tokens:
+            scorer.batch_tokens = options.reward_pass_tokens
+        if options.bound_heap:
+            bound_heap()
         return scorer
 
     def format(self, prompt: str | list[dict], response: str) -> str:

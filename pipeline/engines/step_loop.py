@@ -4,28 +4,31 @@ The model work itself is the model runner's (pipeline.engines.model_runner); thi
 what runs when.
 
 The ``extend`` calls pending at any moment share one forward pass per step, over the live rows of
-every session being extended. Their KV lives in the runner's KV pool (pipeline.engines.kv_pool): a
-session's rows are written into pool slots when they first join (the one copy of their prefilled
-KV), and stay there until they finish or are pruned, which frees their slots; no surviving row is
+every session being extended. Their KV lives in the runner's KV cache (pipeline.engines.kv_cache):
+a session's rows are admitted when they first join (each prompt's whole blocks written once and
+shared by its samples), and keep their blocks until they finish or are pruned; no surviving row is
 ever copied. Each call returns when its own rows reach its ``until`` (or EOS), so a session that
-stops to be scored leaves the step (its rows keep their slots; a step computes only the rows that
-step, see the pool) while the others go on, and a session that opens meanwhile is prefilled between two steps and joins at its first
-``extend``. A model whose cache layers are not all full attention (sliding windows) has no pool: its
-sessions share a RowBatch instead, concatenated on joining (``RowBatch.concat``) and cut on leaving
-(``RowBatch.split``). Other model work (a prefill, a model-side search, a speculative step, see the
-model runner) is a job, run between two steps, one at a time.
+stops to be scored leaves the step (its rows keep their blocks) while the others go on, and a
+session that opens meanwhile is prefilled between two steps and joins at its first ``extend``.
+
+Admission and preemption go by free blocks, first come first served: a joining session waits
+while its blocks do not fit (``ModelRunner.admit``), and when a step needs more blocks than are
+free, the newest sessions holding blocks are preempted (their blocks given back, their KV recomputed
+from their tokens when they are admitted again), as vLLM does; the oldest session always makes
+progress, and a session that could never fit fails alone with a one-line KVBudgetError. Other
+model work (a prefill, a model-side search, a speculative step, see the model runner) is a job,
+run between two steps, one at a time.
 
 The loop has no thread of its own: a calling thread that finds no one driving it drives it (runs
 the waiting jobs, then one step, and again) until its own call is done, then hands it to a thread
 still waiting. A model error in a step reaches every call with rows in that step; the loop goes on
 serving the others.
 
-Rows sample from their own random streams, so with the same seeds and the same batch composition the
-candidates are identical. A row's logits depend slightly on the rows that share its forward pass
-(left padding to a common length, kernels chosen by batch shape; up to ~1.3e-4 on a real model), so
-a token sampled near a tie in the inverse CDF may rarely differ between runs whose batches were
-composed differently, and the row diverges from there. The candidates' distribution is the same.
-(The tiny test models' CPU passes happen to agree exactly.)
+Rows sample from their own random streams, so with the same seeds the candidates are identical
+whatever else shares the step: the paged attention reads each row's own blocks, so a row's logits
+do not depend on its company beyond float rounding of batched kernels. A preempted row's recomputed
+KV (one prefill) can differ from its step-by-step KV in the last bits, so a token sampled near a tie
+may rarely differ after a preemption; the candidates' distribution is the same.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from typing import Any, Callable
 import torch
 
 from pipeline.engines.model_runner import ModelRunner, Session
-from pipeline.engines.rows import RowBatch
 
 
 @dataclass(eq=False)
@@ -52,11 +54,10 @@ class _Job:
 
 @dataclass(eq=False)
 class _Member:
-    """One extend's session in the shared batch (or waiting to join it)."""
+    """One extend's session in the step (or waiting to be admitted to it)."""
 
     session: Session
-    positions: list[int] = field(default_factory=list)  # the session's live rows' positions in the shared batch
-    left: bool = False  # the extend is done (or failed): the rows are back in the session's own batch
+    left: bool = False  # the extend is done (or failed)
     error: BaseException | None = None  # why the loop dropped the session's rows
 
 
@@ -68,18 +69,17 @@ class StepLoop:
         self._cond = threading.Condition()  # its lock guards the fields below
         self._driving: int | None = None  # the thread that runs the model now (the loop's driver)
         self._jobs: list[_Job] = []  # model work waiting for the next gap between steps
-        self._joining: list[_Member] = []  # extends waiting to join the shared batch
-        self._members: list[_Member] = []  # extends in the shared batch, in batch order
-        self._batch: RowBatch | None = None  # the members' rows (live, and finished ones riding along), one KV cache
+        self._joining: list[_Member] = []  # extends waiting to be admitted, first come first served
+        self._members: list[_Member] = []  # extends in the step, in admission order
         self._waiters: list[tuple[Callable[[], bool], threading.Condition]] = []  # threads in _serve
 
     def extend(self, state: Session) -> None:
         """Decode ``state``'s live rows until ``state.extended()`` (its ``until`` set by the caller).
         An extend the runner speculates (``ModelRunner.speculates``, decided here, at its start) runs
-        its draft-and-verify steps between the shared batch's, on its own rows; any other joins the
-        shared batch."""
+        its draft-and-verify steps between the loop's steps, on its own rows; any other joins the
+        step."""
         if self.runner.speculates(state):
-            if state.slots is not None or state.fan is not None:
+            if state.batch is None or state.fan is not None:
                 self.between_steps(lambda: self.runner.unpool(state))
             while not state.extended():
                 self.between_steps(lambda: self.runner.speculative_step(state))
@@ -141,7 +141,7 @@ class StepLoop:
         """One turn of the loop, the lock held on entry and exit but released for the model's work:
         the waiting jobs, then the extends waiting to join, then one step."""
         jobs, self._jobs = self._jobs, []
-        joining, self._joining = self._joining, []
+        joining = self._joining
         if not jobs and not joining and not self._members:
             raise RuntimeError("step loop: a call waits, but no work is queued")
         self._cond.release()
@@ -151,15 +151,12 @@ class StepLoop:
                     job.result = job.run()
                 except Exception as exc:  # noqa: BLE001 - it belongs to the job's caller
                     job.error = exc
+            left = self._admit()
             try:
-                self._join(joining)
-                left = self._step()
+                left += self._step()
             except Exception as exc:  # noqa: BLE001 - the step's callers each get the error
-                left = self._members + [m for m in joining if m not in self._members]
-                for member in left:
-                    member.error, member.session.rows = exc, []
-                    self.runner.release(member.session)
-                self._members, self._batch = [], None
+                left += self._fail(self._members, exc)
+                self._members = []
         finally:
             self._cond.acquire()
         for job in jobs:
@@ -169,65 +166,78 @@ class StepLoop:
         if jobs or left:
             self._wake(lambda d: d(), first=False)
 
+    def _fail(self, members: list[_Member], exc: BaseException) -> list[_Member]:
+        for member in members:
+            member.error, member.session.rows = exc, []
+            self.runner.release(member.session)
+        return members
+
     @torch.inference_mode()
-    def _join(self, joining: list[_Member]) -> None:
-        """Add the joining sessions' rows to the step: into the KV pool (where they stay until they
-        finish, once admitted), or to the end of the shared batch."""
-        if not joining:
-            return
-        if self.runner.pool is not None:
-            for member in joining:
-                self.runner.admit(member.session)
-            self._members += joining
-            return
-        width = len(self._batch.next_position) if self._batch is not None else 0
-        for member in joining:
-            member.positions = list(range(width, width + len(member.session.rows)))
-            width += len(member.session.rows)
-        batches = [m.session.batch for m in joining]
-        if self._batch is None and len(batches) == 1:
-            self._batch = batches[0]  # the shared batch is this session's: nothing to copy
-        else:
-            self._batch = RowBatch.concat(([self._batch] if self._batch is not None else []) + batches,
-                                          counted_by=(self.runner,))
-        self._members += joining
-        for member in joining:
-            member.session.batch = None  # its rows live in the shared batch until they leave
+    def _admit(self) -> list[_Member]:
+        """Admit the waiting extends, first come first served, while their blocks fit; when nothing
+        steps, sessions parked between calls are preempted to make room for the first. Returns the
+        extends that failed (a session that can never fit, or a model error in its recompute)."""
+        failed = []
+        while self._joining:
+            member = self._joining[0]
+            try:
+                admitted = self.runner.admit(member.session)
+                while not admitted and not self._members and self._preempt_parked():
+                    admitted = self.runner.admit(member.session)
+            except Exception as exc:  # noqa: BLE001 - the extend's caller gets it
+                self._joining.pop(0)
+                failed += self._fail([member], exc)
+                continue
+            if not admitted:
+                if not self._members:  # nothing holds blocks and it still does not fit: a bug
+                    self._joining.pop(0)
+                    failed += self._fail([member], RuntimeError("step loop: a session fits an empty KV cache "
+                                                                "but was not admitted"))
+                    continue
+                break
+            self._joining.pop(0)
+            self._members.append(member)
+        return failed
+
+    def _preempt_parked(self) -> bool:
+        """Preempt the newest session holding blocks outside the step (waiting to be scored); False
+        when there is none."""
+        stepping = {id(m.session) for m in self._members}
+        for state in reversed(self.runner.resident):
+            if id(state) not in stepping:
+                self.runner.preempt(state)
+                return True
+        return False
+
+    def _make_room(self) -> None:
+        """Preempt the newest sessions holding blocks until the step's new blocks are free: parked
+        ones and members alike, newest first, never the oldest member (a preempted member goes back
+        to the head of the waiting extends)."""
+        while self._members and self.runner.blocks_needed([m.session for m in self._members]) > 0:
+            if self._preempt_parked():
+                continue
+            if len(self._members) == 1:
+                from pipeline.engines.kv_cache import KVBudgetError
+
+                raise KVBudgetError("KV cache: one session's rows outgrow the whole pool "
+                                    f"({self.runner.kv.num_blocks} blocks of {self.runner.kv.block_size} tokens); "
+                                    "raise runtime.kv_cache_memory")
+            victim = self._members.pop()
+            self.runner.preempt(victim.session)
+            self._joining.insert(0, victim)
 
     @torch.inference_mode()
     def _step(self) -> list[_Member]:
         """Decode one token for every member's live rows in one forward pass (the runner's step),
-        then cut out the members whose extend is done (returned). Rows that finish stay in the
-        shared batch, fed a placeholder token and never sampled, until they make up an eighth of it
-        or a member leaves: cutting them out at once would copy the whole KV cache at almost every
-        step."""
+        then take out the members whose extend is done (returned)."""
+        done = [m for m in self._members if m.session.extended()]  # e.g. no live row left
+        if done:
+            self._members = [m for m in self._members if m not in done]
+            return done
         if not self._members:
             return []
-        if self.runner.pool is not None:
-            self.runner.step_pool([m.session for m in self._members])
-            leave = [m for m in self._members if m.session.extended()]
-            self._members = [m for m in self._members if m not in leave]
-            return leave
-        live = [p for m in self._members for p in m.positions]  # ascending: members in batch order
-        finished = self.runner.step(self._batch, [m.session for m in self._members], live)
-        stay: list[_Member] = []
-        leave: list[_Member] = []
-        for member, done in zip(self._members, finished):
-            if done:
-                gone = set(done)
-                member.positions = [p for i, p in enumerate(member.positions) if i not in gone]
-            (leave if member.session.extended() else stay).append(member)
-        width = len(self._batch.next_position)
-        riding = width - sum(len(m.positions) for m in self._members)  # finished rows still in the batch
-        if not leave and riding * 8 < width:
-            return []
-        parts = self._batch.split([[p for m in stay for p in m.positions]] + [m.positions for m in leave])
-        for member, part in zip(leave, parts[1:]):
-            member.session.batch, member.positions = part, []
-        position = 0
-        for member in stay:
-            member.positions = list(range(position, position + len(member.positions)))
-            position += len(member.positions)
-        self._members = stay
-        self._batch = parts[0] if stay else None
+        self._make_room()
+        self.runner.step_kv([m.session for m in self._members])
+        leave = [m for m in self._members if m.session.extended()]
+        self._members = [m for m in self._members if m not in leave]
         return leave

@@ -1,0 +1,577 @@
+"""The KV cache manager: one per model, in the spirit of vLLM v1's KV cache manager. Every layer's
+keys and values live in a pool of fixed-size blocks allocated once, sized by a memory budget
+(runtime.kv_cache_memory); every row holds a block table, the blocks its tokens are in, in order.
+
+    kv = KVCache(model, device, budget)        # nothing allocated yet: the pool comes at first use
+    rows = kv.admit(batch, sources)            # a prefilled RowBatch's rows: their blocks, or None
+    out = kv.step(rows, tokens)                # one token for each of those rows, one forward pass
+    kv.release(rows[:2])                       # pruned or finished: their blocks go back
+    batch = kv.take(rows[2:])                  # back out as a RowBatch (speculative decoding)
+
+Blocks. ``block_size`` tokens of every layer's keys and values; a block is taken when a row's
+next token starts one (a step's ``grow``) and given back when the last row holding it is released.
+Free blocks are handed out lowest first: on a CPU, where the pool is ``torch.empty`` (its pages are
+not resident until written), the memory a build touches then follows the blocks it holds at its
+peak, not the budget. No buffer grows during a build, and a row's keys and values never move.
+
+Sharing. ``admit`` writes a prompt's whole blocks once and gives them to each of its samples
+(reference counts); each sample copies only the prompt's last, partial block, which it goes on
+writing. Pruning, finishing and closing drop references; a block is free at zero.
+
+Admission and preemption. ``admit`` returns None when the rows' blocks, plus a watermark of
+WATERMARK of the pool (vLLM's), do not fit in the free blocks: the step loop keeps the session
+waiting until rows leave. ``needed`` says how many blocks the next step takes; when that is more than
+are free, the step loop preempts the newest sessions (``release``, then a recompute of their KV
+from their tokens when blocks free up: pipeline.engines.model_runner). No step ever runs out.
+
+Attention reads the blocks in place: one ``flex_attention`` call per layer per step, for every
+stepping row, whatever the model's attention implementation (``paged_attention``). The keys and
+values are one [1, H, blocks * block_size, D] tensor per layer; a per-step BlockMask lists each
+row's whole blocks (attended in full) and its last, partial block (masked past its length). The
+kernel is compiled once per process (``dynamic=True``: no recompile as the rows or the pool change;
+about 8 s on our CPU) where torch.compile works, else run eagerly (a warning says so).
+
+Only models whose cache layers are all full attention use the manager (``KVCache.supports``); the
+plan refuses sliding-window generators on the HF backend (pipeline.build.check_models).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from pipeline.engines.backends import parse_memory
+from pipeline.engines.rows import RowBatch, _cache_of, _GrowingLayer, _new_cache, timed_forward
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 128
+"""Tokens per block. flex_attention's sparse blocks are 128 by default, and on our CPU 128-token
+pages attend 1.2x slower than contiguous SDPA where 32-token pages take 1.4x (docs/benchmarks.md)."""
+MAX_BLOCKS = 4096
+"""The most blocks a pool has, whatever its budget: a step's BlockMask holds a row of this many
+block indices per stepping row (flex_attention's compiled kernel wants the mask as wide as the
+pool). At 4,096 blocks of 128 tokens that is 524,288 tokens: 24 GiB of a 1.7B model's KV in bf16."""
+WATERMARK = 0.01
+"""The share of the pool an admission leaves free (vLLM's watermark), so a newly admitted session
+is not the first to be preempted at its next step."""
+CPU_BUDGET_SHARE = 0.25
+"""runtime.kv_cache_memory "auto" on a CPU: this share of the memory available at the first admission."""
+CUDA_BUDGET_SHARE = 0.8
+"""runtime.kv_cache_memory "auto" on a GPU: this share of the device memory free after the weights."""
+
+
+class KVBudgetError(RuntimeError):
+    """The KV budget cannot hold even one session's rows (one line; the engine stays usable)."""
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV pool on ``device``: the GPU's free memory (the weights are loaded), or
+    the host's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def budget_bytes(memory, device: torch.device) -> int:
+    """The pool's bytes for runtime.kv_cache_memory ``memory`` (``parse_memory``'s result) on ``device``."""
+    if isinstance(memory, int):
+        return memory
+    share = memory if memory is not None else (CUDA_BUDGET_SHARE if device.type == "cuda" else CPU_BUDGET_SHARE)
+    return int(share * available_memory(device))
+
+
+# -- the host heap -------------------------------------------------------------------------------
+
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
+HEAP_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": (M_MMAP_THRESHOLD, 4 << 20), "MALLOC_ARENA_MAX": (M_ARENA_MAX, 2)}
+"""What ``bound_heap`` sets, each unless its environment variable is set (runtime.bound_heap, off
+by default: it slowed an unrelated matmul loop by 11-14% with 614,700 minor page faults, and the
+paged pool no longer frees KV-sized buffers, which is what it was for)."""
+
+
+def _glibc(function: str):
+    """glibc's ``function`` through ctypes; None where there is no glibc."""
+    import ctypes
+
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), function)
+    except (OSError, AttributeError):
+        return None
+
+
+def bound_heap() -> bool:
+    """Apply HEAP_SETTINGS through glibc's ``mallopt`` (process-wide, for the process's life; False
+    where there is no glibc). Only when runtime.bound_heap asks for it."""
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
+        return False
+    for name, (param, value) in HEAP_SETTINGS.items():
+        if name not in os.environ:
+            mallopt(param, value)
+    return True
+
+
+TRIM_INTERVAL_S = 5.0
+"""``trim_heap`` returns free heap pages at most once every this many seconds."""
+_last_trim = [0.0]
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the system (glibc's ``malloc_trim``), at most once every
+    TRIM_INTERVAL_S seconds; the engines call it when a session closes. False where there is no
+    glibc or it is too soon."""
+    import time
+
+    now = time.monotonic()
+    if now - _last_trim[0] < TRIM_INTERVAL_S:
+        return False
+    _last_trim[0] = now
+    malloc_trim = _glibc("malloc_trim")
+    return malloc_trim is not None and bool(malloc_trim(0))
+
+
+# -- attention over the blocks -------------------------------------------------------------------
+
+PAGED_ATTENTION = "bon_paged"
+"""The attention implementation a step runs under (registered with transformers' AttentionInterface;
+no mask function, so transformers builds no mask and the step passes its BlockMask)."""
+_kernel: dict = {}
+
+
+def _flex():
+    """flex_attention, compiled once per process (dynamic shapes), or eager where compiling fails."""
+    if "run" not in _kernel:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _kernel["eager"] = flex_attention
+        _kernel["run"] = torch.compile(flex_attention, dynamic=True)
+    return _kernel["run"]
+
+
+class _KernelChanged(Exception):
+    """The compiled kernel failed and the eager one takes over: the step is run again with a mask
+    for it (its writes are idempotent: the same keys and values to the same places)."""
+
+
+def _attend(query, key, value, block_mask, scale):
+    try:
+        return _flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+    except Exception as exc:  # noqa: BLE001 - no compiler (or an unsupported device): the eager kernel
+        if _kernel.get("run") is _kernel.get("eager"):
+            raise
+        log.warning("KV cache: flex_attention could not be compiled (%s); running it eagerly (slower)",
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        _kernel["run"] = _kernel["eager"]
+        raise _KernelChanged from exc
+
+
+def paged_attention(module, query, key, value, attention_mask, paged=None, scaling=None, **kwargs):
+    """Attention of one step's rows over their blocks: ``query`` [n, Hq, 1, D] (the stepping rows),
+    ``key``/``value`` [1, Hkv, T, D] the pool's whole layer (no copy), ``paged`` the step's
+    BlockMask. Returns [n, 1, Hq, D]."""
+    out = _attend(query, key, value, paged, scaling)
+    return out.transpose(1, 2), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+
+
+class _BlockLayer(DynamicLayer):
+    """One layer of the pool as transformers sees it during one step: ``update`` writes each
+    stepping row's new key and value at its token's place in its block and returns the layer's
+    whole pool (a view, no copy)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, places: torch.Tensor, seen: int):
+        super().__init__()
+        self.keys, self.values = keys, values  # [1, H, T, D]
+        self.places, self.seen = places, seen
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys[0].index_copy_(1, self.places, key_states[:, :, 0].transpose(0, 1))  # [H, n, D]
+        self.values[0].index_copy_(1, self.places, value_states[:, :, 0].transpose(0, 1))
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+
+@dataclass
+class _Rows:
+    """Host bookkeeping of the rows (handles index it); grown by doubling (host memory only)."""
+
+    length: np.ndarray  # [R] tokens held (the next write's logical place)
+    position: np.ndarray  # [R] position id of the next token
+    tables: np.ndarray  # [R, NB] block ids, in logical order (the first ceil(length / bs) are real)
+    live: np.ndarray  # [R] bool: the handle is in use
+
+
+class KVCache:
+    """One model's paged KV cache (see the module docstring)."""
+
+    def __init__(self, model, device: torch.device, memory=None, block_size: int = BLOCK_SIZE,
+                 counted_by: tuple = ()):
+        """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
+        device); the pool is allocated at the first admission, after the weights are in memory."""
+        _register()
+        self.model, self.device, self.memory, self.block_size = model, device, memory, block_size
+        self.counted_by = counted_by
+        self.keys: list[torch.Tensor] = []  # per layer [1, H, NB * bs, D]
+        self.values: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.block_bytes = 0
+        self.refs = np.zeros(0, dtype=np.int32)  # [NB] rows holding each block
+        self._free: list[int] = []  # a heap: lowest block first
+        self._rows = _Rows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.int32),
+                           np.zeros(0, bool))
+        self._spare_rows: list[int] = []
+        self._released: list[int] = []  # released by callers outside the loop, freed at the next collect
+        self._lock = threading.Lock()
+        self.forward_passes = 0
+        self.peak_blocks = 0
+        self.shared_bytes = 0
+        """Bytes a prompt's shared blocks saved: (samples - 1) x its whole blocks, summed over admissions."""
+        self.preemptions = 0
+        """Sessions preempted for blocks (counted by the model runner)."""
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether every cache layer of ``model`` is full attention (the pool holds no sliding window)."""
+        return all(isinstance(layer, _GrowingLayer) for layer in _new_cache(model).layers)
+
+    # -- the pool ------------------------------------------------------------------------------
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def nbytes(self) -> int:
+        """Bytes of the pool's buffers (every block, used or not)."""
+        return self.num_blocks * self.block_bytes
+
+    def held_bytes(self) -> int:
+        """Bytes of the blocks rows hold now (a shared block once)."""
+        return self.used_blocks * self.block_bytes
+
+    def live_tokens(self) -> int:
+        """Tokens the live rows hold (a shared prompt's tokens once per row)."""
+        rows = self._rows
+        return int(rows.length[rows.live].sum())
+
+    def stats(self) -> dict:
+        return {"kv_blocks_total": self.num_blocks, "kv_blocks_used": self.used_blocks,
+                "kv_blocks_peak": self.peak_blocks, "kv_block_size": self.block_size,
+                "kv_bytes_total": self.nbytes(), "kv_bytes_peak": self.peak_blocks * self.block_bytes,
+                "kv_prompt_bytes_shared": self.shared_bytes, "kv_preemptions": self.preemptions}
+
+    def _allocate(self, like: torch.Tensor) -> None:
+        """The pool, once: as many blocks as the budget holds (at least one)."""
+        _, heads, _, dim = like.shape
+        layers = len(_new_cache(self.model).layers)
+        bs = self.block_size
+        self.block_bytes = 2 * layers * heads * bs * dim * like.element_size()
+        total = budget_bytes(self.memory, self.device)
+        self.num_blocks = int(max(1, min(MAX_BLOCKS, total // self.block_bytes)))
+        try:
+            for _ in range(layers):
+                self.keys.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
+                                             device=self.device))
+                self.values.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
+                                               device=self.device))
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            self.keys, self.values, self.num_blocks = [], [], 0
+            raise KVBudgetError(f"KV cache: cannot allocate {total / 2**30:.2f} GiB for the pool "
+                                f"({type(exc).__name__}); lower runtime.kv_cache_memory") from None
+        self.refs = np.zeros(self.num_blocks, dtype=np.int32)
+        self._free = list(range(self.num_blocks))
+        heapq.heapify(self._free)
+        self._rows.tables = np.zeros((len(self._rows.length), self.num_blocks), dtype=np.int32)
+        log.info("KV cache: %d blocks of %d tokens, %.2f GiB", self.num_blocks, bs, self.nbytes() / 2**30)
+
+    def _take_blocks(self, count: int) -> list[int]:
+        blocks = [heapq.heappop(self._free) for _ in range(count)]
+        self.refs[blocks] = 1
+        if blocks:  # values past a row's length are multiplied by a zero weight: never NaN garbage
+            places = self._places_of(blocks)
+            for values in self.values:
+                values[0].index_fill_(1, places, 0)
+        self.peak_blocks = max(self.peak_blocks, self.used_blocks)
+        return blocks
+
+    def _drop(self, blocks) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                heapq.heappush(self._free, int(block))
+
+    def _places_of(self, blocks: list[int]) -> torch.Tensor:
+        bs = self.block_size
+        index = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        return torch.from_numpy(index).to(self.device)
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    def _new_rows(self, count: int) -> list[int]:
+        rows = self._rows
+        while len(self._spare_rows) < count:
+            old = len(rows.length)
+            new = max(16, 2 * old)
+            rows.length = np.concatenate([rows.length, np.zeros(new - old, np.int64)])
+            rows.position = np.concatenate([rows.position, np.zeros(new - old, np.int64)])
+            rows.live = np.concatenate([rows.live, np.zeros(new - old, bool)])
+            rows.tables = np.concatenate([rows.tables, np.zeros((new - old, rows.tables.shape[1]), np.int32)])
+            self._spare_rows.extend(range(old, new))
+            self._spare_rows.sort(reverse=True)
+        handles = [self._spare_rows.pop() for _ in range(count)]
+        rows.live[handles] = True
+        return handles
+
+    def blocks_for(self, lengths: list[int], samples: list[int]) -> int:
+        """Blocks an admission takes: per prompt (``lengths`` tokens, ``samples`` rows), its whole
+        blocks once and its partial block once per row."""
+        bs = self.block_size
+        return sum(length // bs + (s if length % bs else 0) for length, s in zip(lengths, samples))
+
+    def fits(self, lengths: list[int], samples: list[int]) -> bool:
+        """Whether an admission of prompts of ``lengths`` tokens, ``samples`` rows each, fits now
+        (``blocks_for``, plus the watermark while any block is in use)."""
+        if not self.allocated:
+            return True
+        return self._room_for(self.blocks_for(lengths, samples))
+
+    def _room_for(self, need: int) -> bool:
+        watermark = WATERMARK * self.num_blocks if self.used_blocks else 0
+        return need + watermark <= self.free_blocks
+
+    @torch.inference_mode()
+    def admit(self, batch: RowBatch, sources: list[int] | None = None) -> list[int] | None:
+        """Rows of ``batch`` (a prefilled RowBatch, no tree pending) into blocks: ``sources`` is the
+        batch row each new row continues (a prompt's row, once per sample: its whole blocks are
+        written once and shared); None: every batch row, once. Returns the rows' handles, aligned
+        with ``sources``; None, with nothing taken, when the blocks plus the watermark do not fit."""
+        self.collect()
+        layers = batch.cache.layers
+        if not self.allocated:
+            self._allocate(layers[0].keys)
+        sources = list(range(len(batch.next_position))) if sources is None else list(sources)
+        mask = batch.attention_mask.bool().cpu().numpy()  # [P, W]
+        columns = [np.flatnonzero(m) for m in mask]  # each prompt row's real tokens, in order
+        used = sorted(set(sources))
+        samples = {p: sources.count(p) for p in used}
+        need = self.blocks_for([len(columns[p]) for p in used], [samples[p] for p in used])
+        if need > self.num_blocks or not self._room_for(need):
+            if need > self.num_blocks:
+                raise KVBudgetError(f"KV cache: {len(sources)} rows need {need} blocks of {self.block_size} "
+                                    f"tokens but the pool has {self.num_blocks} "
+                                    f"({self.nbytes() / 2**30:.2f} GiB); raise runtime.kv_cache_memory")
+            return None
+        bs = self.block_size
+        width = mask.shape[1]
+        handles = self._new_rows(len(sources))
+        rows = self._rows
+        src: list[np.ndarray] = []
+        dst: list[np.ndarray] = []
+        whole: dict[int, list[int]] = {}
+        for p in used:
+            count = len(columns[p]) // bs
+            whole[p] = self._take_blocks(count)
+            self.refs[whole[p]] = samples[p]
+            self.shared_bytes += (samples[p] - 1) * count * self.block_bytes
+            if count:
+                src.append(p * width + columns[p][:count * bs])
+                dst.append(self._places_of(whole[p]).cpu().numpy())
+        for handle, p in zip(handles, sources):
+            length = len(columns[p])
+            table = list(whole[p])
+            if length % bs:
+                (tail,) = self._take_blocks(1)
+                table.append(tail)
+                src.append(p * width + columns[p][len(whole[p]) * bs:])
+                dst.append(tail * bs + np.arange(length % bs))
+            rows.tables[handle, :len(table)] = table
+            rows.length[handle] = length
+            rows.position[handle] = int(batch.next_position[p])
+        if src:
+            source = torch.from_numpy(np.concatenate(src)).to(self.device)
+            target = torch.from_numpy(np.concatenate(dst)).to(self.device)
+            for pool_keys, pool_values, layer in zip(self.keys, self.values, layers):
+                heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+                flat_k = layer.keys.transpose(0, 1).reshape(heads, -1, dim)  # [H, P * W, D]
+                flat_v = layer.values.transpose(0, 1).reshape(heads, -1, dim)
+                pool_keys[0].index_copy_(1, target, flat_k.index_select(1, source))
+                pool_values[0].index_copy_(1, target, flat_v.index_select(1, source))
+        return handles
+
+    def release(self, handles: list[int]) -> None:
+        """Free ``handles``' blocks (any thread; they are freed at the next ``collect``, between two steps)."""
+        with self._lock:
+            self._released.extend(handles)
+
+    def collect(self) -> None:
+        """Free the rows released since the last call (the step loop's driver, between two steps)."""
+        with self._lock:
+            released, self._released = self._released, []
+        rows = self._rows
+        for handle in released:
+            if not rows.live[handle]:
+                continue
+            count = -(-int(rows.length[handle]) // self.block_size)
+            self._drop(rows.tables[handle, :count])
+            rows.live[handle] = False
+            rows.length[handle] = 0
+            self._spare_rows.append(handle)
+        if released:
+            self._spare_rows.sort(reverse=True)
+
+    def needed(self, handles: list[int]) -> int:
+        """Blocks the next step of ``handles`` takes: one for each row whose next token starts a block."""
+        self.collect()
+        return int((self._rows.length[handles] % self.block_size == 0).sum()) if handles else 0
+
+    @torch.inference_mode()
+    def take(self, handles: list[int]) -> RowBatch:
+        """The rows in ``handles`` as a RowBatch of their own (a copy, left-padded), and their blocks
+        freed: for model work that needs rows of its own (speculative decoding's draft-and-verify steps)."""
+        self.collect()
+        rows, bs = self._rows, self.block_size
+        lengths = rows.length[handles]
+        width = int(lengths.max())
+        places = np.zeros((len(handles), width), dtype=np.int64)
+        mask = np.zeros((len(handles), width), dtype=np.int64)
+        for i, (handle, length) in enumerate(zip(handles, lengths)):
+            logical = np.arange(length)
+            places[i, width - length:] = rows.tables[handle, logical // bs].astype(np.int64) * bs + logical % bs
+            mask[i, width - length:] = 1
+        index = torch.from_numpy(places.reshape(-1)).to(self.device)
+        layers = []
+        for keys, values in zip(self.keys, self.values):
+            heads, dim = keys.shape[1], keys.shape[3]
+            layers.append(tuple(t[0].index_select(1, index).view(heads, len(handles), width, dim).transpose(0, 1)
+                                .contiguous() for t in (keys, values)))
+        batch = RowBatch(self.model, _cache_of(self.model, layers), torch.from_numpy(mask).to(self.device),
+                         torch.from_numpy(rows.position[handles].copy()).to(self.device), self.counted_by)
+        self.release(handles)
+        self.collect()
+        return batch
+
+    # -- a decoding step ------------------------------------------------------------------------
+
+    def _grow(self, handles: list[int]) -> None:
+        rows, bs = self._rows, self.block_size
+        starting = [h for h in handles if rows.length[h] % bs == 0]
+        if len(starting) > self.free_blocks:
+            raise KVBudgetError(f"KV cache: the step needs {len(starting)} new blocks, {self.free_blocks} are free "
+                                "(the step loop preempts before a step; this is a bug)")
+        if starting:
+            blocks = self._take_blocks(len(starting))
+            for handle, block in zip(starting, blocks):
+                rows.tables[handle, rows.length[handle] // bs] = block
+
+    def _block_mask(self, handles: list[int]):
+        """The step's BlockMask: row b attends its whole blocks in full and its last block up to its
+        new token (the one this step writes)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        rows, bs, nb = self._rows, self.block_size, self.num_blocks
+        lengths = rows.length[handles] + 1  # the new token included
+        whole = lengths // bs
+        fill = lengths % bs
+        tables = rows.tables[handles]  # [n, NB]
+        last = tables[np.arange(len(handles)), np.minimum(whole, nb - 1)]
+        partial = fill > 0
+        device = self.device
+
+        def to(array, dtype=torch.int32):
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+        last_block, filled = to(last), to(fill)
+        if _kernel.get("run") is not _kernel.get("eager"):  # the compiled kernel reads the listed blocks only
+
+            def mask_mod(b, h, q, kv):
+                return (kv // bs != last_block[b]) | (kv % bs < filled[b])
+        else:  # the eager kernel applies mask_mod to every place in the pool
+            attends = np.zeros((len(handles), nb), dtype=bool)
+            for i, count in enumerate(whole):
+                attends[i, tables[i, :count]] = True
+            attends[np.flatnonzero(partial), last[partial]] = True
+            allowed = to(attends, torch.bool)
+
+            def mask_mod(b, h, q, kv):
+                block = kv // bs
+                return allowed[b, block] & ((block != last_block[b]) | (kv % bs < filled[b]))
+
+        n = len(handles)
+        kv_num = to(partial.astype(np.int32))[:, None, None]  # [n, 1, 1]
+        kv_index = to(np.pad(last[:, None], ((0, 0), (0, nb - 1))))[:, None, None]  # [n, 1, 1, NB]
+        full_num = to(whole.astype(np.int32))[:, None, None]
+        full_index = to(tables)[:, None, None]
+        return BlockMask.from_kv_blocks(kv_num, kv_index, full_num, full_index, BLOCK_SIZE=(128, bs),
+                                        mask_mod=mask_mod, seq_lengths=(1, nb * bs), compute_q_blocks=False), n
+
+    @torch.inference_mode()
+    def step(self, handles: list[int], tokens: torch.Tensor, **model_kwargs):
+        """One forward pass feeding ``tokens`` [n] to the rows ``handles`` (in that order): each
+        row's new key and value go to its next place (a new block when it starts one; ``needed``
+        says how many must be free), and attention reads every row's blocks in place. Returns the
+        model output, aligned with ``handles``."""
+        self.collect()
+        self._grow(handles)
+        rows, bs = self._rows, self.block_size
+        lengths = rows.length[handles]
+        places = rows.tables[handles, lengths // bs].astype(np.int64) * bs + lengths % bs
+        places_t = torch.from_numpy(places).to(self.device)
+        position = torch.from_numpy(rows.position[handles]).to(self.device)
+        try:
+            out = self._forward(handles, tokens, places_t, position, int(lengths.max()), **model_kwargs)
+        except _KernelChanged:
+            out = self._forward(handles, tokens, places_t, position, int(lengths.max()), **model_kwargs)
+        rows.length[handles] += 1
+        rows.position[handles] += 1
+        self.forward_passes += 1
+        for owner in self.counted_by:
+            owner.forward_passes += 1
+        return out
+
+    def _forward(self, handles, tokens, places, position, seen, **model_kwargs):
+        block_mask, _ = self._block_mask(handles)
+        cache = DynamicCache()
+        cache.layers = [_BlockLayer(k, v, places, seen) for k, v in zip(self.keys, self.values)]
+        config = self.model.config
+        configured, config._attn_implementation = config._attn_implementation, PAGED_ATTENTION
+        try:
+            with timed_forward(self.device):
+                return self.model(input_ids=tokens.to(torch.long)[:, None], position_ids=position[:, None],
+                                  past_key_values=cache, use_cache=True, paged=block_mask, **model_kwargs)
+        finally:
+            config._attn_implementation = configured
