@@ -74,3 +74,13 @@ class CorruptMarker(OutputConflict):
 class IncompleteBuild(Exception):
     """A reader asked for a build that has no ``_SUCCESS`` (still running, killed or failed): a user
     error, one line; ``allow_partial`` reads its committed shards instead."""
+
+
+class KVBudgetError(RuntimeError):
+    """The KV cache's budget (runtime.kv_cache_memory) cannot hold a session's rows, or cannot be
+    allocated: one line; the engine stays usable."""
+
+
+class KernelChanged(Exception):
+    """The compiled paged-attention kernel failed and the eager one took over: the step runs again
+    (pipeline.engines.kv_cache)."""

@@ -164,7 +164,7 @@ def _load(path: str) -> type:
 def parse_memory(value) -> float | int | None:
     """runtime.kv_cache_memory as the manager takes it: None ("auto": a default per device), a
     fraction in (0, 1] of the memory free after the weights, or a byte count ("4GB", "512MB",
-    "2GiB", or a number of GB). Raises ValueError with the accepted forms."""
+    "2GiB", "65536B", or a number over 1: GB). Raises ValueError with the accepted forms."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
         return None
     if isinstance(value, bool):
@@ -176,7 +176,7 @@ def parse_memory(value) -> float | int | None:
             return int(value * 2**30)
         raise ValueError(f"expected auto, a fraction in (0, 1] or a size such as 4GB, got {value!r}")
     text = str(value).strip().upper().replace(" ", "")
-    for suffix, scale in (("GIB", 2**30), ("MIB", 2**20), ("GB", 2**30), ("MB", 2**20), ("G", 2**30), ("M", 2**20)):
+    for suffix, scale in (("GIB", 2**30), ("MIB", 2**20), ("GB", 2**30), ("MB", 2**20), ("G", 2**30), ("M", 2**20), ("B", 1)):
         if text.endswith(suffix):
             try:
                 amount = float(text[: -len(suffix)])

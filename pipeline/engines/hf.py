@@ -207,7 +207,8 @@ class HFEngine:
                 raise ValueError(f"session {session}: extend while another extend of it is under way")
             state.until = min(until, state.sampling.max_new_tokens)
         try:
-            reported = self.runner.prune(state, keep, session)
+            # Between two steps: the loop's driver may preempt this session's blocks meanwhile.
+            reported = self.loop.between_steps(lambda: self.runner.prune(state, keep, session))
             self.loop.extend(state)
         finally:
             with self._lock:
@@ -219,7 +220,7 @@ class HFEngine:
             state = self.sessions.pop(session, None)
         if state is None:
             return {"generated_tokens": 0, "forward_passes": 0}
-        self.runner.release(state)
+        self.loop.between_steps(lambda: self.runner.release(state))  # as prune: never beside a preemption
         return {"generated_tokens": state.generated_tokens, "forward_passes": state.forward_passes}
 
     def stats(self) -> dict:

@@ -49,6 +49,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from pipeline.engines.backends import parse_memory
+from pipeline.errors import KernelChanged, KVBudgetError
 from pipeline.engines.rows import RowBatch, _cache_of, _GrowingLayer, _new_cache, timed_forward
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,6 @@ CPU_BUDGET_SHARE = 0.25
 """runtime.kv_cache_memory "auto" on a CPU: this share of the memory available at the first admission."""
 CUDA_BUDGET_SHARE = 0.8
 """runtime.kv_cache_memory "auto" on a GPU: this share of the device memory free after the weights."""
-
-
-class KVBudgetError(RuntimeError):
-    """The KV budget cannot hold even one session's rows (one line; the engine stays usable)."""
 
 
 def available_memory(device: torch.device) -> int:
@@ -165,11 +162,6 @@ def _flex():
     return _kernel["run"]
 
 
-class _KernelChanged(Exception):
-    """The compiled kernel failed and the eager one takes over: the step is run again with a mask
-    for it (its writes are idempotent: the same keys and values to the same places)."""
-
-
 def _attend(query, key, value, block_mask, scale):
     try:
         return _flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
@@ -179,7 +171,7 @@ def _attend(query, key, value, block_mask, scale):
         log.warning("KV cache: flex_attention could not be compiled (%s); running it eagerly (slower)",
                     str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         _kernel["run"] = _kernel["eager"]
-        raise _KernelChanged from exc
+        raise KernelChanged from exc
 
 
 def paged_attention(module, query, key, value, attention_mask, paged=None, scaling=None, **kwargs):
@@ -232,12 +224,12 @@ class _Rows:
 class KVCache:
     """One model's paged KV cache (see the module docstring)."""
 
-    def __init__(self, model, device: torch.device, memory=None, block_size: int = BLOCK_SIZE,
+    def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
                  counted_by: tuple = ()):
         """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
         device); the pool is allocated at the first admission, after the weights are in memory."""
         _register()
-        self.model, self.device, self.memory, self.block_size = model, device, memory, block_size
+        self.model, self.device, self.memory, self.block_size = model, device, memory, block_size or BLOCK_SIZE
         self.counted_by = counted_by
         self.keys: list[torch.Tensor] = []  # per layer [1, H, NB * bs, D]
         self.values: list[torch.Tensor] = []
@@ -366,6 +358,7 @@ class KVCache:
     def fits(self, lengths: list[int], samples: list[int]) -> bool:
         """Whether an admission of prompts of ``lengths`` tokens, ``samples`` rows each, fits now
         (``blocks_for``, plus the watermark while any block is in use)."""
+        self.collect()
         if not self.allocated:
             return True
         return self._room_for(self.blocks_for(lengths, samples))
@@ -554,7 +547,7 @@ class KVCache:
         position = torch.from_numpy(rows.position[handles]).to(self.device)
         try:
             out = self._forward(handles, tokens, places_t, position, int(lengths.max()), **model_kwargs)
-        except _KernelChanged:
+        except KernelChanged:  # the eager kernel took over: its mask, the same (idempotent) writes
             out = self._forward(handles, tokens, places_t, position, int(lengths.max()), **model_kwargs)
         rows.length[handles] += 1
         rows.position[handles] += 1

@@ -217,7 +217,7 @@ class StepLoop:
             if self._preempt_parked():
                 continue
             if len(self._members) == 1:
-                from pipeline.engines.kv_cache import KVBudgetError
+                from pipeline.errors import KVBudgetError
 
                 raise KVBudgetError("KV cache: one session's rows outgrow the whole pool "
                                     f"({self.runner.kv.num_blocks} blocks of {self.runner.kv.block_size} tokens); "
