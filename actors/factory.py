@@ -191,6 +191,9 @@ class Workers:
         roles = {"generator": actor_time_of(gen, self.generators), "reward": actor_time_of(rew, self.scorers)}
         if any(roles.values()):
             stats["actor_time"] = {role: times for role, times in roles.items() if times}
+        kv = [{k: v for k, v in s.items() if k.startswith("kv_")} for s in gen]
+        if any(kv):  # each HF generator's KV cache (pipeline.engines.kv_cache.KVCache.stats)
+            stats["generator_kv"] = kv
         return stats
 
     def restarts(self) -> int:

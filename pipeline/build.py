@@ -229,6 +229,9 @@ def check_models(config: Config) -> tuple:
     check_engines(config)
     load = functools.partial(plan_load_kwargs, config)
     generator = _model_config("generator", models.generator, "causal", load("generator"))
+    if _slides(generator) and not backend(models.backend).sliding_window:
+        raise ConfigError(f"models.generator: {models.generator!r} has sliding-window attention layers, which the "
+                          f"{models.backend} engine's paged KV cache does not hold; use models.backend: vllm")
     try:
         tokenizer = load_tokenizer(models.generator, load("generator"))
     except (OSError, ValueError, TypeError) as exc:
@@ -243,6 +246,14 @@ def check_models(config: Config) -> tuple:
     if record.check_models is not None:
         record.check_models(config.strategy.params, models, MODEL_FILES)
     return tokenizer, min(contexts)
+
+
+def _slides(model_config) -> bool:
+    """Whether a model's config gives it sliding-window attention layers (Mistral, Gemma 2/3, ...)."""
+    types = getattr(model_config, "layer_types", None)
+    if types:
+        return any("sliding" in str(t) for t in types)
+    return bool(getattr(model_config, "sliding_window", None)) and bool(getattr(model_config, "use_sliding_window", True))
 
 
 def plan_load_kwargs(config: Config, role: str) -> dict:
@@ -698,6 +709,9 @@ class _BuildRun:
             # Where each role's actors spent their span (actors.factory.actor_time_of); None for
             # workers that keep no timeline.
             "actor_time": run_stats.get("actor_time"),
+            # Each HF generator actor's KV cache: blocks total and peak, bytes at peak, prompt bytes
+            # shared, preemptions (pipeline.engines.kv_cache); None on other engines.
+            "generator_kv": run_stats.get("generator_kv"),
             "pairs_per_hour": pairs_per_hour(pairs, wall),
             "generated_tokens": tokens, "bon_equivalent_tokens": bon_tokens, "tokens_saved": bon_tokens - tokens,
             "tokens_per_pair": round(tokens / pairs, 2) if pairs else None,

@@ -183,3 +183,26 @@ def test_kv_cache_memory_forms(value, expected):
 def test_kv_cache_memory_refuses_the_rest_with_the_forms(value):
     with pytest.raises(ValueError, match="a fraction in"):
         parse_memory(value)
+
+
+def test_a_sliding_window_generator_is_refused_at_plan_time_on_the_hf_backend(tiny_models, tmp_path):
+    """The paged KV cache holds full-attention layers only: a Mistral-style generator with a sliding
+    window is refused with one line before any model loads; Llama and a Qwen2 config whose window is
+    off pass."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from pipeline.build import _slides, check_models
+    from pipeline.config import config_from_dict
+    from pipeline.errors import ConfigError
+
+    assert _slides(MistralConfig(sliding_window=4096)) and not _slides(LlamaConfig())
+    assert not _slides(Qwen2Config(use_sliding_window=False))
+    MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, sliding_window=8, architectures=["MistralForCausalLM"]
+                  ).save_pretrained(tmp_path / "mistral")
+    config = config_from_dict({"models": {"generator": str(tmp_path / "mistral"), "reward": str(tiny_models["reward"])},
+                               "data": {"prompts": str(tmp_path / "p.jsonl"), "output": str(tmp_path / "out")},
+                               "runtime": {"local": True}})
+    with pytest.raises(ConfigError, match="sliding-window attention layers.*models.backend: vllm") as error:
+        check_models(config)
+    assert "\n" not in str(error.value)

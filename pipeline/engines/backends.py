@@ -120,6 +120,9 @@ class Backend:
     settings: str | None = None
     """The models.* mapping of engine keywords for this backend: ``vllm`` for the generator and
     ``reward_vllm`` for the reward model (actors.factory.engine_settings); None: models.hf applies."""
+    sliding_window: bool = True
+    """Its generator engine holds models with sliding-window attention layers; the HF engine's paged
+    KV cache does not, and the plan refuses such a generator on it (pipeline.build.check_models)."""
     spans_gpus: bool = False
     """Its engine may span several GPUs inside one actor (tensor/pipeline parallel), so the actor asks
     Ray for as many (actors.factory.actor_resources)."""
@@ -141,7 +144,8 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("hf", "Hugging Face transformers: every strategy, KV rows of the step loop",
-            frozenset({SESSIONS, SEARCH}), "pipeline.engines.hf:HFEngine", "pipeline.engines.rewards:RewardScorer"),
+            frozenset({SESSIONS, SEARCH}), "pipeline.engines.hf:HFEngine", "pipeline.engines.rewards:RewardScorer",
+            sliding_window=False),
     Backend("vllm", "vLLM: continuous batching and paged attention; coordinator-side strategies",
             frozenset({SESSIONS}), "pipeline.engines.vllm_engine:VLLMEngine",
             "pipeline.engines.vllm_reward:VLLMRewardScorer", settings="vllm", spans_gpus=True),
