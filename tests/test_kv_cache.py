@@ -206,3 +206,42 @@ def test_a_sliding_window_generator_is_refused_at_plan_time_on_the_hf_backend(ti
     with pytest.raises(ConfigError, match="sliding-window attention layers.*models.backend: vllm") as error:
         check_models(config)
     assert "\n" not in str(error.value)
+
+
+def test_at_a_fixed_budget_memory_budget_sbon_starts_three_times_the_rows_best_of_n_fits(tiny_models, scorer,
+                                                                                            monkeypatch):
+    """Section 6.3's mode on the paged cache: at a budget where Best-of-N fits R rows to the length
+    cap, speculative rejection starts 3R rows (short until the decision token), keeps two past it,
+    and completes without a preemption; Best-of-N's R rows complete, and its 3R rows in one session
+    fail with one line (a session is preempted whole, never split)."""
+    from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
+    from pipeline.decoding.domain import PromptInput
+    from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+
+    monkeypatch.setattr(kv_cache, "BLOCK_SIZE", 4)
+    base = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    text = TEXTS[1]
+    prompt = PromptInput("p0", text, text, ids(base, text))
+    cap, tau, budget = 48, 4, 60
+    length = len(prompt.token_ids)
+    shared = length // 4
+    fits = (budget - shared) // (-(-(length + cap) // 4) - shared)  # Best-of-N rows to the cap
+    sampling = SamplingParams(max_new_tokens=cap, ignore_eos=True)
+
+    def engine():
+        probe = HFEngine(base.model, base.tokenizer)
+        probe.generate([ids(base, "Hi")], 1, [0], SamplingParams(max_new_tokens=2))  # admits, allocates: block bytes
+        return HFEngine(base.model, base.tokenizer, kv_cache_memory=f"{budget * probe.runner.kv.block_bytes}B")
+
+    sbon = engine()
+    params = SpeculativeRejectionParams(decision_token=tau, rejection_rate=0.5, initial_candidates=3 * fits,
+                                        max_live_candidates=2)
+    (result,) = speculative_rejection([prompt], sbon, scorer, params, sampling, 2, seed=3)
+    stats = sbon.stats()
+    assert stats["kv_blocks_total"] == budget and stats["kv_preemptions"] == 0
+    assert result.stats["initial_candidates"] == 3 * fits >= 3 and len(result.candidates) == 2
+    bon = engine()
+    (plain,) = best_of_n([prompt], bon, scorer, BestOfNParams(), sampling, fits, seed=3)
+    assert len(plain.candidates) == fits and all(len(c.token_ids) == cap for c in plain.candidates)
+    with pytest.raises(KVBudgetError, match="outgrow the whole pool"):  # one session: preempted whole, never split
+        best_of_n([prompt], bon, scorer, BestOfNParams(), sampling, 3 * fits, seed=3)
