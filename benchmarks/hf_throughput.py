@@ -174,8 +174,9 @@ kernel this device or these shapes lack is reported as an error, not measured.""
 def compare_attention(model_dir: str, rows: int, tokens: int, repeats: int, threads: int,
                       device: str = "cpu", dtype: str = "float32", paths: tuple[str, ...] = ATTENTION) -> dict:
     """The engine's decoding throughput under each attention path, in one process, repeats
-    alternating (the KV pool's steps run under the model's configured implementation, its stepping
-    rows' queries scattered into their slots: pipeline.engines.kv_pool)."""
+    alternating. Since the paged KV cache (pipeline.engines.kv_cache) every decoding step reads its
+    blocks with compiled flex_attention whatever the model's implementation, so the paths differ in
+    the prefills only; benchmarks.paged_attention compares the decode kernels themselves."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.set_num_threads(threads)

@@ -79,8 +79,3 @@ class IncompleteBuild(Exception):
 class KVBudgetError(RuntimeError):
     """The KV cache's budget (runtime.kv_cache_memory) cannot hold a session's rows, or cannot be
     allocated: one line; the engine stays usable."""
-
-
-class KernelChanged(Exception):
-    """The compiled paged-attention kernel failed and the eager one took over: the step runs again
-    (pipeline.engines.kv_cache)."""

@@ -245,3 +245,19 @@ def test_at_a_fixed_budget_memory_budget_sbon_starts_three_times_the_rows_best_o
     assert len(plain.candidates) == fits and all(len(c.token_ids) == cap for c in plain.candidates)
     with pytest.raises(KVBudgetError, match="outgrow the whole pool"):  # one session: preempted whole, never split
         best_of_n([prompt], bon, scorer, BestOfNParams(), sampling, 3 * fits, seed=3)
+
+
+def test_where_flex_attention_cannot_compile_a_step_gathers_the_blocks_with_the_same_logits(engine, monkeypatch):
+    """The fallback (no compiler, or none for a dtype): each row's blocks gathered for SDPA; the
+    logits equal the compiled kernel's, the pool zeroed nowhere it was not before."""
+    prompts = [ids(engine, TEXTS[2]), ids(engine, "Hi")]
+    batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
+    out = {}
+    for broken in (False, True):
+        monkeypatch.setitem(kv_cache._kernel, "broken", {(torch.float32, "cpu")} if broken else set())
+        kv = KVCache(engine.model, engine.device, memory=8 << 20, block_size=8)
+        handles = kv.admit(batch, [0, 0, 1])
+        for token in range(3, 12):
+            logits = kv.step(handles, torch.full((3,), token), logits_to_keep=1).logits[:, -1]
+        out[broken] = logits
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)

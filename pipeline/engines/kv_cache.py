@@ -28,8 +28,11 @@ Attention reads the blocks in place: one ``flex_attention`` call per layer per s
 stepping row, whatever the model's attention implementation (``paged_attention``). The keys and
 values are one [1, H, blocks * block_size, D] tensor per layer; a per-step BlockMask lists each
 row's whole blocks (attended in full) and its last, partial block (masked past its length). The
-kernel is compiled once per process (``dynamic=True``: no recompile as the rows or the pool change;
-about 8 s on our CPU) where torch.compile works, else run eagerly (a warning says so).
+kernel is compiled once per process and model shape (``dynamic=True``: no recompile as the rows or
+the pool change; about 8 s on our CPU), when the cache is built (``warm_up``: an actor's first call
+does not pay it). Where it cannot be compiled for a dtype and device (no C++ compiler; bfloat16 on
+some CPUs), a warning says so once and each step gathers the rows' blocks for SDPA instead (a copy
+per layer: slower, same result).
 
 Only models whose cache layers are all full attention use the manager (``KVCache.supports``); the
 plan refuses sliding-window generators on the HF backend (pipeline.build.check_models).
@@ -42,6 +45,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +53,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from pipeline.engines.backends import parse_memory
-from pipeline.errors import KernelChanged, KVBudgetError
+from pipeline.errors import KVBudgetError
 from pipeline.engines.rows import RowBatch, _cache_of, _GrowingLayer, _new_cache, timed_forward
 
 log = logging.getLogger(__name__)
@@ -153,31 +157,70 @@ _kernel: dict = {}
 
 
 def _flex():
-    """flex_attention, compiled once per process (dynamic shapes), or eager where compiling fails."""
+    """flex_attention, compiled once per process (dynamic shapes)."""
     if "run" not in _kernel:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _kernel["eager"] = flex_attention
         _kernel["run"] = torch.compile(flex_attention, dynamic=True)
+        # One compiled entry per model shape (heads, head size, dtype) and block size; past dynamo's
+        # recompile limit (8) it would run the eager kernel, which is correct (block_mask) but slow.
+        from torch import _dynamo
+
+        config = _dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), 64))
     return _kernel["run"]
 
 
-def _attend(query, key, value, block_mask, scale):
-    try:
-        return _flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
-    except Exception as exc:  # noqa: BLE001 - no compiler (or an unsupported device): the eager kernel
-        if _kernel.get("run") is _kernel.get("eager"):
-            raise
-        log.warning("KV cache: flex_attention could not be compiled (%s); running it eagerly (slower)",
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-        _kernel["run"] = _kernel["eager"]
-        raise KernelChanged from exc
+@dataclass
+class StepAttention:
+    """What one step's attention reads: the BlockMask for flex_attention, and the rows' tables and
+    lengths (the new token included) for the fallback."""
+
+    mask: Any
+    tables: np.ndarray  # [n, NB]
+    lengths: np.ndarray  # [n]
+    block_size: int
+    device: torch.device
+    _places: tuple | None = None
+
+    def places(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([n, W] each row's places in the pool, in order, padded with its first; [n, 1, 1, W] valid)."""
+        if self._places is None:
+            bs, width = self.block_size, int(self.lengths.max())
+            logical = np.arange(width)[None, :]
+            valid = logical < self.lengths[:, None]
+            logical = np.where(valid, logical, 0)
+            blocks = np.take_along_axis(self.tables, logical // bs, axis=1).astype(np.int64)
+            places = blocks * bs + logical % bs
+            self._places = (torch.from_numpy(places).to(self.device),
+                            torch.from_numpy(valid).to(self.device)[:, None, None, :])
+        return self._places
+
+
+def _attend(query, key, value, step: StepAttention, scale):
+    """Compiled flex_attention over the blocks in place; where it cannot be compiled for this dtype
+    and device (a warning says so, once), each row's blocks gathered, then SDPA (a copy per layer)."""
+    kind = (query.dtype, query.device.type)
+    if kind not in _kernel.setdefault("broken", set()):
+        try:
+            return _flex()(query, key, value, block_mask=step.mask, scale=scale, enable_gqa=True)
+        except Exception as exc:  # noqa: BLE001 - no compiler, or none for this dtype or device
+            _kernel["broken"].add(kind)
+            log.warning("KV cache: flex_attention could not be compiled for %s on %s (%s); gathering each row's "
+                        "blocks for SDPA instead (slower)", query.dtype, query.device.type,
+                        str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    places, valid = step.places()
+    keys = key[0][:, places].transpose(0, 1)  # [n, H, W, D]
+    values = value[0][:, places].transpose(0, 1)
+    return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=valid, scale=scale,
+                                                            enable_gqa=True)
 
 
 def paged_attention(module, query, key, value, attention_mask, paged=None, scaling=None, **kwargs):
     """Attention of one step's rows over their blocks: ``query`` [n, Hq, 1, D] (the stepping rows),
     ``key``/``value`` [1, Hkv, T, D] the pool's whole layer (no copy), ``paged`` the step's
-    BlockMask. Returns [n, 1, Hq, D]."""
+    StepAttention. Returns [n, 1, Hq, D]."""
     out = _attend(query, key, value, paged, scaling)
     return out.transpose(1, 2), None
 
@@ -186,6 +229,60 @@ def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+
+
+def block_mask(tables: np.ndarray, lengths: np.ndarray, bs: int, nb: int, device: torch.device):
+    """A decoding step's BlockMask over a pool of ``nb`` blocks of ``bs`` tokens: row b attends its
+    whole blocks (``tables[b, :lengths[b] // bs]``) in full and its last, partial block up to its
+    length. The compiled kernel reads the listed blocks only; the eager one applies ``mask_mod`` to
+    every place of the pool, so it gets a dense per-row block set too."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = len(lengths)
+    whole, fill = lengths // bs, lengths % bs
+    last = tables[np.arange(n), np.minimum(whole, nb - 1)]
+    partial = fill > 0
+
+    def to(array, dtype=torch.int32):
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+    # Each row's own blocks, densely: the compiled kernel visits the listed blocks only, but where
+    # torch.compile gives up (its recompile limit) flex_attention runs eagerly and applies mask_mod to
+    # every place of the pool; with this the mask is right either way.
+    attends = np.zeros((n, nb), dtype=bool)
+    held = np.arange(tables.shape[1])[None, :] < (whole + partial)[:, None]  # [n, NB] table entries in use
+    attends[np.nonzero(held)[0], tables[held]] = True
+    # A row whose last block is full has no partial one: -1 matches no block.
+    allowed, last_block, filled = to(attends, torch.bool), to(np.where(partial, last, -1)), to(fill)
+
+    def mask_mod(b, h, q, kv):
+        block = kv // bs
+        return allowed[b, block] & ((block != last_block[b]) | (kv % bs < filled[b]))
+
+    kv_num = to(partial.astype(np.int32))[:, None, None]  # [n, 1, 1]
+    kv_index = to(np.pad(np.where(partial, last, 0)[:, None], ((0, 0), (0, nb - 1))))[:, None, None]  # [n, 1, 1, NB]
+    return BlockMask.from_kv_blocks(kv_num, kv_index, to(whole.astype(np.int32))[:, None, None],
+                                    to(tables)[:, None, None], BLOCK_SIZE=(128, bs), mask_mod=mask_mod,
+                                    seq_lengths=(1, nb * bs), compute_q_blocks=False)
+
+
+@torch.inference_mode()
+def warm_up(model, device: torch.device, block_size: int) -> None:
+    """Compile the step's attention for ``model``'s heads, head size and dtype on a five-block pool
+    (dynamic shapes: the real pool and rows reuse it), so that the compile (seconds) happens when
+    the engine loads, not inside its first call (an actor's call_timeout_s counts from a call's start)."""
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    rows, blocks = 3, 5  # sizes apart from each other and from 0 and 1: no size is specialized on
+    tables = np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks) % blocks
+    lengths = np.array([block_size + 1, 2, 2 * block_size])
+    step = StepAttention(block_mask(tables, lengths, block_size, blocks, device), tables, lengths, block_size, device)
+    query = torch.zeros((rows, heads, 1, dim), dtype=dtype, device=device)
+    keys, values = (torch.zeros((1, kv_heads, blocks * block_size, dim), dtype=dtype, device=device) for _ in "kv")
+    _attend(query, keys, values, step, dim ** -0.5)
 
 
 class _BlockLayer(DynamicLayer):
@@ -248,6 +345,7 @@ class KVCache:
         """Bytes a prompt's shared blocks saved: (samples - 1) x its whole blocks, summed over admissions."""
         self.preemptions = 0
         """Sessions preempted for blocks (counted by the model runner)."""
+        warm_up(model, device, self.block_size)
 
     @staticmethod
     def supports(model) -> bool:
@@ -295,11 +393,13 @@ class KVCache:
         self.block_bytes = 2 * layers * heads * bs * dim * like.element_size()
         total = budget_bytes(self.memory, self.device)
         self.num_blocks = int(max(1, min(MAX_BLOCKS, total // self.block_bytes)))
+        # Blocks are zeroed as they are taken (on a CPU, untouched pages stay out of memory).
+        new = torch.empty
         try:
             for _ in range(layers):
-                self.keys.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
+                self.keys.append(new((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
                                              device=self.device))
-                self.values.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
+                self.values.append(new((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
                                                device=self.device))
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             self.keys, self.values, self.num_blocks = [], [], 0
@@ -314,10 +414,10 @@ class KVCache:
     def _take_blocks(self, count: int) -> list[int]:
         blocks = [heapq.heappop(self._free) for _ in range(count)]
         self.refs[blocks] = 1
-        if blocks:  # values past a row's length are multiplied by a zero weight: never NaN garbage
+        if blocks:  # places past a row's length are masked; garbage there (a NaN) must not reach a score
             places = self._places_of(blocks)
-            for values in self.values:
-                values[0].index_fill_(1, places, 0)
+            for tensor in self.keys + self.values:
+                tensor[0].index_fill_(1, places, 0)
         self.peak_blocks = max(self.peak_blocks, self.used_blocks)
         return blocks
 
@@ -491,46 +591,12 @@ class KVCache:
             for handle, block in zip(starting, blocks):
                 rows.tables[handle, rows.length[handle] // bs] = block
 
-    def _block_mask(self, handles: list[int]):
-        """The step's BlockMask: row b attends its whole blocks in full and its last block up to its
-        new token (the one this step writes)."""
-        from torch.nn.attention.flex_attention import BlockMask
-
-        rows, bs, nb = self._rows, self.block_size, self.num_blocks
-        lengths = rows.length[handles] + 1  # the new token included
-        whole = lengths // bs
-        fill = lengths % bs
-        tables = rows.tables[handles]  # [n, NB]
-        last = tables[np.arange(len(handles)), np.minimum(whole, nb - 1)]
-        partial = fill > 0
-        device = self.device
-
-        def to(array, dtype=torch.int32):
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
-
-        last_block, filled = to(last), to(fill)
-        if _kernel.get("run") is not _kernel.get("eager"):  # the compiled kernel reads the listed blocks only
-
-            def mask_mod(b, h, q, kv):
-                return (kv // bs != last_block[b]) | (kv % bs < filled[b])
-        else:  # the eager kernel applies mask_mod to every place in the pool
-            attends = np.zeros((len(handles), nb), dtype=bool)
-            for i, count in enumerate(whole):
-                attends[i, tables[i, :count]] = True
-            attends[np.flatnonzero(partial), last[partial]] = True
-            allowed = to(attends, torch.bool)
-
-            def mask_mod(b, h, q, kv):
-                block = kv // bs
-                return allowed[b, block] & ((block != last_block[b]) | (kv % bs < filled[b]))
-
-        n = len(handles)
-        kv_num = to(partial.astype(np.int32))[:, None, None]  # [n, 1, 1]
-        kv_index = to(np.pad(last[:, None], ((0, 0), (0, nb - 1))))[:, None, None]  # [n, 1, 1, NB]
-        full_num = to(whole.astype(np.int32))[:, None, None]
-        full_index = to(tables)[:, None, None]
-        return BlockMask.from_kv_blocks(kv_num, kv_index, full_num, full_index, BLOCK_SIZE=(128, bs),
-                                        mask_mod=mask_mod, seq_lengths=(1, nb * bs), compute_q_blocks=False), n
+    def _step_attention(self, handles: list[int]) -> StepAttention:
+        """The step's BlockMask (``block_mask``) and tables: each row's length counts the token this step writes."""
+        rows = self._rows
+        tables, lengths = rows.tables[handles], rows.length[handles] + 1
+        return StepAttention(block_mask(tables, lengths, self.block_size, self.num_blocks, self.device), tables,
+                             lengths, self.block_size, self.device)
 
     @torch.inference_mode()
     def step(self, handles: list[int], tokens: torch.Tensor, **model_kwargs):
@@ -545,10 +611,7 @@ class KVCache:
         places = rows.tables[handles, lengths // bs].astype(np.int64) * bs + lengths % bs
         places_t = torch.from_numpy(places).to(self.device)
         position = torch.from_numpy(rows.position[handles]).to(self.device)
-        try:
-            out = self._forward(handles, tokens, places_t, position, int(lengths.max()), **model_kwargs)
-        except KernelChanged:  # the eager kernel took over: its mask, the same (idempotent) writes
-            out = self._forward(handles, tokens, places_t, position, int(lengths.max()), **model_kwargs)
+        out = self._forward(handles, tokens, places_t, position, int(lengths.max()), **model_kwargs)
         rows.length[handles] += 1
         rows.position[handles] += 1
         self.forward_passes += 1
@@ -557,7 +620,7 @@ class KVCache:
         return out
 
     def _forward(self, handles, tokens, places, position, seen, **model_kwargs):
-        block_mask, _ = self._block_mask(handles)
+        step = self._step_attention(handles)
         cache = DynamicCache()
         cache.layers = [_BlockLayer(k, v, places, seen) for k, v in zip(self.keys, self.values)]
         config = self.model.config
@@ -565,6 +628,6 @@ class KVCache:
         try:
             with timed_forward(self.device):
                 return self.model(input_ids=tokens.to(torch.long)[:, None], position_ids=position[:, None],
-                                  past_key_values=cache, use_cache=True, paged=block_mask, **model_kwargs)
+                                  past_key_values=cache, use_cache=True, paged=step, **model_kwargs)
         finally:
             config._attn_implementation = configured
