@@ -253,6 +253,7 @@ class ModelRunner:
         free pages (kv_cache.trim_heap)."""
         if state.kv:
             self.kv.release(state.kv)
+            self.kv.collect()  # the engine runs this between steps, on the loop's driver
         state.kv = [] if state.kv is not None else None
         self._evict(state)
         trim_heap()
