@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "configs" / "prompts" / "ifeval-eval.jsonl"
 
@@ -90,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         kv = (r["generator_kv"] or [{}])[0]
         print(f"{r['run']:<20} {r['peak_rss_gb']:>12.3f} {r['peak_rss_gb'] - base:>+11.3f} {r['wall_seconds']:>8.1f} "
               f"{kv.get('kv_bytes_peak', 0) / 2**30:>11.3f} {kv.get('kv_prompt_bytes_shared', 0) / 2**30:>10.3f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1) + "\n")
+    write_json(args.json, {"command": " ".join(sys.argv), "results": results})
     return 0
 
 

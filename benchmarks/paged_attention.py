@@ -12,14 +12,14 @@ call (median of --repeats) and each kernel's ratio to contiguous SDPA.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks import write_json
 
 
 def _time(run, repeats: int) -> float:
@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n} rows x {length} tokens, {hq}/{hkv} heads, dim {d}, {args.threads} thread(s), {device}")
     for name, ms in results.items():
         print(f"{name:<80} " + (f"{ms:>8.2f} ms  {ms / base:>5.2f}x" if ms is not None else "not built"))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "ms": results}, indent=1) + "\n")
+    write_json(args.json, {"command": " ".join(sys.argv), "ms": results})
     return 0
 
 

@@ -52,7 +52,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from pipeline.engines.backends import parse_memory
 from pipeline.errors import KVBudgetError
 from pipeline.engines.rows import RowBatch, _cache_of, _GrowingLayer, _new_cache, timed_forward
 
@@ -393,13 +392,12 @@ class KVCache:
         self.block_bytes = 2 * layers * heads * bs * dim * like.element_size()
         total = budget_bytes(self.memory, self.device)
         self.num_blocks = int(max(1, min(MAX_BLOCKS, total // self.block_bytes)))
-        # Blocks are zeroed as they are taken (on a CPU, untouched pages stay out of memory).
-        new = torch.empty
+        # torch.empty: blocks are zeroed as they are taken (on a CPU, untouched pages stay out of memory).
         try:
             for _ in range(layers):
-                self.keys.append(new((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
+                self.keys.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
                                              device=self.device))
-                self.values.append(new((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
+                self.values.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
                                                device=self.device))
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             self.keys, self.values, self.num_blocks = [], [], 0

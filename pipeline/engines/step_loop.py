@@ -34,7 +34,7 @@ may rarely differ after a preemption; the candidates' distribution is the same.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
