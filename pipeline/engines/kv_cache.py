@@ -28,11 +28,13 @@ Attention reads the blocks in place: one ``flex_attention`` call per layer per s
 stepping row, whatever the model's attention implementation (``paged_attention``). The keys and
 values are one [1, H, blocks * block_size, D] tensor per layer; a per-step BlockMask lists each
 row's whole blocks (attended in full) and its last, partial block (masked past its length). The
-kernel is compiled once per process and model shape (``dynamic=True``: no recompile as the rows or
-the pool change; about 8 s on our CPU), when the cache is built (``warm_up``: an actor's first call
-does not pay it). Where it cannot be compiled for a dtype and device (no C++ compiler; bfloat16 on
-some CPUs), a warning says so once and each step gathers the rows' blocks for SDPA instead (a copy
-per layer: slower, same result).
+kernel is compiled for the pool's shape (its length static: inductor's CPU template cannot build a
+kernel whose pool length is symbolic) and the stepping rows' count dynamic (torch.compile's
+automatic dynamic shapes: compiled for one count, then once for any count, and once for a single
+row), so a build compiles it three times per pool, at the pool's allocation (``warm_up``: seconds
+on a CPU, less from inductor's on-disk cache), never per step. Where it cannot be compiled for a
+dtype and device (no C++ compiler; bfloat16 on some CPUs), a warning says so once and each step
+gathers the rows' blocks for SDPA instead (a copy per layer: slower, same result).
 
 Only models whose cache layers are all full attention use the manager (``KVCache.supports``); the
 plan refuses sliding-window generators on the HF backend (pipeline.build.check_models).
@@ -156,12 +158,13 @@ _kernel: dict = {}
 
 
 def _flex():
-    """flex_attention, compiled once per process (dynamic shapes)."""
+    """flex_attention, compiled: automatic dynamic shapes, with the pool's dimensions marked static
+    (``_static``), so only the stepping rows' count becomes dynamic."""
     if "run" not in _kernel:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _kernel["run"] = torch.compile(flex_attention, dynamic=True)
-        # One compiled entry per model shape (heads, head size, dtype) and block size; past dynamo's
+        _kernel["run"] = torch.compile(flex_attention, dynamic=None)
+        # Three compiled entries per pool shape (heads, head size, dtype, blocks); past dynamo's
         # recompile limit (8) it would run the eager kernel, which is correct (block_mask) but slow.
         from torch import _dynamo
 
@@ -169,6 +172,13 @@ def _flex():
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), 64))
     return _kernel["run"]
+
+
+def _static(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """Mark ``tensor``'s pool dimension static for torch.compile (inductor's CPU flex template fails
+    on a symbolic pool length: ``cur_kvSplitSize2`` undeclared)."""
+    torch._dynamo.mark_static(tensor, dim)
+    return tensor
 
 
 @dataclass
@@ -252,7 +262,7 @@ def block_mask(tables: np.ndarray, lengths: np.ndarray, bs: int, nb: int, device
     held = np.arange(tables.shape[1])[None, :] < (whole + partial)[:, None]  # [n, NB] table entries in use
     attends[np.nonzero(held)[0], tables[held]] = True
     # A row whose last block is full has no partial one: -1 matches no block.
-    allowed, last_block, filled = to(attends, torch.bool), to(np.where(partial, last, -1)), to(fill)
+    allowed, last_block, filled = _static(to(attends, torch.bool), 1), to(np.where(partial, last, -1)), to(fill)
 
     def mask_mod(b, h, q, kv):
         block = kv // bs
@@ -260,28 +270,25 @@ def block_mask(tables: np.ndarray, lengths: np.ndarray, bs: int, nb: int, device
 
     kv_num = to(partial.astype(np.int32))[:, None, None]  # [n, 1, 1]
     kv_index = to(np.pad(np.where(partial, last, 0)[:, None], ((0, 0), (0, nb - 1))))[:, None, None]  # [n, 1, 1, NB]
-    return BlockMask.from_kv_blocks(kv_num, kv_index, to(whole.astype(np.int32))[:, None, None],
-                                    to(tables)[:, None, None], BLOCK_SIZE=(128, bs), mask_mod=mask_mod,
+    return BlockMask.from_kv_blocks(kv_num, _static(kv_index, 3), to(whole.astype(np.int32))[:, None, None],
+                                    _static(to(tables)[:, None, None], 3), BLOCK_SIZE=(128, bs), mask_mod=mask_mod,
                                     seq_lengths=(1, nb * bs), compute_q_blocks=False)
 
 
 @torch.inference_mode()
-def warm_up(model, device: torch.device, block_size: int) -> None:
-    """Compile the step's attention for ``model``'s heads, head size and dtype on a five-block pool
-    (dynamic shapes: the real pool and rows reuse it), so that the compile (seconds) happens when
-    the engine loads, not inside its first call (an actor's call_timeout_s counts from a call's start)."""
-    config = getattr(model.config, "get_text_config", lambda: model.config)()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype = next(model.parameters()).dtype
-    rows, blocks = 3, 5  # sizes apart from each other and from 0 and 1: no size is specialized on
-    tables = np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks) % blocks
-    lengths = np.array([block_size + 1, 2, 2 * block_size])
-    step = StepAttention(block_mask(tables, lengths, block_size, blocks, device), tables, lengths, block_size, device)
-    query = torch.zeros((rows, heads, 1, dim), dtype=dtype, device=device)
-    keys, values = (torch.zeros((1, kv_heads, blocks * block_size, dim), dtype=dtype, device=device) for _ in "kv")
-    _attend(query, keys, values, step, dim ** -0.5)
+def warm_up(keys: torch.Tensor, values: torch.Tensor, heads: int, block_size: int) -> None:
+    """Compile the step's attention for a pool (``keys``/``values``, one layer's [1, Hkv, NB * bs, D])
+    and ``heads`` query heads: for two row counts (the second makes the count dynamic) and for one
+    row, so that no step compiles. The pool's contents are read, not changed."""
+    _, _, length, dim = keys.shape
+    blocks = length // block_size
+    for rows in (2, 3, 1):
+        tables = (np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks) % blocks)
+        lengths = np.minimum(np.array([block_size + 1, 2, 2 * block_size])[:rows], length)
+        step = StepAttention(block_mask(tables, lengths, block_size, blocks, keys.device), tables, lengths,
+                             block_size, keys.device)
+        query = torch.zeros((rows, heads, 1, dim), dtype=keys.dtype, device=keys.device)
+        _attend(query, keys, values, step, dim ** -0.5)
 
 
 class _BlockLayer(DynamicLayer):
@@ -344,7 +351,6 @@ class KVCache:
         """Bytes a prompt's shared blocks saved: (samples - 1) x its whole blocks, summed over admissions."""
         self.preemptions = 0
         """Sessions preempted for blocks (counted by the model runner)."""
-        warm_up(model, device, self.block_size)
 
     @staticmethod
     def supports(model) -> bool:
@@ -403,6 +409,10 @@ class KVCache:
             self.keys, self.values, self.num_blocks = [], [], 0
             raise KVBudgetError(f"KV cache: cannot allocate {total / 2**30:.2f} GiB for the pool "
                                 f"({type(exc).__name__}); lower runtime.kv_cache_memory") from None
+        for tensor in self.keys + self.values:
+            _static(tensor, 2)
+        config = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
+        warm_up(self.keys[0], self.values[0], config.num_attention_heads, bs)
         self.refs = np.zeros(self.num_blocks, dtype=np.int32)
         self._free = list(range(self.num_blocks))
         heapq.heapify(self._free)
