@@ -12,9 +12,12 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from jobs.build_dataset import main
-from pipeline.decoding.aded import (ADEDDrafter, RetrievalDrafter, aded_decode, exploration, mcts_drafts,
+from hypothesis import given, settings
+from hypothesis import strategies as st_
+
+from pipeline.decoding.aded import (ADEDDrafter, RetrievalDrafter, accept, aded_decode, exploration, mcts_drafts,
                                     merge_drafts)
-from pipeline.decoding.sampling import SamplingParams, filter_logits
+from pipeline.decoding.sampling import RowStreams, SamplingParams, filter_logits
 from pipeline.decoding.tree import TokenTree
 from pipeline.decoding.trigram import TrigramMatrix
 from pipeline.engines.adapters import TreeTarget
@@ -116,6 +119,25 @@ def test_sampling_acceptance_leaves_the_output_distribution_unchanged(sampling):
         observed, expected = np.append(observed, counts[rare].sum()), np.append(expected, exact[rare].sum())
     expected = expected / expected.sum() * rows
     assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+@settings(max_examples=40, deadline=None)
+@given(parents=st_.lists(st_.integers(0, 30), min_size=0, max_size=12), seed=st_.integers(0, 2**63 - 1),
+       temperature=st_.sampled_from([0.0, 0.5, 1.0]), top_k=st_.sampled_from([0, 2]))
+def test_acceptance_with_uniforms_drawn_ahead_walks_as_the_row_stream_does(parents, seed, temperature, top_k):
+    """The verifiers draw a step's uniforms for every row at once (RowStreams.ahead): the accepted
+    path and token equal a walk that draws from the row's stream node by node, which moves its
+    counter by the path's length (0 when greedy)."""
+    generator = torch.Generator().manual_seed(seed % 2**31)
+    parents = [-1] + [p % (i + 1) for i, p in enumerate(parents)]  # a tree: each node's parent before it
+    tokens = torch.randint(0, 3, (len(parents),), generator=generator).tolist()  # 3 tokens: drafts get accepted
+    logits = torch.randn(len(parents), 3, generator=generator) * 2
+    tree, sampling = TokenTree(tokens, parents), SamplingParams(temperature=temperature, top_k=top_k)
+    stream = RowStreams.seeded([seed])
+    walked = accept(tree, logits, sampling, stream.row(0))
+    ahead = RowStreams.seeded([seed]).ahead(1 + max(tree.depths()))[0]
+    assert accept(tree, logits, sampling, ahead) == walked
+    assert int(stream.counters[0]) == (len(walked[0]) if temperature else 0)
 
 
 class _GreedyOracle:

@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.decoding.sampling import RowStreams, SamplingParams, counter_uniforms, filter_logits, row_seed, sample_next
 
@@ -96,3 +98,22 @@ def test_counter_uniforms_are_uniform_and_independent(pairing):
     expected = n / 256
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < CHI2_DF255_P001, chi2
+
+
+@settings(max_examples=30, deadline=None)
+@given(seeds=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=5), count=st.integers(1, 6),
+       skip=st.integers(0, 3), data=st.data())
+def test_uniforms_drawn_ahead_are_the_draws_one_at_a_time(seeds, count, skip, data):
+    """RowStreams.ahead(k) gives each row's next k draws without moving it; advance moves each row by
+    what it used, after which its draws go on exactly where one-at-a-time draws would be."""
+    one, batch = RowStreams.seeded(seeds), RowStreams.seeded(seeds)
+    for _ in range(skip):
+        one.draw(), batch.draw()
+    used = data.draw(st.lists(st.integers(0, count), min_size=len(seeds), max_size=len(seeds)))
+    ahead = batch.ahead(count)
+    assert torch.equal(batch.counters, one.counters)  # not moved
+    singles = torch.stack([one.draw() for _ in range(count)], dim=1)  # [B, count]
+    assert torch.equal(ahead, singles)
+    batch.advance(used)
+    expected = counter_uniforms(one.keys, torch.tensor([skip + u for u in used]))
+    assert torch.equal(batch.draw(), expected)

@@ -41,7 +41,7 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.decoding.domain import DraftLayer, RowState, SearchOutput
-from pipeline.decoding.sampling import RowStreams, SamplingParams, sample_next
+from pipeline.decoding.sampling import RowStreams, SamplingParams, sample_next, sample_with
 from pipeline.decoding.tree import TokenTree
 
 
@@ -311,18 +311,24 @@ class RetrievalDrafter:
 
 
 def accept(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams,
-           generator: torch.Generator | RowStreams) -> tuple[list[int], int]:
+           generator: torch.Generator | RowStreams | torch.Tensor) -> tuple[list[int], int]:
     """Walk ``tree`` (node 0 is the committed-but-uncached token) with the target's logits [N, V]:
     at each node draw the next token (argmax when temperature is 0, else a sample from the warped
-    target distribution with the row's generator, or its one-row RowStreams: one draw per node, so
-    one per token the row gains); follow the child with that token, else stop. Returns (accepted path of node indices, starting with 0; the next token drawn after it)."""
+    target distribution: one draw per node, so one per token the row gains); follow the child with
+    that token, else stop. The draws come from the row's generator, its one-row RowStreams, or the
+    row's next uniforms already drawn (a tensor [k], k > the tree's depth: ``RowStreams.ahead``,
+    which the caller then moves on by ``len(path)``; the tokens are those of the one-row stream).
+    Returns (accepted path of node indices, starting with 0; the next token drawn after it)."""
     children: dict[tuple[int, int], int] = {}
     for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
         children.setdefault((parent, tok), i)
     path, node = [0], 0
     while True:
-        stream = generator if isinstance(generator, RowStreams) else [generator]
-        token = int(sample_next(logits[node][None], sampling, stream)[0])
+        if isinstance(generator, torch.Tensor):
+            token = int(sample_with(logits[node][None], sampling, generator[len(path) - 1:len(path)])[0])
+        else:
+            stream = generator if isinstance(generator, RowStreams) else [generator]
+            token = int(sample_next(logits[node][None], sampling, stream)[0])
         child = children.get((node, token))
         if child is None:
             return path, token
@@ -392,8 +398,12 @@ def aded_decode(target: TreeVerifier, drafter: TreeDrafter, prompts: list[list[i
         logits = target.verify(trees)  # [B, N, V]
         stats.forward_passes += 1
         sources, next_live = [], []
+        live_streams = streams.select(torch.tensor(live, dtype=torch.long, device=streams.device))
+        uniforms = live_streams.ahead(1 + max(max(tree.depths(), default=0) for tree in trees)).to(logits.device)
+        draws = []
         for b, (r, tree) in enumerate(zip(live, trees)):
-            path, new, token = accept_tokens(tree, logits[b], sampling, streams.row(r), eos)
+            path, new, token = accept_tokens(tree, logits[b], sampling, uniforms[b], eos)
+            draws.append(len(path) if sampling.temperature else 0)
             done = token in eos
             emitted = new + ([] if done else [token])
             out[r].extend(emitted)
@@ -406,6 +416,7 @@ def aded_decode(target: TreeVerifier, drafter: TreeDrafter, prompts: list[list[i
             if not done:
                 sources.append((b, path))
                 next_live.append(r)
+        streams.counters[live] += torch.tensor(draws, dtype=torch.long, device=streams.device)
         target.commit(sources)
         live = next_live
         step += 1

@@ -99,6 +99,18 @@ class RowStreams:
         self.counters.add_(1)
         return u
 
+    def ahead(self, count: int) -> torch.Tensor:
+        """Every row's next ``count`` uniforms [B, count] in one batch, without moving the counters
+        (a row that uses j of them then moves by j: ``advance``). Speculative verification draws
+        one per accepted token, so it takes a step's worth at once rather than one hash per token."""
+        rows = len(self)
+        counters = (self.counters[:, None] + torch.arange(count, device=self.device)).reshape(-1)
+        return counter_uniforms(self.keys.repeat_interleave(count, 0), counters).view(rows, count)
+
+    def advance(self, counts: list[int]) -> None:
+        """Move row r's counter by ``counts[r]`` (the uniforms of ``ahead`` it used)."""
+        self.counters.add_(torch.tensor(counts, dtype=torch.long, device=self.device))
+
     def select(self, index: torch.Tensor) -> RowStreams:
         """The streams of rows ``index`` [k] (long, on the device), in that order (a copy)."""
         return RowStreams(self.keys[index], self.counters[index])
@@ -154,6 +166,13 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
         u = streams.draw()  # [B] in [0, 1)
     else:
         u = torch.stack([torch.rand((), generator=g, device=g.device) for g in streams])  # [B] in [0, 1)
+    return sample_with(logits, params, u)
+
+
+def sample_with(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    """``sample_next`` with the rows' uniforms given (u [B] in [0, 1), e.g. from ``RowStreams.ahead``)."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
     u = u.to(logits.device)
     block = max(1, (1 << 20) // logits.shape[-1]) if logits.device.type == "cpu" else len(logits)
     return torch.cat([_inverse_cdf_sample(logits[i:i + block], u[i:i + block], params)

@@ -334,9 +334,11 @@ class ModelRunner:
         logits = state.batch.verify(trees)  # [B, N, V]
         state.forward_passes += 1
         eos = set() if sampling.ignore_eos else self.eos_ids
-        kept, last, done = [], [], []
+        kept, last, done, draws = [], [], [], []
+        uniforms = state.streams.ahead(max(len(tree.tokens) for tree in trees)).to(logits.device)  # chains
         for i, (row, tree) in enumerate(zip(state.rows, trees)):
-            _, accepted, token = accept_tokens(tree, logits[i], sampling, state.streams.row(i), eos)
+            path, accepted, token = accept_tokens(tree, logits[i], sampling, uniforms[i], eos)
+            draws.append(len(path) if sampling.temperature else 0)
             tokens = state.tokens[row]
             tokens.extend(accepted)
             if token not in eos:
@@ -347,6 +349,7 @@ class ModelRunner:
                 done.append(i)
             kept.append(len(accepted) + 1)  # the root (the old pending token) and the accepted drafts
             last.append(token)
+        state.streams.advance(draws)
         state.batch.commit_prefixes(kept)
         state.last_token = torch.tensor(last, dtype=state.last_token.dtype, device=state.last_token.device)
         if done:
