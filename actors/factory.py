@@ -127,6 +127,9 @@ class GeneratorHandle(_Handle):
     def close(self, session: str) -> dict:
         return self._work("close", session)
 
+    def capacity(self, prompts: list[list[int]], until: int) -> int:
+        return self._work("capacity", prompts, until)
+
     def search(self, search: Callable[..., list[SearchOutput]], prompts: list[list[int]], num_samples: int,
                seeds: list[int], sampling: SamplingParams, params: object) -> list[SearchOutput]:
         return self._work("search", search, prompts, num_samples, seeds, sampling, params)

@@ -80,6 +80,14 @@ class GeneratorActor:
         with self._one_at_a_time, self.timeline.call(timing):
             return self.engine.extend(session, until, keep)
 
+    def capacity(self, prompts: list[list[int]], until: int, timing: CallTiming | None = None) -> int:
+        """Rows per prompt the engine's KV blocks hold (HFEngine.capacity)."""
+        if not hasattr(self.engine, "capacity"):  # config refuses this pairing; this guards direct use
+            raise ValueError(f"backend {self.backend.name} cannot size a batch by its KV blocks "
+                             "(strategy.initial_candidates: auto)")
+        with self._one_at_a_time, self.timeline.call(timing):
+            return self.engine.capacity(prompts, until)
+
     def close(self, session: str, timing: CallTiming | None = None) -> dict:
         with self._one_at_a_time, self.timeline.call(timing):
             return self.engine.close(session)

@@ -77,6 +77,12 @@ class _Admission:
             self._batches[index] -= 1
             self._cond.notify_all()
 
+    def share(self, rows_per_prompt: int, prompts: int) -> int:
+        """One batch's share of a generator's ``rows_per_prompt`` (what its whole KV pool holds for
+        the batch's ``prompts``): 1 / batches of it, and no more than ``rows`` rows in all."""
+        share = rows_per_prompt // self._max_batches
+        return min(share, self._max_rows // max(prompts, 1)) if self._max_rows else share
+
     def add_rows(self, index: int, rows: int) -> None:
         if not rows:
             return
@@ -117,6 +123,11 @@ class _CountedRows:
     def close(self, session: str) -> dict:
         self._set(session, 0)
         return self._generator.close(session)
+
+    def capacity(self, prompts: list[list[int]], until: int) -> int:
+        """The generator's answer, shared: its pool over the batches it takes at once, and at most
+        rows_in_flight rows for the batch (memory-budget speculative rejection sizes its batch by it)."""
+        return self._admission.share(self._generator.capacity(prompts, until), len(prompts))
 
     def search(self, search: Callable[..., list[SearchOutput]], prompts: list[list[int]], num_samples: int,
                seeds: list[int], sampling: SamplingParams, params) -> list[SearchOutput]:
@@ -218,9 +229,8 @@ class Coordinator:
             index = admission.acquire(reserved)
             # A batch's session lives in one actor: pin the batch to it, so a batch that outlives a
             # replacement fails over too, rather than asking the new actor.
-            generator = self.generators[index].pinned()
-            if self.rows_in_flight:
-                generator = _CountedRows(generator, admission, index, reserved)
+            # Pinned, and counting its rows for the admission (with no rows_in_flight they count for nothing).
+            generator = _CountedRows(self.generators[index].pinned(), admission, index, reserved)
             try:
                 results = self.strategy(batch, generator, self.scorer, self.params, self.sampling,
                                         self.num_samples, self.seed)

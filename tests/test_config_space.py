@@ -199,7 +199,7 @@ sbon_params = st.fixed_dictionaries({
     "rejection_rate": st.floats(0, 0.95),
     "keep_lowest": st.booleans(),
 }, optional={
-    "initial_candidates": st.integers(1, 8),
+    "initial_candidates": st.one_of(st.integers(1, 8), st.just("auto")),
     "max_live_candidates": st.integers(1, 8),
     "adaptive_rejection": st.floats(0.1, 3),
 })
@@ -278,6 +278,11 @@ FOUND = [
      {"prompts_per_batch": 1, "batches_in_flight": 1, "rows_in_flight": 0, "continuous_batching": False}, 1, "built"),
     # memory-budget mode with keep_lowest (tests/test_decoding.py checks that exactly the budget goes on).
     ("sbon", 4, 12, {"decision_token": 3, "initial_candidates": 6, "max_live_candidates": 2}, {}, 4, "built"),
+    # issue 48: memory-budget mode sized by the KV pool (auto), with and without a row limit.
+    ("sbon", 3, 10, {"decision_token": 3, "initial_candidates": "auto", "max_live_candidates": 2},
+     {"rows_in_flight": 16}, 4, "built"),
+    ("sbon", 2, 6, {"decision_token": 2, "initial_candidates": "auto"},
+     {"prompts_per_batch": 2, "batches_in_flight": 4, "rows_in_flight": 0}, 3, "built"),
 ]
 
 

@@ -14,7 +14,8 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.backends import parse_memory
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.kv_cache import KVCache
-from pipeline.errors import KVBudgetError
+from pipeline.config import config_from_dict
+from pipeline.errors import ConfigError, KVBudgetError
 from pipeline.engines.rows import RowBatch
 
 TEXTS = ["Hi", "Describe how the blender works", "Tell me if the camera is good, and why, in two lines",
@@ -192,8 +193,6 @@ def test_a_sliding_window_generator_is_refused_at_plan_time_on_the_hf_backend(ti
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     from pipeline.build import _slides, check_models
-    from pipeline.config import config_from_dict
-    from pipeline.errors import ConfigError
 
     assert _slides(MistralConfig(sliding_window=4096)) and not _slides(LlamaConfig())
     assert not _slides(Qwen2Config(use_sliding_window=False))
@@ -211,8 +210,8 @@ def test_a_sliding_window_generator_is_refused_at_plan_time_on_the_hf_backend(ti
 def test_at_a_fixed_budget_memory_budget_sbon_starts_three_times_the_rows_best_of_n_fits(tiny_models, scorer,
                                                                                             monkeypatch):
     """Section 6.3's mode on the paged cache: at a budget where Best-of-N fits R rows to the length
-    cap, speculative rejection starts 3R rows (short until the decision token), keeps two past it,
-    and completes without a preemption; Best-of-N's R rows complete, and its 3R rows in one session
+    cap, speculative rejection with initial_candidates: auto starts as many rows as the pool holds to
+    the decision token (at least 3R: they are short until then), keeps two past it, and completes without a preemption; Best-of-N's R rows complete, and its 3R rows in one session
     fail with one line (a session is preempted whole, never split)."""
     from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
     from pipeline.decoding.domain import PromptInput
@@ -234,12 +233,14 @@ def test_at_a_fixed_budget_memory_budget_sbon_starts_three_times_the_rows_best_o
         return HFEngine(base.model, base.tokenizer, kv_cache_memory=f"{budget * probe.runner.kv.block_bytes}B")
 
     sbon = engine()
-    params = SpeculativeRejectionParams(decision_token=tau, rejection_rate=0.5, initial_candidates=3 * fits,
+    params = SpeculativeRejectionParams(decision_token=tau, rejection_rate=0.5, initial_candidates="auto",
                                         max_live_candidates=2)
     (result,) = speculative_rejection([prompt], sbon, scorer, params, sampling, 2, seed=3)
     stats = sbon.stats()
     assert stats["kv_blocks_total"] == budget and stats["kv_preemptions"] == 0
-    assert result.stats["initial_candidates"] == 3 * fits >= 3 and len(result.candidates) == 2
+    # auto: the rows whose blocks to tau the pool holds (less the watermark), the prompt's whole blocks once
+    width = int((budget * (1 - kv_cache.WATERMARK) - shared) // (-(-(length + tau) // 4) - shared))
+    assert result.stats["initial_candidates"] == width >= 3 * fits >= 3 and len(result.candidates) == 2
     bon = engine()
     (plain,) = best_of_n([prompt], bon, scorer, BestOfNParams(), sampling, fits, seed=3)
     assert len(plain.candidates) == fits and all(len(c.token_ids) == cap for c in plain.candidates)
@@ -261,3 +262,16 @@ def test_where_flex_attention_cannot_compile_a_step_gathers_the_blocks_with_the_
             logits = kv.step(handles, torch.full((3,), token), logits_to_keep=1).logits[:, -1]
         out[broken] = logits
     torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
+
+
+def test_initial_candidates_auto_is_refused_off_the_hf_backend_and_checked_as_a_value():
+    """``auto`` reads the HF engine's pool: with vLLM it is a one-line config error; other strings too."""
+    base = {"models": {"generator": "g", "reward": ["r"], "backend": "vllm"},
+            "strategy": {"name": "sbon", "decision_token": 4, "initial_candidates": "auto"}}
+    with pytest.raises(ConfigError, match="initial_candidates: auto sizes the first batch by the HF engine's KV"):
+        config_from_dict(base)
+    with pytest.raises(ConfigError, match="initial_candidates: expected a positive int or auto, got 'many'"):
+        config_from_dict({**base, "models": {**base["models"], "backend": "hf"},
+                          "strategy": {**base["strategy"], "initial_candidates": "many"}})
+    assert config_from_dict({**base, "models": {**base["models"], "backend": "hf"}}).strategy.params.initial_candidates \
+        == "auto"

@@ -108,6 +108,11 @@ class Generator(Protocol):
         ``unreported_tokens``: per prompt, tokens decoded that no returned RowState holds (the
         caller adds them to the prompt's cost)."""
 
+    def capacity(self, prompts: list[list[int]], until: int) -> int:
+        """Rows per prompt whose KV up to ``until`` generated tokens the engine's cache holds, each
+        prompt's shared blocks once (memory-budget speculative rejection's ``initial_candidates:
+        auto``). Only engines with a paged KV cache have it (the HF engine)."""
+
     def search(self, search: Callable[..., list[SearchOutput]], prompts: list[list[int]], num_samples: int,
                seeds: list[int], sampling: SamplingParams, params: object) -> list[SearchOutput]:
         """Run a model-side strategy's ``search`` function (its pipeline.strategies record's) wholly

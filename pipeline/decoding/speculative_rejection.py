@@ -44,6 +44,12 @@ Extensions, each from the paper's sections 6.3 and 7:
   after it is that of Best-of-``max_live_candidates`` while the search started wide (the paper starts 250 and keeps 20 at token 64). The prompt's result holds the
   ``num_samples`` rows ranked best (continued rows first, then by partial reward); the rows
   screened out cost tokens (counted in generated_tokens) but are not returned.
+  ``initial_candidates: auto`` is the paper's sizing: "start with as many utterances in parallel
+  as memory allows" (section 6.3): each batch starts as many rows per prompt as its share of the
+  generator's KV pool holds up to the first decision token (Generator.capacity: the pool's blocks,
+  the prompt's shared once, over runtime.batches_in_flight, and within runtime.rows_in_flight),
+  at least num_samples and at most AUTO_MAX_CANDIDATES. The kept rows then hold what the
+  discarded ones freed.
 - Prompt-dependent stopping (section 7, ``adaptive_rejection`` = z): from the second decision
   token on, each prompt fits the least-squares line of its current partial rewards on those of
   the previous decision token (the OLS fit and confidence band of the paper's Figure 2), and keeps
@@ -70,8 +76,9 @@ class SpeculativeRejectionParams:
     """tau: generated tokens before the reward model ranks the partial responses (or a list)."""
     rejection_rate: float = 0.5
     """alpha in [0, 1): the fraction of partial responses stopped at each decision token."""
-    initial_candidates: int | None = None
-    """Memory-budget mode: rows started per prompt (>= sampling.num_samples); None: num_samples."""
+    initial_candidates: int | str | None = None
+    """Memory-budget mode: rows started per prompt (>= sampling.num_samples); "auto": as many as the
+    generator's KV pool holds to the first decision token (the HF backend); None: num_samples."""
     max_live_candidates: int | None = None
     """Memory-budget mode: rows per prompt that go on past the first decision token (the budget);
     None: the rejection_rate decides."""
@@ -95,9 +102,12 @@ class SpeculativeRejectionParams:
             raise ConfigError(f"strategy.rejection_rate: must be in [0, 1), got {self.rejection_rate}")
         for key in ("initial_candidates", "max_live_candidates"):
             value = getattr(self, key)
+            if key == "initial_candidates" and value == "auto":
+                continue
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"strategy.{key}: expected a positive int, got {value!r}")
-        if (self.initial_candidates is not None and self.max_live_candidates is not None
+                raise ConfigError(f"strategy.{key}: expected a positive int{' or auto' if key[0] == 'i' else ''}, "
+                                  f"got {value!r}")
+        if (isinstance(self.initial_candidates, int) and self.max_live_candidates is not None
                 and self.max_live_candidates > self.initial_candidates):
             raise ConfigError(f"strategy.max_live_candidates: {self.max_live_candidates} is more than "
                               f"initial_candidates {self.initial_candidates}")
@@ -106,9 +116,15 @@ class SpeculativeRejectionParams:
 
     def check_sampling(self, sampling) -> None:
         """Checks against the sampling settings (num_samples), run by config validation."""
-        if self.initial_candidates is not None and self.initial_candidates < sampling.num_samples:
+        if isinstance(self.initial_candidates, int) and self.initial_candidates < sampling.num_samples:
             raise ConfigError(f"strategy.initial_candidates: {self.initial_candidates} is less than "
                               f"sampling.num_samples {sampling.num_samples} (memory-budget mode starts at least N rows)")
+
+    def check_backend(self, backend: str) -> None:
+        """Checks against models.backend, run by config validation: ``auto`` reads the HF engine's KV pool."""
+        if self.initial_candidates == "auto" and backend != "hf":
+            raise ConfigError(f"strategy.initial_candidates: auto sizes the first batch by the HF engine's KV "
+                              f"blocks; backend {backend} has none to read, so give a number")
 
     @property
     def decision_tokens(self) -> list[int]:
@@ -171,7 +187,7 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     points = [t for t in params.decision_tokens if t < sampling.max_new_tokens]
     # No decision token before max_new_tokens: no decision point, plain Best-of-N for these rows
     # (memory-budget mode has nothing to screen by, so it starts N rows, not initial_candidates).
-    width = (params.initial_candidates or num_samples) if points else num_samples  # rows started per prompt
+    width = _width(generator, prompts, params, num_samples, points)  # rows started per prompt
     if width < num_samples:
         raise ValueError(f"initial_candidates ({width}) must be at least num_samples ({num_samples})")
     session = open_session(generator, prompts, width, sampling, seed)
@@ -250,6 +266,23 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     for result, extra in zip(results, (counters or {}).get("unreported_tokens") or []):
         result.generated_tokens += extra
     return results
+
+
+AUTO_MAX_CANDIDATES = 1024
+"""``initial_candidates: auto`` starts at most this many rows per prompt, however large the pool
+(the paper starts 250 on an 80 GB GPU)."""
+
+
+def _width(generator: Generator, prompts: list[PromptInput], params: SpeculativeRejectionParams,
+           num_samples: int, points: list[int]) -> int:
+    """Rows started per prompt: num_samples, or memory-budget mode's initial_candidates (``auto``:
+    what the generator's KV pool holds to the first decision token)."""
+    if not points:  # no decision point: plain Best-of-N (memory-budget mode has nothing to screen by)
+        return num_samples
+    if params.initial_candidates == "auto":
+        fits = generator.capacity([p.token_ids for p in prompts], points[0])
+        return max(num_samples, min(fits, AUTO_MAX_CANDIDATES))
+    return params.initial_candidates or num_samples
 
 
 def _budget_rows(candidates: dict[int, Candidate], members: list[int], budget: int, floor: int | None) -> set[int]:

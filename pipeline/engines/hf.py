@@ -223,6 +223,11 @@ class HFEngine:
         self.loop.between_steps(lambda: self.runner.release(state))  # as prune: never beside a preemption
         return {"generated_tokens": state.generated_tokens, "forward_passes": state.forward_passes}
 
+    def capacity(self, prompts: list[list[int]], until: int) -> int:
+        """Rows per prompt of ``prompts`` that the KV cache's pool holds with ``until`` generated
+        tokens each (memory-budget speculative rejection's first batch; KVCache.rows_that_fit)."""
+        return self.loop.between_steps(lambda: self.runner.kv.rows_that_fit([len(p) for p in prompts], until))
+
     def stats(self) -> dict:
         return {"generated_tokens": self.generated_tokens, "forward_passes": self.forward_passes,
                 "open_sessions": len(self.sessions), **self.runner.kv.stats()}

@@ -390,6 +390,14 @@ class KVCache:
                 "kv_bytes_total": self.nbytes(), "kv_bytes_peak": self.peak_blocks * self.block_bytes,
                 "kv_prompt_bytes_shared": self.shared_bytes, "kv_preemptions": self.preemptions}
 
+    def _allocate_for_model(self) -> None:
+        """The pool before any admission, shaped from the model's config (``rows_that_fit`` needs it)."""
+        config = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self._allocate(torch.empty((1, kv_heads, 0, dim), dtype=next(self.model.parameters()).dtype, device="meta"))
+
     def _allocate(self, like: torch.Tensor) -> None:
         """The pool, once: as many blocks as the budget holds (at least one)."""
         _, heads, _, dim = like.shape
@@ -470,6 +478,20 @@ class KVCache:
         if not self.allocated:
             return True
         return self._room_for(self.blocks_for(lengths, samples))
+
+    def rows_that_fit(self, lengths: list[int], tokens: int) -> int:
+        """Rows per prompt that the pool holds, each prompt (of ``lengths`` tokens) with that many
+        rows of ``tokens`` generated tokens: its whole blocks once, each row's own blocks, less the
+        watermark. The whole pool, not the blocks free at the moment: the answer depends on the
+        budget, never on timing, so a resumed build sizes a batch as the first run did. 0 when not
+        one row per prompt fits. Allocates the pool if no admission has."""
+        if not self.allocated:
+            self._allocate_for_model()
+        bs = self.block_size
+        shared = sum(length // bs for length in lengths)
+        per_row = sum(-(-(length + tokens) // bs) - length // bs for length in lengths)
+        room = (1 - WATERMARK) * self.num_blocks - shared
+        return max(0, int(room // max(per_row, 1)))
 
     def _room_for(self, need: int) -> bool:
         watermark = WATERMARK * self.num_blocks if self.used_blocks else 0
