@@ -84,6 +84,19 @@ class InProcess:
     def pinned(self) -> InProcess:
         return self
 
+    def glance(self, method: str) -> Any:
+        """A read-only call that does not wait for the work under way (the progress line's KV use)."""
+        return getattr(self.worker, method)()
+
+
+def _glance(transport: Any, method: str) -> Any:
+    """``transport.glance(method)``, or None: a transport without glances, or one that fails (a
+    restarting actor). Never raises: the caller only reports it."""
+    try:
+        return transport.glance(method)
+    except Exception:  # noqa: BLE001 - a progress figure is never worth failing a build
+        return None
+
 
 class _Handle:
     """What both role handles are made of: a transport (InProcess, RemoteProxy or PinnedActor) and
@@ -198,6 +211,15 @@ class Workers:
         if any(kv):  # each HF generator's KV cache (pipeline.engines.kv_cache.KVCache.stats)
             stats["generator_kv"] = kv
         return stats
+
+    def kv_use(self) -> dict | None:
+        """The generators' KV caches now, summed (blocks used and total, bytes total, preemptions),
+        read beside the work under way; None where no generator has a paged cache or none answers."""
+        seen = [kv for kv in (_glance(g.transport, "kv_use") for g in self.generators) if kv]
+        if not seen:
+            return None
+        return {key: sum(kv[key] for kv in seen)
+                for key in ("kv_blocks_used", "kv_blocks_total", "kv_bytes_total", "kv_preemptions")}
 
     def restarts(self) -> int:
         return sum(w.restarts for w in self.generators + self.scorers)

@@ -88,6 +88,13 @@ class GeneratorActor:
         with self._one_at_a_time, self.timeline.call(timing):
             return self.engine.capacity(prompts, until)
 
+    def kv_use(self) -> dict | None:
+        """The engine's KV cache figures now (KVCache.stats), None without a paged cache; it takes
+        no lock, so it answers beside the work under way (a glance: RemoteProxy.glance)."""
+        runner = getattr(self.engine, "runner", None)
+        kv = getattr(runner, "kv", None)
+        return kv.stats() if kv is not None and kv.allocated else None
+
     def close(self, session: str, timing: CallTiming | None = None) -> dict:
         with self._one_at_a_time, self.timeline.call(timing):
             return self.engine.close(session)

@@ -42,6 +42,8 @@ CLOCK_GROUP = "call_clock"
 CONCURRENCY_GROUPS = {CLOCK_GROUP: 1}
 """What an actor with the clock is declared with (``ray.remote(concurrency_groups=...)``; Ray refuses
 them in ``.options()``)."""
+GLANCE_TIMEOUT_S = 5.0
+"""How long a glance (RemoteProxy.glance: a progress figure) waits for an actor's answer."""
 QUEUED_POLL_FRACTION = 0.25
 """While a call has not started, ask again after this fraction of the timeout: a call that starts
 just after it was asked is thus killed at most this fraction of the timeout late."""
@@ -200,6 +202,14 @@ class RemoteProxy:
                 raise GetTimeoutError(f"{task} ran {ran:.1f}s")
             else:
                 wait_s = self.timeout_s - ran
+
+    def glance(self, method: str) -> Any:
+        """A read-only call in the clock's concurrency group, so it answers beside the work under
+        way (the progress line's KV use); GLANCE_TIMEOUT_S at most."""
+        import ray
+
+        return ray.get(getattr(self._handle, method).options(concurrency_group=CLOCK_GROUP).remote(),
+                       timeout=GLANCE_TIMEOUT_S)
 
     def replace(self, failed: Any) -> None:
         """Start a new actor in place of ``failed``, unless another thread already did."""

@@ -633,7 +633,8 @@ class _BuildRun:
                                      self.config.data.output_format, self.plan.extra, self.plan.identity)
         self.quarantined += len(shard.quarantine)
         self.metrics.shard_committed()
-        self.shard_log.shard_committed(shard.index, len(shard.pairs), len(shard.rejects))
+        kv_use = getattr(self.workers, "kv_use", None)  # the generators' KV caches (HF engine), for the line
+        self.shard_log.shard_committed(shard.index, len(shard.pairs), len(shard.rejects), kv_use() if kv_use else None)
         self.last_commit = time.perf_counter()
 
     def sync_restarts(self) -> None:

@@ -114,8 +114,9 @@ class ShardLog:
         self.prompts_done += 1
         self.pairs += int(paired)
 
-    def shard_committed(self, shard: int, pairs: int, rejects: int) -> str:
-        """Log (and return) the line for shard ``shard``."""
+    def shard_committed(self, shard: int, pairs: int, rejects: int, kv: dict | None = None) -> str:
+        """Log (and return) the line for shard ``shard``; ``kv``: the generators' KV caches now
+        (actors.factory.Workers.kv_use), shown as the share of blocks in use."""
         self.committed += 1
         elapsed = time.perf_counter() - self.started
         rate = self.pairs / elapsed * 60 if elapsed > 0 else 0.0
@@ -124,6 +125,9 @@ class ShardLog:
         line = (f"shard {shard} committed ({self.committed}/{self.shards} this run): {pairs} pairs, {rejects} "
                 f"rejected | {self.prompts_done}/{self.prompts} prompts, {self.pairs} pairs, {rate:.1f} pairs/min, "
                 f"elapsed {_clock(elapsed)}, ETA {eta}")
+        if kv and kv.get("kv_blocks_total"):
+            line += (f" | KV {kv['kv_blocks_used'] / kv['kv_blocks_total']:.0%} of "
+                     f"{kv['kv_bytes_total'] / 2**30:.2f} GiB, {kv['kv_preemptions']} preemptions")
         log.log(self.level, "%s", line)
         return line
 

@@ -13,7 +13,8 @@ from jobs.build_dataset import main
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 SHARD_LINE = re.compile(r"^shard (\d+) committed \((\d+)/(\d+) this run\): (\d+) pairs, (\d+) rejected \| "
-                        r"(\d+)/(\d+) prompts, (\d+) pairs, [\d.]+ pairs/min, elapsed \d+:\d\d:\d\d, ETA \d+:\d\d:\d\d$")
+                        r"(\d+)/(\d+) prompts, (\d+) pairs, [\d.]+ pairs/min, elapsed \d+:\d\d:\d\d, ETA (\d+:\d\d:\d\d)"
+                        r"(?: \| KV (\d+)% of ([\d.]+) GiB, (\d+) preemptions)?$")
 
 
 def build(tiny_models, tmp_path, *extra) -> int:
@@ -39,7 +40,9 @@ def test_a_line_per_committed_shard_with_pairs_rate_and_eta_when_stderr_is_not_a
     last = lines[-1]
     assert int(last[6]) == int(last[7]) == 5  # every valid prompt done (the blank one is rejected at planning)
     assert int(last[8]) == sum(int(m[4]) for m in lines) == 5  # pairs so far = the shards' pairs
-    assert last[0].endswith("ETA 0:00:00")
+    assert last[9] == "0:00:00"
+    # The HF generator's KV cache: its share of blocks in use (the finished rows' are back) and size.
+    assert all(m[10] is not None for m in lines) and 0 <= int(last[10]) <= 100 and float(last[11]) > 0
 
 
 def test_log_level_warning_silences_them_and_a_terminal_shows_bars_instead(tiny_models, tmp_path, capsys,
