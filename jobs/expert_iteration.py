@@ -150,7 +150,7 @@ def check_models(config, generator: bool = True) -> None:
 
     from pipeline.strategies import lookup
 
-    from pipeline.build import check_reward, reward_keys
+    from pipeline.preflight import check_reward, reward_keys
 
     for key, spec in reward_keys(config.models):  # reward models, or reward functions (module:function)
         check_reward(spec, key=key)

@@ -29,7 +29,7 @@ LAYERS = (
     ("pipeline.engines",),
     ("pipeline.strategies",),
     ("pipeline.config",),
-    ("pipeline.observability", "pipeline.judge"),
+    ("pipeline.observability", "pipeline.judge", "pipeline.preflight"),
     ("pipeline.coordinator", "pipeline.data.card", "pipeline.training", "pipeline.evaluation"),
     ("pipeline.build",),
     ("actors",),

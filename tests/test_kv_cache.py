@@ -191,7 +191,7 @@ def test_a_sliding_window_generator_is_refused_at_plan_time_on_the_hf_backend(ti
     off pass."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    from pipeline.build import _slides, check_models
+    from pipeline.preflight import _slides, check_models
     from pipeline.config import config_from_dict
     from pipeline.errors import ConfigError
 
