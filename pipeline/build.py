@@ -16,8 +16,6 @@ on disk whether the run resumed or not), the run report is written, and _SUCCESS
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import sys
@@ -35,6 +33,8 @@ from pipeline.data.schema import ExtraColumns
 from pipeline.data.store import OutputStore, check_location, fingerprint, part_name
 from pipeline.errors import BatchFailed, InputError, ShardFailed
 from pipeline.preflight import check_models, max_prompt_tokens
+from pipeline.provenance import build_identity, config_hash
+from pipeline.strategies import Strategy, lookup
 
 log = logging.getLogger(__name__)
 
@@ -61,49 +61,11 @@ def _reject_row(r: Reject, stage: str, generated: int = 0, bon: int = 0) -> dict
             "stage": stage, "generated_tokens": generated, "bon_equivalent_tokens": bon}
 
 
-def config_hash(config: Config) -> str:
-    """Hash of everything that decides the output's content. Left out: where input and output live
-    (the input's content is fingerprinted per shard: a Hub dataset's split, subset and revision too),
-    storage credentials, the device and the vLLM engines' settings (a build may resume on other
-    hardware), and runtime (actor counts, timeouts, fault plans: they change how fast rows are made,
-    not which)."""
-    content = config.to_dict()
-    content.pop("runtime")
-    for key in ("device", "vllm", "reward_vllm"):
-        content["models"].pop(key)
-    if content["models"].get("reward_weights") is None:  # unset: builds from before the key hash alike
-        content["models"].pop("reward_weights", None)
-    for key in ("prompts", "output", "storage_options", "split", "subset", "revision"):
-        content["data"].pop(key)
-    return hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()
-
-
 def output_schema(config: Config, extra: ExtraColumns):
     """The pair files' one schema: TRL's ``data.output_format`` and the input's other columns."""
     from pipeline.data.schema import PAIR_SCHEMAS
 
     return extra.schema(PAIR_SCHEMAS[config.data.output_format])
-
-
-SCHEMA_VERSION = 2
-"""The pair columns' version, in the build identity: 2 added chosen_scores and rejected_scores (each
-reward's score), so a build of version 1 is not resumed into files of another schema."""
-
-
-def build_identity(config: Config, extra: ExtraColumns) -> tuple[dict, dict]:
-    """What, beside the config (config_hash), decides the output's content, as every commit marker
-    records it: each model's weights sha256 (a local directory: hashed once per state of its files,
-    pipeline.data.card.weights_sha256) or Hub commit, the reward function's module sha256, and the
-    output's schema (the input's other columns, unified at plan time). A resume whose identity
-    differs is refused, naming what changed (OutputStore.committed). Returns (the identity, the
-    models' provenance, which the manifest and the card reuse)."""
-    from pipeline.data.card import model_identity, models_provenance
-
-    found = models_provenance(config)
-    identity = {f"models.{role}": model_identity(prov) for role, prov in found.items() if prov is not None}
-    identity["output schema"] = json.dumps({"format": config.data.output_format, "extra": extra.describe(),
-                                            "version": SCHEMA_VERSION}, sort_keys=True)
-    return identity, found
 
 
 WINDOW_ROUNDS = 64
@@ -141,9 +103,11 @@ class BuildPlan:
     extra: ExtraColumns = field(default_factory=ExtraColumns)
     """The input's other columns the output keeps beside each pair (data.extra_columns)."""
     identity: dict = field(default_factory=dict)
-    """What built it beside the config (build_identity), recorded in every marker."""
+    """What built it beside the config (pipeline.provenance.build_identity), recorded in every marker."""
     models_provenance: dict | None = None
-    """Each model's provenance (pipeline.data.card.models_provenance), computed once at plan time."""
+    """Each model's provenance (pipeline.provenance.models_provenance), computed once at plan time."""
+    strategy: Strategy | None = None
+    """The strategy's registry record, looked up once at plan time (config.strategy.name)."""
 
 
 def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
@@ -155,7 +119,8 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
     for uri in (data.prompts, data.output):  # s3:// without (valid) credentials: one line, naming the URI
         if hub_dataset_id(uri) is None:  # a Hub dataset is opened by datasets (PromptSource), not fsspec
             check_access(uri, data.storage_options)
-    tokenizer, context = check_models(config)
+    strategy = lookup(config.strategy.name)
+    tokenizer, context = check_models(config, strategy)
     formatter = PromptFormatter(tokenizer, max_prompt_tokens(config, context), data.overlength,
                                 config.sampling.chat_template)
 
@@ -180,7 +145,7 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
             log.info(f"note: {data.prompts}: column(s) {', '.join(sorted(extra.left_out))} not kept in the output "
                   "(the pair columns have those names)")
         num_shards = len(fingerprints)
-        identity, found = build_identity(config, extra)
+        identity, found = build_identity(config, extra, strategy.uses_draft)
         store = OutputStore(data.output, data.storage_options)
         # One writer per output: the lease comes before anything in it is read or changed, and
         # run_build releases it (OutputLocked, one line, when a live build holds it).
@@ -196,7 +161,7 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
         raise
     pending = [k for k in range(num_shards) if k not in committed]
     return BuildPlan(config, store, prompts_in, num_shards, pending, sum(valid[k] for k in pending), source,
-                     fingerprints, first_rows, formatter, start, build_hash, extra, identity, found)
+                     fingerprints, first_rows, formatter, start, build_hash, extra, identity, found, strategy)
 
 
 def _fingerprint(values: list, columns: list[dict]) -> str:
@@ -418,8 +383,9 @@ class _BuildRun:
     def finish(self) -> dict:
         """Every marker checked, then the manifest (recomputed from all of them), the run report, the
         dataset card and _SUCCESS last; returns the manifest."""
-        from pipeline.data.card import provenance, write_card
+        from pipeline.data.card import write_card
         from pipeline.observability import pairs_per_hour
+        from pipeline.provenance import provenance, redacted_config
 
         plan, store = self.plan, self.plan.store
         # _SUCCESS only after every marker is checked: summarize reads them all through verify.
@@ -430,7 +396,7 @@ class _BuildRun:
         run_stats = self._run_stats()
         written = set(plan.pending)
         manifest.update(wall_seconds=round(wall, 3), startup_seconds=round(self.run_started - plan.started, 3),
-                        run_seconds=round(self.last_commit - self.run_started, 3), config=self.config.redacted_dict(),
+                        run_seconds=round(self.last_commit - self.run_started, 3), config=redacted_config(self.config),
                         config_hash=plan.config_hash, identity=plan.identity, shards_written=list(plan.pending),
                         shards_skipped=[k for k in range(plan.num_shards) if k not in written],
                         prompts_truncated=self.truncated_prompts, run_stats=run_stats, pairs_this_run=self.pairs_made,

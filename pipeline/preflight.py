@@ -26,7 +26,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.engines.backends import BACKENDS, backend
 from pipeline.engines.hf import TOKENIZER_KEYS, load_tokenizer
 from pipeline.engines.rewards import is_reward_function, load_reward_function
-from pipeline.strategies import lookup
+from pipeline.strategies import Strategy, lookup
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,16 @@ def _context(model_config) -> int | None:
     return int(value) if value else None
 
 
-def check_models(config: Config) -> tuple:
+def check_models(config: Config, record: Strategy | None = None) -> tuple:
     """Plan time, before any worker or cluster starts: every model the build will load (the generator,
     the reward model, and the draft model for strategies whose registry record drafts) exists, reads,
     and is the kind of model its role needs; then the strategy's own checks (SLA: a trained reward
     channel). Returns (the generator's tokenizer, the context every prompt plus response must fit:
-    the generator's, and the draft model's when it is shorter, since the draft reads the same tokens)."""
+    the generator's, and the draft model's when it is shorter, since the draft reads the same tokens).
+    ``record``: the strategy's registry record, as the plan looked it up (None: looked up here)."""
     models = config.models
-    check_engines(config)
+    record = record or lookup(config.strategy.name)
+    check_engines(config, record)
     load = functools.partial(plan_load_kwargs, config)
     generator = _model_config("generator", models.generator, "causal", load("generator"))
     if _slides(generator) and not backend(models.backend).sliding_window:
@@ -113,7 +115,6 @@ def check_models(config: Config) -> tuple:
                           f"({str(exc).strip().splitlines()[0]})") from None
     for key, spec in reward_keys(models):
         check_reward(spec, load("reward"), key)
-    record = lookup(config.strategy.name)
     contexts = [_context(generator) or int(tokenizer.model_max_length)]
     if record.uses_draft and models.draft:
         contexts.append(_context(_model_config("draft", models.draft, "causal", load("draft"))) or contexts[0])
@@ -145,7 +146,7 @@ def plan_load_kwargs(config: Config, role: str) -> dict:
     return load
 
 
-def check_engines(config: Config) -> None:
+def check_engines(config: Config, record: Strategy | None = None) -> None:
     """Plan time: the device and engine settings can be had and are ones the engines take.
 
     - models.device cuda: in-process (runtime.local) this process must see a GPU; on Ray each actor
@@ -155,7 +156,9 @@ def check_engines(config: Config) -> None:
     - a backend's engine settings (models.vllm / models.reward_vllm, Backend.role_settings_key):
       noted when the role runs on another backend; every key a ``vllm.EngineArgs`` field (where vLLM
       is installed on the driver; on a driver without it the actor reports a bad key when it starts);
-    - models.hf.attn_implementation: one transformers knows (or a Hub kernel, ``org/repo``)."""
+    - models.hf.attn_implementation: one transformers knows (or a Hub kernel, ``org/repo``).
+
+    ``record``: the strategy's registry record (None: looked up here)."""
     import torch
 
     models, rt = config.models, config.runtime
@@ -167,7 +170,7 @@ def check_engines(config: Config) -> None:
         roles = [("generator", backend(models.backend).spans_gpus)]
         if not all(is_reward_function(spec) for spec in models.rewards):
             roles.append(("reward", backend(models.reward_backend).spans_gpus))
-        if lookup(config.strategy.name).uses_draft and models.draft and rt.draft_placement == "actor":
+        if (record or lookup(config.strategy.name)).uses_draft and models.draft and rt.draft_placement == "actor":
             roles.append(("draft", False))  # a draft model loads as pipeline.engines.draft.HFDrafter
         for role, own_gpus in roles:
             if not rt.local and not own_gpus and getattr(rt, role).num_gpus <= 0:
