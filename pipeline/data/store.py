@@ -31,7 +31,10 @@ Commit of one shard: the side files, then the part file, then the marker. Every 
 whole or not at all: locally it is written to a temp file in the same directory and renamed with
 os.replace; on S3 one PUT of the final key is atomic. A shard is committed when its marker exists
 and matches the config and input; a part file without a marker (a run killed between the two
-writes) is redone, and temp files left by a killed run (``.tmp-*``) are ignored and removed.
+writes) is redone, and temp files left by a killed run (``.tmp-*``) are ignored and removed. A
+pending pair file (``.pending-*``) whose marker exists is completed by the next run (renamed, or, on
+S3, where a rename is a copy then a delete and a kill may fall between the two, deleted beside its
+copied pair file: ``_finish_commit``); one whose marker does not is removed (``prepare``).
 Ray may run a batch twice (retries are at-least-once); the marker makes the output exactly-once.
 Every reader of a build (training, expert iteration, evaluation) reads it through its store
 (``OutputStore.read_committed`` / ``committed_parts``): committed shards only, never by listing it.
@@ -359,9 +362,20 @@ class OutputStore:
                 and pending_name(shard) in names)
 
     def _finish_commit(self, shard: int, marker: dict, names: set[str]) -> None:
-        """Complete an interrupted commit (``_interrupted``) whose pending file matches its marker."""
-        if self._interrupted(shard, marker, names) and self._file_damage(pending_name(shard), marker) is None:
-            self._rename(pending_name(shard), part_name(shard))
+        """Complete a commit that stopped after its marker, where the shard's pending file is still
+        there. Either the rename never began (``_interrupted``: no pair file) or, on S3, where a
+        rename is a copy then a delete, it stopped between the two (both files there). A pair file
+        that matches its marker is the commit done: the pending file is deleted. Otherwise a
+        pending file that matches the marker is renamed to the pair file's name; one that matches
+        neither is left for the shard's rebuild to overwrite. ``names``: the root's file names
+        (``_top_names``)."""
+        pending, name = pending_name(shard), part_name(shard)
+        if pending not in names or self.pair_file(shard, marker) != name:
+            return
+        if name in names and self._file_damage(name, marker) is None:
+            self._delete(pending)
+        elif self._file_damage(pending, marker) is None:
+            self._rename(pending, name)
 
     def _rename(self, source: str, target: str) -> None:
         """Rename ``source`` to ``target`` (relative to the root): atomic locally (os.replace); on
@@ -369,6 +383,12 @@ class OutputStore:
         if self.lease is not None:
             self.lease.check()
         self.fs.mv(join(self.root, source), join(self.root, target))
+
+    def _delete(self, name: str) -> None:
+        """Delete ``name`` (relative to the root), as the output's writer."""
+        if self.lease is not None:
+            self.lease.check()
+        self.fs.rm(join(self.root, name))
 
     @staticmethod
     def pair_file(shard: int, marker: dict) -> str:
