@@ -251,7 +251,7 @@ def run_job(name: str, argv: list[str], output: Path) -> dict:
 
 def environment(command: str | None = None) -> dict:
     """Where a result was measured: date (UTC), git commit (``+dirty`` with uncommitted changes) and
-    package versions as a build's provenance records them (pipeline.data.card), machine (platform,
+    package versions as a build's provenance records them (pipeline.provenance), machine (platform,
     CPUs, load average, GPU) and the command line."""
     from pipeline.provenance import git_commit, package_versions
 
