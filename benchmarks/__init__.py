@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -81,9 +82,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     ``write_json``);
     logging set to --log-level, and torch's CPU threads to --threads where the script takes it."""
     args = parser.parse_args(argv)
-    from pipeline.data.card import redacted_command
+    from pipeline.provenance import redact
 
-    args.command = f"{parser.prog} {redacted_command(sys.argv[1:] if argv is None else list(argv))}".strip()
+    args.command = f"{parser.prog} {shlex.join(redact(sys.argv[1:] if argv is None else list(argv)))}".strip()
     setup_logging(args.log_level)
     if getattr(args, "threads", None):
         import torch
@@ -250,9 +251,9 @@ def run_job(name: str, argv: list[str], output: Path) -> dict:
 
 def environment(command: str | None = None) -> dict:
     """Where a result was measured: date (UTC), git commit (``+dirty`` with uncommitted changes) and
-    package versions as a build's provenance records them (pipeline.data.card), machine (platform,
+    package versions as a build's provenance records them (pipeline.provenance), machine (platform,
     CPUs, load average, GPU) and the command line."""
-    from pipeline.data.card import git_commit, package_versions
+    from pipeline.provenance import git_commit, package_versions
 
     commit = git_commit()
     if commit:

@@ -166,7 +166,7 @@ def servable(method: str, args, sla_params) -> str | None:
     """Why --generator cannot serve ``method`` (one line naming the flag), or None when it can: a
     baseline always can; a strategy when its registry record's model check passes (SLA: a trained
     reward channel), with the settings the comparison runs it with."""
-    from pipeline.build import MODEL_FILES
+    from pipeline.preflight import MODEL_FILES
     from pipeline.config import ConfigError, ModelsConfig
     from pipeline.evaluation import strategy_settings
     from pipeline.strategies import STRATEGIES

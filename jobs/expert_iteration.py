@@ -7,7 +7,7 @@
 
 It is a schedule: a rerun does only what its config and input have not done yet. A **schedule** is
 keyed by the sha256 of what decides its rounds' content: round 0's resolved build config
-(pipeline.build.config_hash), the later rounds' one (--strategy-after, with the generator left
+(pipeline.provenance.config_hash), the later rounds' one (--strategy-after, with the generator left
 out: it is the previous round's model), the prompts' content (every file under data.prompts,
 hashed), the starting generator (its files' sizes and times, when it is a directory) and the
 training settings. Its rounds live in DIR/schedule-KEY/ (KEY: the first 12 hex digits): round r
@@ -150,7 +150,7 @@ def check_models(config, generator: bool = True) -> None:
 
     from pipeline.strategies import lookup
 
-    from pipeline.build import check_reward, reward_keys
+    from pipeline.preflight import check_reward, reward_keys
 
     for key, spec in reward_keys(config.models):  # reward models, or reward functions (module:function)
         check_reward(spec, key=key)
@@ -168,7 +168,7 @@ def check_models(config, generator: bool = True) -> None:
 
 def schedule_key(args, first, after, prompts_hash: str) -> dict:
     """What decides every round's content (see the module docstring), as named parts."""
-    from pipeline.build import config_hash
+    from pipeline.provenance import config_hash
 
     return {"build_config": config_hash(first), "later_build_config": config_hash(after),
             "input": prompts_hash, "generator": model_stamp(first.models.generator),
@@ -236,7 +236,7 @@ def run_rounds(args, out: Path, progress: dict, sid: str) -> str:
     the final model."""
     import dataclasses
 
-    from pipeline.build import config_hash
+    from pipeline.provenance import config_hash
 
     schedule = progress["schedules"][sid]
     directory = out / f"schedule-{sid}"

@@ -3,8 +3,8 @@
 Input rows are cut into shards of ``data.shard_size`` consecutive rows; shard k owns rows
 [k * shard_size, (k + 1) * shard_size) and commits as part-k. The driver never holds the whole
 input: planning reads it once, shard by shard (every row validated, every shard fingerprinted,
-every prompt's first row recorded on disk for duplicate detection, rows counted), so every input
-error surfaces before a cluster starts; the run reads it again, shard by shard, skips committed
+every prompt's first row recorded on disk for duplicate detection, rows counted; the models and
+engines checked by pipeline.preflight), so every input error surfaces before a cluster starts; the run reads it again, shard by shard, skips committed
 shards, and hands the prompts of whole pending shards to the coordinator a window at a time
 (``WINDOW_ROUNDS``), formatting them as it goes. A shard commits (pipeline.data.store: data,
 then marker) as soon as its last prompt is done, and its rejects commit with it. An output built
@@ -16,56 +16,28 @@ on disk whether the run resumed or not), the run report is written, and _SUCCESS
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import functools
-import hashlib
-import inspect
-import json
 import logging
 import math
-import os
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from transformers import AutoConfig
-
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config
 from pipeline.coordinator import Coordinator
 from pipeline.data.pairs import select_pair
 from pipeline.data.prompts import FirstRows, PromptFormatter, PromptSource, Reject, hub_dataset_id, validate
 from pipeline.data.storage import access_errors, check_access
 from pipeline.data.schema import ExtraColumns
 from pipeline.data.store import OutputStore, check_location, fingerprint, part_name
-from pipeline.engines.backends import BACKENDS, backend
-from pipeline.engines.hf import TOKENIZER_KEYS, load_tokenizer
-from pipeline.engines.rewards import is_reward_function, load_reward_function
 from pipeline.errors import BatchFailed, InputError, ShardFailed
-from pipeline.strategies import lookup
+from pipeline.preflight import check_models, max_prompt_tokens
+from pipeline.provenance import build_identity, config_hash
+from pipeline.strategies import Strategy, lookup
 
 log = logging.getLogger(__name__)
 
-
-class _ModelFiles:
-    """The model-file readers the strategy registry's plan-time checks take (pipeline.strategies.ModelFiles)."""
-
-    @staticmethod
-    def has_trained_channel(path: str) -> bool:
-        from pipeline.engines.reward_transformer import has_trained_channel
-
-        return has_trained_channel(path)
-
-    @staticmethod
-    def load_trigram(path: str):
-        from pipeline.engines.trigram import load_trigram
-
-        return load_trigram(path)
-
-
-MODEL_FILES = _ModelFiles()
 
 
 @dataclass
@@ -89,49 +61,11 @@ def _reject_row(r: Reject, stage: str, generated: int = 0, bon: int = 0) -> dict
             "stage": stage, "generated_tokens": generated, "bon_equivalent_tokens": bon}
 
 
-def config_hash(config: Config) -> str:
-    """Hash of everything that decides the output's content. Left out: where input and output live
-    (the input's content is fingerprinted per shard: a Hub dataset's split, subset and revision too),
-    storage credentials, the device and the vLLM engines' settings (a build may resume on other
-    hardware), and runtime (actor counts, timeouts, fault plans: they change how fast rows are made,
-    not which)."""
-    content = config.to_dict()
-    content.pop("runtime")
-    for key in ("device", "vllm", "reward_vllm"):
-        content["models"].pop(key)
-    if content["models"].get("reward_weights") is None:  # unset: builds from before the key hash alike
-        content["models"].pop("reward_weights", None)
-    for key in ("prompts", "output", "storage_options", "split", "subset", "revision"):
-        content["data"].pop(key)
-    return hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()
-
-
 def output_schema(config: Config, extra: ExtraColumns):
     """The pair files' one schema: TRL's ``data.output_format`` and the input's other columns."""
     from pipeline.data.schema import PAIR_SCHEMAS
 
     return extra.schema(PAIR_SCHEMAS[config.data.output_format])
-
-
-SCHEMA_VERSION = 2
-"""The pair columns' version, in the build identity: 2 added chosen_scores and rejected_scores (each
-reward's score), so a build of version 1 is not resumed into files of another schema."""
-
-
-def build_identity(config: Config, extra: ExtraColumns) -> tuple[dict, dict]:
-    """What, beside the config (config_hash), decides the output's content, as every commit marker
-    records it: each model's weights sha256 (a local directory: hashed once per state of its files,
-    pipeline.data.card.weights_sha256) or Hub commit, the reward function's module sha256, and the
-    output's schema (the input's other columns, unified at plan time). A resume whose identity
-    differs is refused, naming what changed (OutputStore.committed). Returns (the identity, the
-    models' provenance, which the manifest and the card reuse)."""
-    from pipeline.data.card import model_identity, models_provenance
-
-    found = models_provenance(config)
-    identity = {f"models.{role}": model_identity(prov) for role, prov in found.items() if prov is not None}
-    identity["output schema"] = json.dumps({"format": config.data.output_format, "extra": extra.describe(),
-                                            "version": SCHEMA_VERSION}, sort_keys=True)
-    return identity, found
 
 
 WINDOW_ROUNDS = 64
@@ -169,219 +103,11 @@ class BuildPlan:
     extra: ExtraColumns = field(default_factory=ExtraColumns)
     """The input's other columns the output keeps beside each pair (data.extra_columns)."""
     identity: dict = field(default_factory=dict)
-    """What built it beside the config (build_identity), recorded in every marker."""
+    """What built it beside the config (pipeline.provenance.build_identity), recorded in every marker."""
     models_provenance: dict | None = None
-    """Each model's provenance (pipeline.data.card.models_provenance), computed once at plan time."""
-
-
-def _model_config(key: str, path: str, kind: str, load: dict | None = None):
-    """The AutoConfig of ``models.<key>``, refused (ConfigError, one line) when it cannot be read or
-    is not the ``kind`` of model the role loads: "causal" (AutoModelForCausalLM) or "reward"
-    (AutoModelForSequenceClassification with one label). Reading config.json is cheap, so every
-    model is checked here, at plan time, rather than when an actor loads its weights after the
-    cluster has started. Only what loading would surely refuse or silently get wrong is refused:
-    a model type the Auto class cannot load, or a checkpoint saved with another kind of head (its
-    weights would load under a random head). ``load``: models.hf's keywords for this model, of which
-    the config takes the revision and trust_remote_code."""
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
-
-    if not path:
-        raise ConfigError(f"models.{key}: not set (a model directory or hub id)")
-    if "://" not in path and (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
-        raise ConfigError(f"models.{key}: {path!r}: no such model directory")
-    try:
-        model_config = AutoConfig.from_pretrained(path, **{k: v for k, v in (load or {}).items() if k in TOKENIZER_KEYS})
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"models.{key}: cannot load {path!r} ({str(exc).strip().splitlines()[0]})") from None
-    model_type = getattr(model_config, "model_type", "")
-    saved_as = ", ".join(model_config.architectures or []) or model_type
-    if kind == "causal":
-        heads = [a for a in model_config.architectures or [] if a.endswith(("ForSequenceClassification",
-                                                                               "ForTokenClassification"))]
-        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (heads and heads == model_config.architectures):
-            raise ConfigError(f"models.{key}: {path!r} is a {saved_as}, not a causal language model "
-                              "(AutoModelForCausalLM)")
-    else:
-        heads = [a for a in model_config.architectures or [] if a.endswith("ForSequenceClassification")]
-        if model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES or (model_config.architectures
-                                                                                 and not heads):
-            raise ConfigError(f"models.{key}: {path!r} is a {saved_as}, not a sequence classifier "
-                              "(AutoModelForSequenceClassification) with one output label")
-        if model_config.num_labels != 1:
-            raise ConfigError(f"models.{key}: {path!r} has {model_config.num_labels} output labels; a reward "
-                              "model has one")
-    return model_config
-
-
-def _context(model_config) -> int | None:
-    value = getattr(model_config, "max_position_embeddings", None)
-    return int(value) if value else None
-
-
-def check_models(config: Config) -> tuple:
-    """Plan time, before any worker or cluster starts: every model the build will load (the generator,
-    the reward model, and the draft model for strategies whose registry record drafts) exists, reads,
-    and is the kind of model its role needs; then the strategy's own checks (SLA: a trained reward
-    channel). Returns (the generator's tokenizer, the context every prompt plus response must fit:
-    the generator's, and the draft model's when it is shorter, since the draft reads the same tokens)."""
-    models = config.models
-    check_engines(config)
-    load = functools.partial(plan_load_kwargs, config)
-    generator = _model_config("generator", models.generator, "causal", load("generator"))
-    if _slides(generator) and not backend(models.backend).sliding_window:
-        raise ConfigError(f"models.generator: {models.generator!r} has sliding-window attention layers, which the "
-                          f"{models.backend} engine's paged KV cache does not hold; use models.backend: vllm")
-    try:
-        tokenizer = load_tokenizer(models.generator, load("generator"))
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"models.generator: cannot load the tokenizer of {models.generator!r} "
-                          f"({str(exc).strip().splitlines()[0]})") from None
-    for key, spec in reward_keys(models):
-        check_reward(spec, load("reward"), key)
-    record = lookup(config.strategy.name)
-    contexts = [_context(generator) or int(tokenizer.model_max_length)]
-    if record.uses_draft and models.draft:
-        contexts.append(_context(_model_config("draft", models.draft, "causal", load("draft"))) or contexts[0])
-    if record.check_models is not None:
-        record.check_models(config.strategy.params, models, MODEL_FILES)
-    return tokenizer, min(contexts)
-
-
-def _slides(model_config) -> bool:
-    """Whether a model's config gives it sliding-window attention layers (Mistral, Gemma 2/3, ...)."""
-    types = getattr(model_config, "layer_types", None)
-    if types:
-        return any("sliding" in str(t) for t in types)
-    return bool(getattr(model_config, "sliding_window", None)) and bool(getattr(model_config, "use_sliding_window", True))
-
-
-def plan_load_kwargs(config: Config, role: str) -> dict:
-    """The keywords plan time reads ``role``'s config and tokenizer with: the ones its engine loads
-    with, so that both see the same revision. models.hf's, and for a model on vLLM its
-    models.vllm / models.reward_vllm revision, tokenizer_revision and trust_remote_code over them."""
-    load = config.models.hf.load_kwargs(role)
-    settings = config.models.vllm_settings(role)
-    if settings:
-        revision = settings.get("tokenizer_revision") or settings.get("revision")
-        if revision:
-            load["revision"] = revision
-        if "trust_remote_code" in settings:
-            load["trust_remote_code"] = bool(settings["trust_remote_code"])
-    return load
-
-
-def check_engines(config: Config) -> None:
-    """Plan time: the device and engine settings can be had and are ones the engines take.
-
-    - models.device cuda: in-process (runtime.local) this process must see a GPU; on Ray each actor
-      that loads a model must ask for GPUs (runtime.<role>.num_gpus > 0), since Ray hides every GPU
-      from an actor that asked for none, unless its backend's engine asks for its own (vLLM:
-      Backend.spans_gpus, actors.factory.actor_resources).
-    - a backend's engine settings (models.vllm / models.reward_vllm, Backend.role_settings_key):
-      noted when the role runs on another backend; every key a ``vllm.EngineArgs`` field (where vLLM
-      is installed on the driver; on a driver without it the actor reports a bad key when it starts);
-    - models.hf.attn_implementation: one transformers knows (or a Hub kernel, ``org/repo``)."""
-    import torch
-
-    models, rt = config.models, config.runtime
-    if models.device.startswith("cuda"):
-        if rt.local and not torch.cuda.is_available():
-            raise ConfigError(f"models.device: {models.device}, but this process sees no GPU (torch.cuda.is_available() "
-                              "is false); use models.device cpu, or run on a GPU machine")
-        # Each role whose actors load a model, and whether its engine asks Ray for GPUs of its own.
-        roles = [("generator", backend(models.backend).spans_gpus)]
-        if not all(is_reward_function(spec) for spec in models.rewards):
-            roles.append(("reward", backend(models.reward_backend).spans_gpus))
-        if lookup(config.strategy.name).uses_draft and models.draft and rt.draft_placement == "actor":
-            roles.append(("draft", False))  # a draft model loads as pipeline.engines.draft.HFDrafter
-        for role, own_gpus in roles:
-            if not rt.local and not own_gpus and getattr(rt, role).num_gpus <= 0:
-                raise ConfigError(f"models.device: {models.device}, but runtime.{role}.num_gpus is 0: Ray gives an "
-                                  f"actor that asks for no GPU none; set runtime.{role}.num_gpus (e.g. 1, or 0.5 to share)")
-    for role, name in (("generator", models.backend), ("reward", models.reward_backend)):
-        used = backend(name).role_settings_key(role)
-        for key in dict.fromkeys(b.role_settings_key(role) for b in BACKENDS.values() if b.role_settings_key(role)):
-            settings = getattr(models, key)
-            if settings and key != used:
-                log.info(f"note: models.{key} is set but the {'generator' if role == 'generator' else 'reward model'} "
-                         f"runs on backend {name}; it is not used")
-            elif settings:
-                _check_vllm_settings(key, settings)
-    attn = models.hf.attn_implementation
-    if attn and "/" not in attn:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
-        if attn not in known and attn.split("|")[-1] not in known:
-            raise ConfigError(f"models.hf.attn_implementation: {attn!r}: expected one of {', '.join(known)} "
-                              "(or a Hub kernel org/repo)")
-
-
-def _check_vllm_settings(key: str, settings: dict) -> None:
-    """``models.<key>``: every key a ``vllm.LLM`` keyword (where vLLM is installed here)."""
-    known = _vllm_engine_keys()
-    for name in settings:
-        if known is not None and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"models.{key}.{name}: not a vLLM engine argument{hint}")
-
-
-def _vllm_engine_keys() -> set[str] | None:
-    """The keyword arguments ``vllm.LLM`` takes (its own and ``EngineArgs``' fields); None where vLLM
-    is not installed here."""
-    try:
-        import vllm
-    except ImportError:
-        return None
-    return ({f.name for f in dataclasses.fields(vllm.EngineArgs)}
-            | set(inspect.signature(vllm.LLM.__init__).parameters) - {"self", "kwargs"})
-
-
-def reward_keys(models) -> list[tuple[str, str]]:
-    """(config key, spec) of each reward of ``models.reward``: ``models.reward`` for a single one,
-    ``models.reward[i]`` in a list, so an error names the entry."""
-    if isinstance(models.reward, list):
-        return [(f"models.reward[{i}]", spec) for i, spec in enumerate(models.reward)]
-    return [("models.reward", models.reward)]
-
-
-def check_reward(reward: str, load: dict | None = None, key: str = "models.reward") -> None:
-    """One reward (``key``: where the config names it): a reward function (``module:function``)
-    imports and is callable; a reward model is a one-label sequence classifier whose tokenizer loads.
-    ConfigError, one line, otherwise. ``load``: models.hf's keywords for the reward model."""
-    if is_reward_function(reward):
-        try:
-            load_reward_function(reward)
-        except ValueError as exc:
-            raise ConfigError(f"{key}: {reward!r}: {exc}") from None
-        return
-    _model_config(key.removeprefix("models."), reward, "reward", load)
-    try:
-        load_tokenizer(reward, load)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"{key}: cannot load the tokenizer of {reward!r} "
-                          f"({str(exc).strip().splitlines()[0]})") from None
-
-
-def max_prompt_tokens(config: Config, context: int) -> int:
-    """The prompt token limit: data.max_prompt_tokens, or what the context leaves after
-    max_new_tokens. Refused (ConfigError) when a prompt and its response could overrun the context:
-    past it a rotary model silently decodes on positions it never saw, and a learned-position one
-    fails with an IndexError mid-run."""
-    new_tokens = config.sampling.max_new_tokens
-    if new_tokens >= context:
-        raise ConfigError(f"sampling.max_new_tokens: {new_tokens} leaves no room for a prompt in the model's "
-                          f"context of {context} tokens")
-    limit = config.data.max_prompt_tokens
-    if limit is None:
-        return context - new_tokens
-    if limit + new_tokens > context:
-        raise ConfigError(f"data.max_prompt_tokens: {limit} + sampling.max_new_tokens {new_tokens} = "
-                          f"{limit + new_tokens} exceeds the model's context of {context} tokens; "
-                          f"at most {context - new_tokens}")
-    return limit
+    """Each model's provenance (pipeline.provenance.models_provenance), computed once at plan time."""
+    strategy: Strategy | None = None
+    """The strategy's registry record, looked up once at plan time (config.strategy.name)."""
 
 
 def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
@@ -393,7 +119,8 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
     for uri in (data.prompts, data.output):  # s3:// without (valid) credentials: one line, naming the URI
         if hub_dataset_id(uri) is None:  # a Hub dataset is opened by datasets (PromptSource), not fsspec
             check_access(uri, data.storage_options)
-    tokenizer, context = check_models(config)
+    strategy = lookup(config.strategy.name)
+    tokenizer, context = check_models(config, strategy)
     formatter = PromptFormatter(tokenizer, max_prompt_tokens(config, context), data.overlength,
                                 config.sampling.chat_template)
 
@@ -418,7 +145,7 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
             log.info(f"note: {data.prompts}: column(s) {', '.join(sorted(extra.left_out))} not kept in the output "
                   "(the pair columns have those names)")
         num_shards = len(fingerprints)
-        identity, found = build_identity(config, extra)
+        identity, found = build_identity(config, extra, strategy.uses_draft)
         store = OutputStore(data.output, data.storage_options)
         # One writer per output: the lease comes before anything in it is read or changed, and
         # run_build releases it (OutputLocked, one line, when a live build holds it).
@@ -434,7 +161,7 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
         raise
     pending = [k for k in range(num_shards) if k not in committed]
     return BuildPlan(config, store, prompts_in, num_shards, pending, sum(valid[k] for k in pending), source,
-                     fingerprints, first_rows, formatter, start, build_hash, extra, identity, found)
+                     fingerprints, first_rows, formatter, start, build_hash, extra, identity, found, strategy)
 
 
 def _fingerprint(values: list, columns: list[dict]) -> str:
@@ -657,8 +384,9 @@ class _BuildRun:
     def finish(self) -> dict:
         """Every marker checked, then the manifest (recomputed from all of them), the run report, the
         dataset card and _SUCCESS last; returns the manifest."""
-        from pipeline.data.card import provenance, write_card
+        from pipeline.data.card import write_card
         from pipeline.observability import pairs_per_hour
+        from pipeline.provenance import provenance, redacted_config
 
         plan, store = self.plan, self.plan.store
         # _SUCCESS only after every marker is checked: summarize reads them all through verify.
@@ -669,7 +397,7 @@ class _BuildRun:
         run_stats = self._run_stats()
         written = set(plan.pending)
         manifest.update(wall_seconds=round(wall, 3), startup_seconds=round(self.run_started - plan.started, 3),
-                        run_seconds=round(self.last_commit - self.run_started, 3), config=self.config.redacted_dict(),
+                        run_seconds=round(self.last_commit - self.run_started, 3), config=redacted_config(self.config),
                         config_hash=plan.config_hash, identity=plan.identity, shards_written=list(plan.pending),
                         shards_skipped=[k for k in range(plan.num_shards) if k not in written],
                         prompts_truncated=self.truncated_prompts, run_stats=run_stats, pairs_this_run=self.pairs_made,

@@ -446,48 +446,6 @@ class Config:
         out["strategy"].update(params)
         return out
 
-    SECRET_NAME_PARTS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "session",
-                         "signature", "private")
-    """A storage option (at any depth: client_kwargs, config_kwargs, ...) whose name holds one of these
-    is a credential; endpoint_url, region_name and the like are not."""
-
-    def redacted_dict(self) -> dict:
-        """to_dict() fit to be written or shown: every credential in ``data.storage_options``,
-        ``models.vllm``, ``models.reward_vllm`` and ``models.hf.kwargs`` (by its name,
-        SECRET_NAME_PARTS) replaced by "[redacted]", and a user:password in a URL option too.
-        The manifest and every other file a build writes hold this, never to_dict(): an output is
-        read by people and jobs that must not get the keys to the bucket."""
-        out = self.to_dict()
-        out["data"]["storage_options"] = redact(out["data"]["storage_options"])
-        # The engines' free-form keywords may hold a token too (vllm.LLM's hf_token, from_pretrained's token).
-        for key in ("vllm", "reward_vllm"):
-            out["models"][key] = redact(out["models"][key])
-        out["models"]["hf"]["kwargs"] = redact(out["models"]["hf"]["kwargs"])
-        return out
-
-
-def redact(value):
-    """``value`` (a mapping, list or string, at any depth) fit to be written: every entry under a
-    credential's name (one holding a Config.SECRET_NAME_PARTS part) is "[redacted]", and so is a
-    user:password in a URL."""
-    if isinstance(value, dict):
-        return {k: "[redacted]" if any(p in str(k).lower() for p in Config.SECRET_NAME_PARTS) else redact(v)
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact(v) for v in value]
-    return redact_url(value) if isinstance(value, str) else value
-
-
-def redact_url(text: str) -> str:
-    """``text`` with the user:password of a URL in it replaced by "[redacted]"."""
-    from urllib.parse import urlsplit
-
-    if "://" in text and "@" in text:
-        parts = urlsplit(text)
-        if parts.username is not None or parts.password is not None:
-            return parts._replace(netloc="[redacted]@" + parts.netloc.rsplit("@", 1)[1]).geturl()
-    return text
-
 
 def _build(cls, raw: dict, where: str):
     """Build dataclass ``cls`` from a mapping, recursing into nested dataclasses."""

@@ -33,7 +33,7 @@ from pipeline.errors import ConfigError
 
 
 class ModelFiles(Protocol):
-    """What the plan-time checks read from model files, given by the caller (pipeline.build.MODEL_FILES):
+    """What the plan-time checks read from model files, given by the caller (pipeline.preflight.MODEL_FILES):
     the registry itself imports no engine."""
 
     def has_trained_channel(self, path: str) -> bool:

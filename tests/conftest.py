@@ -17,7 +17,7 @@ from jobs.make_tiny_models import make_tiny_models
 # Logging as every job sets it up (jobs.cli): the library's notes and warnings reach stderr, where
 # tests that call it directly (not through a job's main) read them.
 setup_logging("INFO")
-# The weights-hash cache (pipeline.data.card.weights_cache_file) of this test run, not the user's.
+# The weights-hash cache (pipeline.provenance.weights_cache_file) of this test run, not the user's.
 os.environ.setdefault("BON_CACHE_DIR", tempfile.mkdtemp(prefix="bon-cache-"))
 
 

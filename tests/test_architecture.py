@@ -7,6 +7,9 @@
   imports the strategy registry; the registry never imports an engine);
 - one backend registry (pipeline.engines.backends): the strategies' backends follow from what each
   backend declares it serves, and nothing else lists the backends;
+- pipeline/data imports nothing from pipeline.strategies, pipeline.engines or pipeline.config, with
+  no per-module exception (plan-time checks and provenance live above it: pipeline.preflight,
+  pipeline.provenance);
 - pipeline/decoding is pure: it imports nothing from engines, config, data, training, actors, jobs,
   ray, vllm or transformers, opens no files and keeps no module-global mutable state;
 - one method registry: every method's record is complete, and nothing else keeps a table of them.
@@ -24,13 +27,12 @@ PACKAGES = ("pipeline", "actors", "jobs", "benchmarks")
 LAYERS = (
     ("pipeline.errors",),
     ("pipeline.decoding",),
-    ("pipeline.data.storage", "pipeline.data.prompts", "pipeline.data.pairs", "pipeline.data.schema",
-     "pipeline.data.lease", "pipeline.data.store"),
+    ("pipeline.data",),
     ("pipeline.engines",),
     ("pipeline.strategies",),
     ("pipeline.config",),
-    ("pipeline.observability", "pipeline.judge"),
-    ("pipeline.coordinator", "pipeline.data.card", "pipeline.training", "pipeline.evaluation"),
+    ("pipeline.observability", "pipeline.judge", "pipeline.preflight", "pipeline.provenance"),
+    ("pipeline.coordinator", "pipeline.training", "pipeline.evaluation"),
     ("pipeline.build",),
     ("actors",),
     ("jobs",),
@@ -171,6 +173,28 @@ def test_upward_arrow_finder_finds_a_planted_arrow():
 def test_no_upward_arrows():
     found = upward_arrows(graph())
     assert not found, "imports from a layer above: " + "; ".join(found)
+
+
+FORBIDDEN_IN_DATA = ("pipeline.strategies", "pipeline.engines", "pipeline.config")
+
+
+def data_files() -> list[Path]:
+    return sorted((ROOT / "pipeline" / "data").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", data_files(), ids=lambda p: p.name)
+def test_data_imports_nothing_from_strategies_engines_or_config(path):
+    """The rule for the whole of pipeline/data, every module alike (LAYERS places the package as one
+    layer, below the engines, the registry and the config)."""
+    mods = modules()
+    name = next(n for n, p in mods.items() if p == path)
+    bad = [(target, line) for target, line in imports(path, name, set(mods))
+           if any(target == f or target.startswith(f + ".") for f in FORBIDDEN_IN_DATA)]
+    assert not bad, f"{path.name} imports " + ", ".join(f"{t} (line {n})" for t, n in bad)
+
+
+def test_data_is_one_layer():
+    assert [p for p in (q for layer_ in LAYERS for q in layer_) if p.startswith("pipeline.data")] == ["pipeline.data"]
 
 
 def decoding_files() -> list[Path]:

@@ -107,13 +107,13 @@ def test_a_resume_refuses_a_change_of_what_built_the_shards(key, models, tmp_pat
 
 
 def test_an_unchanged_resume_goes_on_and_weights_are_hashed_once(models, tmp_path, monkeypatch):
-    import pipeline.data.card as card
+    import pipeline.provenance as provenance
 
     prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
     out = tmp_path / "out"
     assert main(build_args(models, prompts, out)) == 0
     resume_after_kill(out)
-    card._weights_cache.clear()  # a new process: only the cache on disk is left
+    provenance._weights_cache.clear()  # a new process: only the cache on disk is left
     opened = []
     real_open = open
     monkeypatch.setattr("builtins.open", lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1])
@@ -128,7 +128,7 @@ def test_an_unchanged_resume_goes_on_and_weights_are_hashed_once(models, tmp_pat
 def test_hub_commit_is_asked_of_the_hub_first(monkeypatch):
     from huggingface_hub import HfApi
 
-    from pipeline.data.card import model_identity, model_provenance
+    from pipeline.provenance import model_identity, model_provenance
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(HfApi, "model_info", lambda self, repo, revision=None, timeout=None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import shutil
 import sys
 
@@ -17,9 +18,10 @@ import pytest
 import yaml
 
 from jobs.build_dataset import main
-from pipeline.data.card import redacted_command, weights_sha256
-from pipeline.data.store import CARD_TAG, OutputStore
+from pipeline.data.card import CARD_TAG
+from pipeline.data.store import OutputStore
 from pipeline.errors import OutputConflict
+from pipeline.provenance import redact, weights_sha256
 from tests.conftest import GOOD_PROMPTS, MIXED_BAD_ROWS, MIXED_ROWS, moto_s3, s3_options, write_jsonl
 
 SECRET = "SECRETcardfake24680"
@@ -113,7 +115,7 @@ def test_provenance_weights_hash_packages_and_config(finished, tiny_models):
 
 
 def test_hub_id_without_local_files_and_reward_function(monkeypatch, tmp_path):
-    from pipeline.data.card import model_provenance
+    from pipeline.provenance import model_provenance
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     import huggingface_hub.constants
@@ -147,7 +149,7 @@ def test_weights_hash_is_cached_per_path_and_follows_a_change(tmp_path):
 
 def test_a_python_m_command_is_recorded_as_typed():
     from pipeline.config import load_config
-    from pipeline.data.card import provenance
+    from pipeline.provenance import provenance
 
     config = load_config("configs/demo.yaml", strategy="dsbd")
     prov = provenance(config, ["/somewhere/jobs/build_dataset.py", "--config", "configs/demo.yaml"])
@@ -159,7 +161,7 @@ def test_command_is_redacted():
     options = json.dumps({"endpoint_url": "http://h:9", "key": KEY, "secret": SECRET})
     argv = ["bon-build", "--set", f"data.storage_options={options}", "--hf-token", SECRET, "--max-new-tokens", "24",
             f"--set=data.storage_options.secret={SECRET}", "--prompts", f"s3://{KEY}:{SECRET}@bucket/p.jsonl"]
-    command = redacted_command(argv)
+    command = shlex.join(redact(argv))
     assert SECRET not in command and KEY not in command
     assert "--max-new-tokens 24" in command and "http://h:9" in command
 

@@ -515,7 +515,7 @@ def test_dsbd_aded_drafter_starts_from_strategy_trigram(engine, tmp_path):
     from pipeline.decoding.trigram import TrigramMatrix
     from pipeline.engines.adapters import HFSearchHost
     from pipeline.engines.trigram import load_trigram, save_trigram
-    from pipeline.build import MODEL_FILES
+    from pipeline.preflight import MODEL_FILES
     from pipeline.strategies import lookup
 
     prompt = engine.tokenizer("Write a review of the lamp.").input_ids

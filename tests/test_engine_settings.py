@@ -114,7 +114,7 @@ def test_each_actor_asks_ray_for_the_gpus_its_engine_spans(tiny_models, override
     (["models.hf.attn_implementation=flash_attention_9"], "models.hf.attn_implementation: 'flash_attention_9'"),
 ])
 def test_plan_time_refuses_a_device_or_setting_the_actors_cannot_have(tiny_models, overrides, message):
-    from pipeline.build import check_engines
+    from pipeline.preflight import check_engines
 
     overrides = [o.replace("DRAFT", str(tiny_models["draft"])) for o in overrides]
     with pytest.raises(ConfigError) as exc:
@@ -124,14 +124,14 @@ def test_plan_time_refuses_a_device_or_setting_the_actors_cannot_have(tiny_model
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_plan_time_refuses_cuda_in_process_without_a_gpu(tiny_models):
-    from pipeline.build import check_engines
+    from pipeline.preflight import check_engines
 
     with pytest.raises(ConfigError, match="sees no GPU"):
         check_engines(config(tiny_models, "models.device=cuda", "runtime.local=true"))
 
 
 def test_a_reward_function_needs_no_gpu_and_hub_kernels_pass(tiny_models):
-    from pipeline.build import check_engines
+    from pipeline.preflight import check_engines
 
     check_engines(config(tiny_models, "models.device=cuda", "runtime.generator.num_gpus=1",
                          "models.reward=pipeline.judge:ifeval_reward",
@@ -139,7 +139,7 @@ def test_a_reward_function_needs_no_gpu_and_hub_kernels_pass(tiny_models):
 
 
 def test_vllm_settings_are_left_to_the_actor_where_the_driver_has_no_vllm(tiny_models):
-    from pipeline.build import _vllm_engine_keys, check_engines
+    from pipeline.preflight import _vllm_engine_keys, check_engines
 
     if _vllm_engine_keys() is not None:
         pytest.skip("vLLM is installed here: test_vllm_settings_are_checked_against_vllms_engine_arguments runs")
@@ -148,7 +148,7 @@ def test_vllm_settings_are_left_to_the_actor_where_the_driver_has_no_vllm(tiny_m
 
 @pytest.mark.vllm
 def test_vllm_settings_are_checked_against_vllms_engine_arguments(tiny_models):
-    from pipeline.build import _vllm_engine_keys, check_engines
+    from pipeline.preflight import _vllm_engine_keys, check_engines
 
     if _vllm_engine_keys() is None:
         pytest.skip("vllm is not installed (make install-vllm)")
@@ -163,7 +163,7 @@ def test_vllm_settings_are_checked_against_vllms_engine_arguments(tiny_models):
 
 
 def test_vllm_settings_for_an_hf_engine_are_noted_as_unused(tiny_models, capsys):
-    from pipeline.build import check_engines
+    from pipeline.preflight import check_engines
 
     check_engines(config(tiny_models, "models.reward_vllm={max_model_len: 512}"))
     assert "models.reward_vllm is set but the reward model runs on backend hf" in capsys.readouterr().err
@@ -243,7 +243,7 @@ def _holds(path, needle: bytes) -> bool:
 
 def test_plan_time_reads_a_vllm_models_config_at_the_revision_vllm_loads(tiny_models):
     """A model on vLLM takes its revision from models.vllm / reward_vllm: plan time reads the same."""
-    from pipeline.build import plan_load_kwargs
+    from pipeline.preflight import plan_load_kwargs
 
     cfg = config(tiny_models, "models.backend=vllm", "models.reward_backend=vllm", "models.hf.revision=main",
                  "models.vllm={revision: v2, trust_remote_code: true}", "models.reward_vllm={tokenizer_revision: t3}")

@@ -192,7 +192,7 @@ def test_a_sliding_window_generator_is_refused_at_plan_time_on_the_hf_backend(ti
     off pass."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    from pipeline.build import _slides, check_models
+    from pipeline.preflight import _slides, check_models
 
     assert _slides(MistralConfig(sliding_window=4096)) and not _slides(LlamaConfig())
     assert not _slides(Qwen2Config(use_sliding_window=False))

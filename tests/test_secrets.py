@@ -15,6 +15,7 @@ import pytest
 
 from jobs.build_dataset import main
 from pipeline.config import ConfigError, load_config
+from pipeline.provenance import redacted_config
 from tests.conftest import GOOD_PROMPTS, moto_s3, write_jsonl
 
 SECRET = "SECRETfake1234567890"  # data.storage_options' secret
@@ -74,12 +75,12 @@ def test_redacted_config_hides_credentials_at_any_depth_and_keeps_the_rest():
             "key": "AKIAOPTIONS", "secret": SECRET, "endpoint_url": "http://user:pw@127.0.0.1:5000",
             "anon": False, "client_kwargs": {"region_name": "us-east-1", "aws_session_token": TOKEN},
             "config_kwargs": {"retries": {"max_attempts": 3}}})])
-    options = config.redacted_dict()["data"]["storage_options"]
+    options = redacted_config(config)["data"]["storage_options"]
     assert options == {"key": "[redacted]", "secret": "[redacted]", "endpoint_url": "http://[redacted]@127.0.0.1:5000",
                        "anon": False, "client_kwargs": {"region_name": "us-east-1", "aws_session_token": "[redacted]"},
                        "config_kwargs": {"retries": {"max_attempts": 3}}}
     assert config.data.storage_options["secret"] == SECRET  # the build itself still has it
-    assert config.redacted_dict()["sampling"] == config.to_dict()["sampling"]  # max_new_tokens is no token
+    assert redacted_config(config)["sampling"] == config.to_dict()["sampling"]  # max_new_tokens is no token
 
 
 def test_in_process_build_writes_no_secret(tiny_models, tmp_path, driver_credentials):

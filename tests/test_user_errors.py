@@ -87,7 +87,7 @@ def test_max_prompt_tokens_plus_max_new_tokens_beyond_the_context(tiny_models, t
     assert build(tiny_models, tmp_path, "--set", "data.max_prompt_tokens=510", "--max-new-tokens", "8") == 2
     line = one_error_line(capsys)
     assert "data.max_prompt_tokens" in line and "504" in line
-    from pipeline.build import max_prompt_tokens
+    from pipeline.preflight import max_prompt_tokens
 
     at_limit = load_config(None, ["data.max_prompt_tokens=508", "sampling.max_new_tokens=4"])
     assert max_prompt_tokens(at_limit, 512) == 508
@@ -117,7 +117,7 @@ def test_models_are_checked_before_any_worker_starts(case, tiny_models, tmp_path
 
 
 def test_a_draft_model_is_checked_only_where_the_strategy_drafts(tiny_models, tmp_path):
-    from pipeline.build import check_models
+    from pipeline.preflight import check_models
 
     settings = [f"models.generator={tiny_models['generator']}", f"models.reward={tiny_models['reward']}",
                 f"models.draft={tmp_path / 'no-such-model'}"]

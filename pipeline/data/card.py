@@ -1,48 +1,43 @@
-"""The dataset card (OUT/README.md) and the build's provenance.
+"""The dataset card (OUT/README.md): the one place that writes it.
 
 A finished build's card is a Hugging Face dataset card: YAML front matter whose ``configs:`` name
-the committed files (OutputStore.card_front_matter: ``default`` the pairs, ``rejects`` the input
-rows without a pair, ``quarantine`` the candidates with a non-finite reward; each one split,
-``train``), then Markdown: what the dataset is, its columns with their types and meanings, the
-counts, how to load it with ``datasets`` and TRL's DPOTrainer, and where it came from. So
-``datasets.load_dataset(OUT)`` reads exactly the committed pairs, and ``load_dataset(OUT,
-"rejects")`` the rejects. ``load_dataset("parquet", data_dir=OUT)`` reads no card: it picks the
-pair files by the split keyword in their names (``train-NNNNN.parquet``; pipeline.data.store says
-why nothing else in OUT matches).
+the committed files (``front_matter``: ``default`` the pairs, ``rejects`` the input rows without a
+pair, ``quarantine`` the candidates with a non-finite reward; each one split, ``train``), then
+Markdown: what the dataset is, its columns with their types and meanings, the counts, how to load it
+with ``datasets`` and TRL's DPOTrainer, and where it came from (the manifest's provenance,
+pipeline.provenance). So ``datasets.load_dataset(OUT)`` reads exactly the committed pairs, and
+``load_dataset(OUT, "rejects")`` the rejects. ``load_dataset("parquet", data_dir=OUT)`` reads no
+card: it picks the pair files by the split keyword in their names (``train-NNNNN.parquet``;
+pipeline.data.store says why nothing else in OUT matches).
 
-Provenance (``provenance``; the manifest's "provenance" and the card's last section), computed once
-per build on the driver, at plan time: each model's path or Hub id, the revision asked
-(models.hf.revision) and what was found: a local directory's weights sha256 (``weights_sha256``,
-cached on disk per state of the files), a Hub id's commit (the revision itself when it is one, else
-asked of the Hub unless HF_HUB_OFFLINE, else the local Hugging Face cache's; null with a reason when
-none knows), a reward function's module file sha256; package versions; the config with every
-credential redacted; the command line, redacted; the date; the git commit of the code when it runs
-from a checkout. What was found of each model is also the build's identity (``model_identity``,
-pipeline.build.build_identity), which every commit marker records and a resume must match.
+While a build runs, its output store (pipeline.data.store.OutputStore) keeps the card current through
+``check_slot`` and ``write_progress``; the finished build writes the full card with ``write_card``.
+Every function here takes that store (its filesystem, the shards the card names in ``card_shards``,
+``card_blocked``); this module imports no store, no config, no engine and no strategy: a card is
+written from the store and the manifest alone.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import importlib.util
 import json
-import os
-import platform
-import re
-import shlex
-import subprocess
-import sys
-from datetime import datetime, timezone
-from pathlib import Path
+import logging
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import Config, redact, redact_url
+from pipeline.data.layout import part_name, side_name
 from pipeline.data.storage import join
-from pipeline.data.store import OutputStore
-from pipeline.engines.rewards import is_reward_function
+
+log = logging.getLogger(__name__)
+
+CARD_NAME = "README.md"
+CARD_TAG = "# bon-pipeline dataset card"
+"""The card's second line (a YAML comment in its front matter): a README.md that starts with
+``---`` and this is ours to rewrite or remove; any other is the user's."""
+CARD_CONFIGS = (("default", "", part_name, "rows"), ("rejects", "_rejects", side_name, "rejects"),
+                ("quarantine", "_quarantine", side_name, "quarantine"))
+"""The card's configs: (name, directory, file name of a shard, the marker's entry with its rows)."""
 
 COLUMNS = {
     "prompt_id": "first 16 hex digits of the sha256 of the prompt text: a prompt's key across builds",
@@ -74,247 +69,12 @@ COLUMNS = {
 """The meaning of each pair column (pipeline.data.schema.PAIR_SCHEMA); any other column is one of
 the input's (data.extra_columns)."""
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
-PACKAGES = ("torch", "transformers", "ray", "vllm", "datasets", "trl", "pyarrow", "huggingface_hub", "bon-pipeline")
-"""Distributions whose versions provenance records (None when not installed)."""
-
-_weights_cache: dict[tuple, dict] = {}
-"""weights_sha256 per (directory, its weight files' names, sizes and mtimes), in this process."""
-
-
-def weights_cache_file() -> Path:
-    """The on-disk cache of weight hashes: ``$BON_CACHE_DIR/weights-sha256.json``, by default under
-    ``$XDG_CACHE_HOME`` (``~/.cache``)``/bon-pipeline``. One entry per model directory and state of
-    its weight files, so a model is read once per change of its files, not once per build."""
-    root = os.environ.get("BON_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "bon-pipeline")
-    return Path(root) / "weights-sha256.json"
-
-
-def _read_weights_cache(path: Path) -> dict:
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
-def _write_weights_cache(path: Path, entry: str, value: dict) -> None:
-    """Add one entry (best effort: a read-only home only costs a rehash next time)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        found = _read_weights_cache(path)
-        found[entry] = value
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(found, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def weights_sha256(path: str) -> dict:
-    """The weights of a local model directory (or one weight file): sha256 over its weight files
-    (WEIGHT_SUFFIXES, at the top of the directory) in name order, each as its name, a NUL byte and
-    its bytes, read in blocks; with the files' names and total size. Computed once per state of the
-    files (path, names, sizes, mtimes) and kept in this process and in ``weights_cache_file()``: a
-    build's start does not reread gigabytes of unchanged weights."""
-    root = Path(path)
-    files = [root] if root.is_file() else sorted(p for p in root.iterdir()
-                                                 if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
-    key = (str(root.resolve()), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
-    if key not in _weights_cache:
-        cache = weights_cache_file()
-        entry = hashlib.sha256(json.dumps(key).encode()).hexdigest()
-        found = _read_weights_cache(cache).get(entry)
-        if not (isinstance(found, dict) and {"weights_sha256", "weights_files", "weights_bytes"} <= set(found)):
-            digest = hashlib.sha256()
-            for file in files:
-                digest.update(file.name.encode() + b"\0")
-                with open(file, "rb") as f:
-                    while block := f.read(1 << 22):
-                        digest.update(block)
-            found = {"weights_sha256": digest.hexdigest() if files else None,
-                     "weights_files": [p.name for p in files],
-                     "weights_bytes": sum(p.stat().st_size for p in files)}
-            _write_weights_cache(cache, entry, found)
-        _weights_cache[key] = found
-    return dict(_weights_cache[key])
-
-
-def model_provenance(spec: str | None, revision: str | None) -> dict | None:
-    """Where one model came from: its ``spec`` (models.<role>), the revision asked, and what could
-    be found of what was loaded (see the module docstring); None for an unset model."""
-    if not spec:
-        return None
-    out: dict = {"model": spec, "revision": revision}
-    if is_reward_function(spec):
-        module = spec.partition(":")[0]
-        try:
-            origin = importlib.util.find_spec(module).origin
-        except (ImportError, AttributeError, ValueError):
-            origin = None
-        out.update(kind="reward function", module_file=origin,
-                   module_sha256=_file_sha256(origin) if origin and os.path.isfile(origin) else None)
-    elif os.path.exists(spec):
-        out.update(kind="local", **weights_sha256(spec))
-    else:
-        out.update(kind="hub", **_hub_commit(spec, revision))
-    return out
-
-
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _hub_commit(repo_id: str, revision: str | None) -> dict:
-    """The commit of ``repo_id`` at ``revision``: the revision itself when it is a full commit hash;
-    else asked of the Hub (unless HF_HUB_OFFLINE), which knows where a branch such as ``main`` is
-    now; else the local Hugging Face cache's."""
-    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
-        return {"commit": revision, "commit_reason": None}
-    if not os.environ.get("HF_HUB_OFFLINE"):
-        try:
-            from huggingface_hub import HfApi
-
-            return {"commit": HfApi().model_info(repo_id, revision=revision, timeout=10).sha, "commit_reason": None}
-        except Exception:  # noqa: BLE001 - no network, no access, a bad id: the cache may still know
-            pass
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
-    except Exception as exc:  # noqa: BLE001 - an invalid id, no huggingface_hub: provenance says so
-        return {"commit": None, "commit_reason": f"cannot look it up ({type(exc).__name__}: {str(exc)[:120]})"}
-    if isinstance(found, str) and Path(found).parent.parent.name == "snapshots":
-        return {"commit": Path(found).parent.name, "commit_reason": None}
-    return {"commit": None, "commit_reason": "not on the Hub from here nor in the local Hugging Face cache (the "
-                                             "workers resolved it; pin models.hf.revision to a commit to record it)"}
-
-
-def models_provenance(config: Config) -> dict:
-    """``model_provenance`` of each model the build loads: generator, reward, and the draft for the
-    strategies that draft with a model. A composite reward (models.reward a list) gives one entry
-    per reward, ``reward[0]``, ``reward[1]``, ..., each with its ``weight``."""
-    from pipeline.strategies import lookup
-
-    models = config.models
-    uses_draft = lookup(config.strategy.name).uses_draft
-    out = {"generator": model_provenance(models.generator, models.hf.revision_of("generator"))}
-    if isinstance(models.reward, list):
-        out.update({f"reward[{i}]": {**(model_provenance(spec, models.hf.revision_of("reward")) or {}), "weight": weight}
-                    for i, (spec, weight) in enumerate(zip(models.rewards, models.weights))})
-    else:
-        out["reward"] = model_provenance(models.reward, models.hf.revision_of("reward"))
-    if uses_draft:
-        out["draft"] = model_provenance(models.draft, models.hf.revision_of("draft"))
-    return out
-
-
 def reward_weights(manifest: dict) -> list[tuple[str, float]]:
     """(reward, weight) of each reward a build's manifest names, in models.reward's order."""
     models = manifest.get("config", {}).get("models", {})
     specs = models.get("reward") if isinstance(models.get("reward"), list) else [models.get("reward")]
     weights = models.get("reward_weights") or [1.0] * len(specs)
     return list(zip(specs, weights))
-
-
-def model_identity(found: dict | None) -> str | None:
-    """What a model's provenance says was loaded, as one comparable string (None: nothing set):
-    a reward function's module sha256, a local model's weights sha256, a Hub model's commit."""
-    if found is None:
-        return None
-    if found.get("kind") == "reward function":
-        return f"module sha256 {found.get('module_sha256')}"
-    if found.get("kind") == "local":
-        return f"weights sha256 {found.get('weights_sha256')}"
-    return f"commit {found.get('commit')}" if found.get("commit") else f"commit unknown at revision {found.get('revision')}"
-
-
-def package_versions() -> dict:
-    """Python's and PACKAGES' versions (None for one not installed)."""
-    versions = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-def _secret_name(name: str) -> bool:
-    """A name (flag, config key) that holds a credential: one of its words is one of
-    Config.SECRET_NAME_PARTS (``--hf-token``, ``aws_secret_access_key``; not ``max_new_tokens``)."""
-    return any(word in Config.SECRET_NAME_PARTS for word in re.split(r"[^a-z0-9]+", name.lower()))
-
-
-def redacted_command(argv: list[str]) -> str:
-    """The command line, fit to be written: the value of a flag or ``key=value`` whose name holds
-    a credential (``_secret_name``) is redacted, a JSON mapping value keeps only its non-credential
-    entries, and a user:password in a URL goes."""
-    out, hide_next = [], False
-    for arg in argv:
-        if hide_next:
-            out.append("[redacted]")
-            hide_next = False
-        elif arg.startswith("-"):
-            flag, eq, value = arg.partition("=")
-            if not eq:
-                hide_next = _secret_name(flag)
-                out.append(arg)
-            else:  # --flag=value, the value maybe key=value itself
-                out.append(f"{flag}=[redacted]" if _secret_name(flag) else f"{flag}={_redacted_value(value)}")
-        else:
-            out.append(_redacted_value(arg))
-    return shlex.join(out)
-
-
-def _redacted_value(arg: str) -> str:
-    """One argument that is no flag: ``key=value`` (``--set``'s) or a plain value."""
-    name, eq, value = arg.partition("=")
-    if eq and _secret_name(name):
-        return f"{name}=[redacted]"
-    if eq and value.lstrip().startswith(("{", "[")):
-        try:
-            return f"{name}={json.dumps(redact(json.loads(value)))}"
-        except ValueError:  # not JSON: it may still hold a credential somewhere
-            return f"{name}=[redacted]"
-    return redact_url(arg)
-
-
-def git_commit() -> str | None:
-    """The commit of the code when it runs from a git checkout (None otherwise)."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / ".git").exists():
-        return None
-    try:
-        found = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                               timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return (found.stdout.strip() or None) if found.returncode == 0 else None
-
-
-def provenance(config: Config, argv: list[str] | None = None, models: dict | None = None) -> dict:
-    """Where a build came from (module docstring), for the manifest and the card. Redacted: the
-    config as Config.redacted_dict() writes it (storage options and the free-form engine keywords),
-    and the command line (redacted_command). ``models``: models_provenance(config), when the caller
-    has it already (the build computes it at plan time, for its identity)."""
-    config_dict = config.redacted_dict()
-    argv = list(sys.argv if argv is None else argv)
-    if argv and argv[0].endswith(".py") and Path(argv[0]).parent.name == "jobs":  # python -m jobs.X
-        argv[0:1] = ["python", "-m", f"jobs.{Path(argv[0]).stem}"]
-    return {
-        "models": models_provenance(config) if models is None else models,
-        "packages": package_versions(),
-        "config": config_dict,
-        "command": redacted_command(argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-    }
 
 
 def _type_name(found: pa.DataType) -> str:
@@ -410,17 +170,127 @@ def card_body(manifest: dict, schema: pa.Schema, uri: str) -> str:
     return "\n".join(lines)
 
 
-def write_card(store: OutputStore, manifest: dict) -> bool:
-    """Write the finished build's card to ``store`` (README.md), from its manifest; False when a
-    README.md of the user's is in the way (OutputStore.card_blocked)."""
+def check_slot(store) -> None:
+    """Whether README.md is free or ours (CARD_TAG); a user's stays, and no card is written."""
+    path = join(store.root, CARD_NAME)
+    store._refresh()
+    if not store.fs.exists(path):
+        return
+    with store.fs.open(path, "rb") as f:
+        head = f.read(len(CARD_TAG) + 8)
+    if not head.startswith(f"---\n{CARD_TAG}".encode()):
+        store.card_blocked = (f"{join(store.uri, CARD_NAME)}: not a dataset card this pipeline wrote; it is left "
+                              "as it is and no card is written, so datasets.load_dataset(OUT) does not see this "
+                              "build's configs (move the file away to get the card)")
+        log.warning("%s", store.card_blocked)
+
+
+NO_PAIRS = "NO PAIRS - this build made none (README.md and _manifest.json say why)"
+"""The pair config's path in the card of a finished build with no pairs: ``datasets`` cannot
+load an empty split ("corresponds to no data"), so ``load_dataset(OUT)`` stops on a missing
+file whose name says why."""
+
+
+def front_matter(store, final: bool = False) -> str:
+    """The card's YAML front matter: one config per kind of file (``default``: the pairs,
+    ``rejects``, ``quarantine``), each naming the files of the shards in ``card_shards``, one
+    split ``train``. The side configs name only files with rows, and are left out when there are
+    none (``datasets`` refuses a config whose split has no row). The pairs are named by the glob
+    ``train-*.parquet`` whenever the pair files on disk are exactly the committed ones (always,
+    since a pair file gets its name only at its commit: ``commit_shard``), so a reader of a
+    large output resolves one pattern and ``load_dataset(OUT)`` reads what
+    ``load_dataset("parquet", data_dir=OUT)`` does. The side files are written before their
+    shard commits, so their configs name files while the build runs, and are globbed only when
+    ``final`` (the build is done and nothing writes any more). A finished build with no pair at
+    all has one config, naming NO_PAIRS."""
+    import yaml
+
+    shards = store.card_shards or {}
+    configs = []
+    for name, directory, file_of, entry in CARD_CONFIGS:
+        prefix = f"{directory}/" if directory else ""
+        committed = [prefix + file_of(k) for k in sorted(shards)]
+        rows = [(shards[k] if entry == "rows" else shards[k][entry])["rows"] for k in sorted(shards)]
+        if name != "default":
+            if not any(rows):
+                continue
+            committed = [f for f, n in zip(committed, rows) if n]
+        paths: str | list[str] = committed
+        if final or name == "default":
+            pattern = "train-*.parquet" if not directory else f"{directory}/*.parquet"
+            every = [prefix + p.rsplit("/", 1)[1] for p in store._ls(join(store.root, directory) if directory
+                                                                     else store.root)]
+            on_disk = {f for f in every if _glob_match(f.split("/")[-1], pattern.split("/")[-1])}
+            kind = {prefix + file_of(k) for k in shards}
+            if on_disk == kind:
+                paths = pattern
+        if name == "default" and final and not any(rows):
+            # datasets resolves every config's files whichever is loaded, so the side configs
+            # go too (the card says how to read the rejects without it).
+            configs = [{"config_name": name, "data_files": [{"split": "train", "path": NO_PAIRS}],
+                        "default": True}]
+            break
+        config = {"config_name": name, "data_files": [{"split": "train", "path": paths}]}
+        if name == "default":
+            config["default"] = True
+        configs.append(config)
+    return (f"---\n{CARD_TAG}: rewritten by every build of this output (edit the build, not this file)\n"
+            + yaml.safe_dump({"configs": configs}, sort_keys=False, width=1000) + "---\n")
+
+
+def write_progress(store) -> None:
+    """The card of a build still running: the configs of the shards committed so far and a
+    short note; none (ours removed) while no shard is committed."""
+    if store.card_blocked or store.card_shards is None:
+        return
+    path = join(store.root, CARD_NAME)
+    if not store.card_shards:  # (the first commit writes a card at once)
+        if store.fs.exists(path):
+            if store.lease is not None:
+                store.lease.check()
+            store.fs.rm(path)
+        return
+    pairs = sum(m["rows"] for m in store.card_shards.values())
+    body = (f"\n# Preference pairs: build in progress\n\nThis build has not finished (no `_SUCCESS` yet). "
+            f"The configs above name the {len(store.card_shards)} shard(s) committed when this card was written "
+            f"({pairs} pairs); `datasets.load_dataset(\"{store.uri}\")` reads those and nothing else. The full "
+            "card (columns, counts, provenance) is written when the build finishes.\n")
+    store._write_bytes(path, (front_matter(store) + body).encode())
+    store._card_written_at = time.time()
+
+
+def write_final(store, body: str) -> bool:
+    """The finished build's card: the front matter (``final``) and ``body`` (Markdown), to
+    README.md; False when a README.md of the user's is in the way (``card_blocked``). A store
+    that was not prepared names every committed shard (its markers)."""
+    if store.card_shards is None:
+        check_slot(store)
+        store.card_shards = dict(store.iter_markers())
+    if store.card_blocked:
+        return False
+    store._write_bytes(join(store.root, CARD_NAME), (front_matter(store, final=True) + body).encode())
+    store._card_written_at = time.time()
+    return True
+
+
+def _glob_match(name: str, pattern: str) -> bool:
+    """Whether a file name matches a card glob as ``datasets`` resolves it (hidden files never do)."""
+    import fnmatch
+
+    return not name.startswith(".") and fnmatch.fnmatchcase(name, pattern)
+
+
+def write_card(store, manifest: dict) -> bool:
+    """Write the finished build's card to ``store`` (an OutputStore; README.md), from its manifest;
+    False when a README.md of the user's is in the way (``card_blocked``)."""
     shards = store.card_shards if store.card_shards is not None else store.markers()
     first = min(shards, default=None)
     schema = pa.schema([])
     if first is not None:
         with store.fs.open(join(store.root, store.pair_file(first, shards[first])), "rb") as f:
             schema = pq.read_schema(f)
-    return store.write_card(card_body(manifest, schema, store.uri))
+    return write_final(store, card_body(manifest, schema, store.uri))
 
 
-__all__ = ["COLUMNS", "card_body", "model_identity", "model_provenance", "models_provenance", "package_versions",
-           "provenance", "redacted_command", "reward_weights", "weights_sha256", "weights_cache_file", "write_card"]
+__all__ = ["CARD_NAME", "CARD_TAG", "COLUMNS", "NO_PAIRS", "card_body", "check_slot", "front_matter", "reward_weights",
+           "write_card", "write_final", "write_progress"]

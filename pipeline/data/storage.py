@@ -4,7 +4,7 @@ s3:// credentials and endpoint come from the standard AWS_* environment variable
 ``storage_options`` config mapping (passed straight to s3fs). Only the driver opens storage (it reads
 the prompts and commits the output), so credentials are resolved there and never sent to a Ray
 worker (actors.factory.ray_runtime_env); what a build writes shows them redacted
-(Config.redacted_dict).
+(pipeline.provenance.redacted_config).
 """
 
 from __future__ import annotations

@@ -31,7 +31,10 @@ Commit of one shard: the side files, then the part file, then the marker. Every 
 whole or not at all: locally it is written to a temp file in the same directory and renamed with
 os.replace; on S3 one PUT of the final key is atomic. A shard is committed when its marker exists
 and matches the config and input; a part file without a marker (a run killed between the two
-writes) is redone, and temp files left by a killed run (``.tmp-*``) are ignored and removed.
+writes) is redone, and temp files left by a killed run (``.tmp-*``) are ignored and removed. A
+pending pair file (``.pending-*``) whose marker exists is completed by the next run (renamed, or, on
+S3, where a rename is a copy then a delete and a kill may fall between the two, deleted beside its
+copied pair file: ``_finish_commit``); one whose marker does not is removed (``prepare``).
 Ray may run a batch twice (retries are at-least-once); the marker makes the output exactly-once.
 Every reader of a build (training, expert iteration, evaluation) reads it through its store
 (``OutputStore.read_committed`` / ``committed_parts``): committed shards only, never by listing it.
@@ -58,6 +61,8 @@ from typing import Callable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.data import card
+from pipeline.data.layout import PENDING_PREFIX, marker_name, part_name, pending_name, side_name
 from pipeline.data.lease import LEASE_NAME, LEASE_TMP_PREFIX, Lease, lease_file
 from pipeline.data.schema import PAIR_SCHEMAS, QUARANTINE_SCHEMA, REJECT_SCHEMA, ExtraColumns
 from pipeline.data.storage import filesystem, is_remote, join
@@ -68,30 +73,8 @@ log = logging.getLogger(__name__)
 SIDE_DIRS = ("_rejects", "_quarantine")
 OWN_FILES = ("_manifest.json", "_report.json", "_SUCCESS")
 TMP_PREFIX = ".tmp-"
-PENDING_PREFIX = ".pending-"
-"""A pair file waits under ``.pending-<its name>`` until its marker is written, then is renamed to
-its name (the commit point). Hidden names are read by neither ``load_dataset`` form."""
 IDENTITY_KEYS_ORDER = ("models.generator", "models.reward", "models.draft", "output schema")
 MARKER_KEYS = ("shard", "config_hash", "input_fingerprint", "rows", "sha256", "bytes", "rejects", "quarantine")
-
-
-def part_name(shard: int) -> str:
-    """The pair file of ``shard``: its name holds the split (see the module docstring)."""
-    return f"train-{shard:05d}.parquet"
-
-
-def side_name(shard: int) -> str:
-    """The shard's file under ``_rejects/`` and ``_quarantine/``: no split keyword in its name."""
-    return f"part-{shard:05d}.parquet"
-
-
-def marker_name(shard: int) -> str:
-    return f"part-{shard:05d}.json"
-
-
-def pending_name(shard: int) -> str:
-    """Where shard ``shard``'s pair file waits for its marker (PENDING_PREFIX)."""
-    return PENDING_PREFIX + part_name(shard)
 
 
 _OUR_NAMES = re.compile(r"^(train-\d{5,}\.parquet|\.pending-train-\d{5,}\.parquet)$")
@@ -135,15 +118,6 @@ def is_build(fs, path: str) -> bool:
     """Whether directory ``path`` of ``fs`` is a build's output (BUILD_FILES). A user's own pairs
     directory (pair files and nothing of ours) is not: it is read by listing it, as it always was."""
     return any(fs.exists(join(path, name)) for name in BUILD_FILES)
-
-
-CARD_NAME = "README.md"
-CARD_TAG = "# bon-pipeline dataset card"
-"""The card's second line (a YAML comment in its front matter): a README.md that starts with
-``---`` and this is ours to rewrite or remove; any other is the user's."""
-CARD_CONFIGS = (("default", "", part_name, "rows"), ("rejects", "_rejects", side_name, "rejects"),
-                ("quarantine", "_quarantine", side_name, "quarantine"))
-"""The card's configs: (name, directory, file name of a shard, the marker's entry with its rows)."""
 
 
 def check_location(output: str, prompts: str) -> None:
@@ -338,7 +312,7 @@ class OutputStore:
 
     def committed(self, expected: dict[int, tuple[str, str]], identity: dict | None = None) -> set[int]:
         """Shards already committed. ``expected`` maps shard -> (input fingerprint, config hash) of
-        this build, ``identity`` what computes its samples and rewards (pipeline.build.build_identity:
+        this build, ``identity`` what computes its samples and rewards (pipeline.provenance.build_identity:
         each model's weights sha256 or Hub commit, the reward function's code, the output schema);
         a marker that disagrees raises OutputConflict (one line naming what changed). A shard whose
         files are missing or do not match its marker (size and sha256: damaged after its commit) is
@@ -388,9 +362,20 @@ class OutputStore:
                 and pending_name(shard) in names)
 
     def _finish_commit(self, shard: int, marker: dict, names: set[str]) -> None:
-        """Complete an interrupted commit (``_interrupted``) whose pending file matches its marker."""
-        if self._interrupted(shard, marker, names) and self._file_damage(pending_name(shard), marker) is None:
-            self._rename(pending_name(shard), part_name(shard))
+        """Complete a commit that stopped after its marker, where the shard's pending file is still
+        there. Either the rename never began (``_interrupted``: no pair file) or, on S3, where a
+        rename is a copy then a delete, it stopped between the two (both files there). A pair file
+        that matches its marker is the commit done: the pending file is deleted. Otherwise a
+        pending file that matches the marker is renamed to the pair file's name; one that matches
+        neither is left for the shard's rebuild to overwrite. ``names``: the root's file names
+        (``_top_names``)."""
+        pending, name = pending_name(shard), part_name(shard)
+        if pending not in names or self.pair_file(shard, marker) != name:
+            return
+        if name in names and self._file_damage(name, marker) is None:
+            self._delete(pending)
+        elif self._file_damage(pending, marker) is None:
+            self._rename(pending, name)
 
     def _rename(self, source: str, target: str) -> None:
         """Rename ``source`` to ``target`` (relative to the root): atomic locally (os.replace); on
@@ -398,6 +383,12 @@ class OutputStore:
         if self.lease is not None:
             self.lease.check()
         self.fs.mv(join(self.root, source), join(self.root, target))
+
+    def _delete(self, name: str) -> None:
+        """Delete ``name`` (relative to the root), as the output's writer."""
+        if self.lease is not None:
+            self.lease.check()
+        self.fs.rm(join(self.root, name))
 
     @staticmethod
     def pair_file(shard: int, marker: dict) -> str:
@@ -545,8 +536,8 @@ class OutputStore:
                 pass
         self._refresh()
         self.card_shards = {} if overwrite else dict(self._found)
-        self._check_card_slot()
-        self._write_progress_card()
+        card.check_slot(self)
+        card.write_progress(self)
 
     def _unclaimed(self, overwrite: bool) -> list[str]:
         """Files of this project's naming that no marker claims (all of them with ``overwrite``,
@@ -591,7 +582,7 @@ class OutputStore:
         if self.card_shards is not None:
             self.card_shards[shard] = marker
             if time.time() - self._card_written_at >= self.CARD_INTERVAL_S:
-                self._write_progress_card()
+                card.write_progress(self)
         return marker
 
     def verify(self, num_shards: int, config_hash: str | None = None, identity: dict | None = None,
@@ -647,106 +638,6 @@ class OutputStore:
     def write_success(self, content: dict) -> None:
         self.write_json("_SUCCESS", content)
 
-    # -- the dataset card ----------------------------------------------------------------------
-
-    def _check_card_slot(self) -> None:
-        """Whether README.md is free or ours (CARD_TAG); a user's stays, and no card is written."""
-        path = join(self.root, CARD_NAME)
-        self._refresh()
-        if not self.fs.exists(path):
-            return
-        with self.fs.open(path, "rb") as f:
-            head = f.read(len(CARD_TAG) + 8)
-        if not head.startswith(f"---\n{CARD_TAG}".encode()):
-            self.card_blocked = (f"{join(self.uri, CARD_NAME)}: not a dataset card this pipeline wrote; it is left as "
-                                 "it is and no card is written, so datasets.load_dataset(OUT) does not see this "
-                                 "build's configs (move the file away to get the card)")
-            log.warning("%s", self.card_blocked)
-
-    NO_PAIRS = "NO PAIRS - this build made none (README.md and _manifest.json say why)"
-    """The pair config's path in the card of a finished build with no pairs: ``datasets`` cannot
-    load an empty split ("corresponds to no data"), so ``load_dataset(OUT)`` stops on a missing
-    file whose name says why."""
-
-    def card_front_matter(self, final: bool = False) -> str:
-        """The card's YAML front matter: one config per kind of file (``default``: the pairs,
-        ``rejects``, ``quarantine``), each naming the files of the shards in ``card_shards``, one
-        split ``train``. The side configs name only files with rows, and are left out when there are
-        none (``datasets`` refuses a config whose split has no row). The pairs are named by the glob
-        ``train-*.parquet`` whenever the pair files on disk are exactly the committed ones (always,
-        since a pair file gets its name only at its commit: ``commit_shard``), so a reader of a
-        large output resolves one pattern and ``load_dataset(OUT)`` reads what
-        ``load_dataset("parquet", data_dir=OUT)`` does. The side files are written before their
-        shard commits, so their configs name files while the build runs, and are globbed only when
-        ``final`` (the build is done and nothing writes any more). A finished build with no pair at
-        all has one config, naming NO_PAIRS."""
-        import yaml
-
-        shards = self.card_shards or {}
-        configs = []
-        for name, directory, file_of, entry in CARD_CONFIGS:
-            prefix = f"{directory}/" if directory else ""
-            committed = [prefix + file_of(k) for k in sorted(shards)]
-            rows = [(shards[k] if entry == "rows" else shards[k][entry])["rows"] for k in sorted(shards)]
-            if name != "default":
-                if not any(rows):
-                    continue
-                committed = [f for f, n in zip(committed, rows) if n]
-            paths: str | list[str] = committed
-            if final or name == "default":
-                pattern = "train-*.parquet" if not directory else f"{directory}/*.parquet"
-                every = [prefix + p.rsplit("/", 1)[1] for p in self._ls(join(self.root, directory) if directory
-                                                                         else self.root)]
-                on_disk = {f for f in every if _glob_match(f.split("/")[-1], pattern.split("/")[-1])}
-                kind = {prefix + file_of(k) for k in shards}
-                if on_disk == kind:
-                    paths = pattern
-            if name == "default" and final and not any(rows):
-                # datasets resolves every config's files whichever is loaded, so the side configs
-                # go too (the card says how to read the rejects without it).
-                configs = [{"config_name": name, "data_files": [{"split": "train", "path": self.NO_PAIRS}],
-                            "default": True}]
-                break
-            config = {"config_name": name, "data_files": [{"split": "train", "path": paths}]}
-            if name == "default":
-                config["default"] = True
-            configs.append(config)
-        return (f"---\n{CARD_TAG}: rewritten by every build of this output (edit the build, not this file)\n"
-                + yaml.safe_dump({"configs": configs}, sort_keys=False, width=1000) + "---\n")
-
-    def _write_progress_card(self) -> None:
-        """The card of a build still running: the configs of the shards committed so far and a
-        short note; none (ours removed) while no shard is committed."""
-        if self.card_blocked or self.card_shards is None:
-            return
-        path = join(self.root, CARD_NAME)
-        if not self.card_shards:  # (the first commit writes a card at once)
-            if self.fs.exists(path):
-                if self.lease is not None:
-                    self.lease.check()
-                self.fs.rm(path)
-            return
-        pairs = sum(m["rows"] for m in self.card_shards.values())
-        body = (f"\n# Preference pairs: build in progress\n\nThis build has not finished (no `_SUCCESS` yet). "
-                f"The configs above name the {len(self.card_shards)} shard(s) committed when this card was written "
-                f"({pairs} pairs); `datasets.load_dataset(\"{self.uri}\")` reads those and nothing else. The full "
-                "card (columns, counts, provenance) is written when the build finishes.\n")
-        self._write_bytes(path, (self.card_front_matter() + body).encode())
-        self._card_written_at = time.time()
-
-    def write_card(self, body: str) -> bool:
-        """The finished build's card: the front matter (``final``) and ``body`` (Markdown), to
-        README.md; False when a README.md of the user's is in the way (``card_blocked``). A store
-        that was not prepared names every committed shard (its markers)."""
-        if self.card_shards is None:
-            self._check_card_slot()
-            self.card_shards = dict(self.iter_markers())
-        if self.card_blocked:
-            return False
-        self._write_bytes(join(self.root, CARD_NAME), (self.card_front_matter(final=True) + body).encode())
-        self._card_written_at = time.time()
-        return True
-
     def _write_bytes(self, path: str, payload: bytes) -> None:
         if self.lease is not None:  # a build that lost its lease writes nothing more
             self.lease.check()
@@ -762,13 +653,6 @@ class OutputStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-
-
-def _glob_match(name: str, pattern: str) -> bool:
-    """Whether a file name matches a card glob as ``datasets`` resolves it (hidden files never do)."""
-    import fnmatch
-
-    return not name.startswith(".") and fnmatch.fnmatchcase(name, pattern)
 
 
 def _mtime(entry: dict) -> float:

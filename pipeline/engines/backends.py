@@ -122,7 +122,7 @@ class Backend:
     ``reward_vllm`` for the reward model (actors.factory.engine_settings); None: models.hf applies."""
     sliding_window: bool = True
     """Its generator engine holds models with sliding-window attention layers; the HF engine's paged
-    KV cache does not, and the plan refuses such a generator on it (pipeline.build.check_models)."""
+    KV cache does not, and the plan refuses such a generator on it (pipeline.preflight.check_models)."""
     spans_gpus: bool = False
     """Its engine may span several GPUs inside one actor (tensor/pipeline parallel), so the actor asks
     Ray for as many (actors.factory.actor_resources)."""

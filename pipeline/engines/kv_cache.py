@@ -37,7 +37,7 @@ dtype and device (no C++ compiler; bfloat16 on some CPUs), a warning says so onc
 gathers the rows' blocks for SDPA instead (a copy per layer: slower, same result).
 
 Only models whose cache layers are all full attention use the manager (``KVCache.supports``); the
-plan refuses sliding-window generators on the HF backend (pipeline.build.check_models).
+plan refuses sliding-window generators on the HF backend (pipeline.preflight.check_models).
 """
 
 from __future__ import annotations
