@@ -547,7 +547,7 @@ def config_from_dict(raw: dict) -> Config:
         check_sampling(cfg.sampling)
     check_backend = getattr(strategy_config.params, "check_backend", None)
     if check_backend is not None:
-        check_backend(cfg.models.backend)
+        check_backend(backend(cfg.models.backend))
     if cfg.models.backend not in lookup(name).backends:
         served = sorted(n for n, m in STRATEGIES.items() if cfg.models.backend in m.backends)
         others = [b for b in lookup(name).backends]

@@ -268,7 +268,7 @@ def test_initial_candidates_auto_is_refused_off_the_hf_backend_and_checked_as_a_
     """``auto`` reads the HF engine's pool: with vLLM it is a one-line config error; other strings too."""
     base = {"models": {"generator": "g", "reward": ["r"], "backend": "vllm"},
             "strategy": {"name": "sbon", "decision_token": 4, "initial_candidates": "auto"}}
-    with pytest.raises(ConfigError, match="initial_candidates: auto sizes the first batch by the HF engine's KV"):
+    with pytest.raises(ConfigError, match="initial_candidates: auto sizes the first batch by the generator's KV blocks; backend vllm"):
         config_from_dict(base)
     with pytest.raises(ConfigError, match="initial_candidates: expected a positive int or auto, got 'many'"):
         config_from_dict({**base, "models": {**base["models"], "backend": "hf"},

@@ -120,11 +120,12 @@ class SpeculativeRejectionParams:
             raise ConfigError(f"strategy.initial_candidates: {self.initial_candidates} is less than "
                               f"sampling.num_samples {sampling.num_samples} (memory-budget mode starts at least N rows)")
 
-    def check_backend(self, backend: str) -> None:
-        """Checks against models.backend, run by config validation: ``auto`` reads the HF engine's KV pool."""
-        if self.initial_candidates == "auto" and backend != "hf":
-            raise ConfigError(f"strategy.initial_candidates: auto sizes the first batch by the HF engine's KV "
-                              f"blocks; backend {backend} has none to read, so give a number")
+    def check_backend(self, backend) -> None:
+        """Checks against the models.backend record, run by config validation: ``auto`` reads the
+        generator's KV pool (Backend.kv_capacity)."""
+        if self.initial_candidates == "auto" and not backend.kv_capacity:
+            raise ConfigError(f"strategy.initial_candidates: auto sizes the first batch by the generator's KV "
+                              f"blocks; backend {backend.name} has none to read, so give a number")
 
     @property
     def decision_tokens(self) -> list[int]:

@@ -123,6 +123,9 @@ class Backend:
     sliding_window: bool = True
     """Its generator engine holds models with sliding-window attention layers; the HF engine's paged
     KV cache does not, and the plan refuses such a generator on it (pipeline.preflight.check_models)."""
+    kv_capacity: bool = False
+    """Its generator engine answers Generator.capacity (the rows its paged KV pool holds), which
+    memory-budget speculative rejection's ``initial_candidates: auto`` reads."""
     spans_gpus: bool = False
     """Its engine may span several GPUs inside one actor (tensor/pipeline parallel), so the actor asks
     Ray for as many (actors.factory.actor_resources)."""
@@ -145,7 +148,7 @@ class Backend:
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("hf", "Hugging Face transformers: every strategy, KV rows of the step loop",
             frozenset({SESSIONS, SEARCH}), "pipeline.engines.hf:HFEngine", "pipeline.engines.rewards:RewardScorer",
-            sliding_window=False),
+            sliding_window=False, kv_capacity=True),
     Backend("vllm", "vLLM: continuous batching and paged attention; coordinator-side strategies",
             frozenset({SESSIONS}), "pipeline.engines.vllm_engine:VLLMEngine",
             "pipeline.engines.vllm_reward:VLLMRewardScorer", settings="vllm", spans_gpus=True),
