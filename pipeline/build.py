@@ -32,7 +32,7 @@ from pipeline.data.storage import access_errors, check_access
 from pipeline.data.schema import ExtraColumns
 from pipeline.data.store import OutputStore, check_location, fingerprint, part_name
 from pipeline.errors import BatchFailed, InputError, ShardFailed
-from pipeline.preflight import check_models, max_prompt_tokens
+from pipeline.preflight import check_models, check_reward_columns, max_prompt_tokens
 from pipeline.provenance import build_identity, config_hash
 from pipeline.strategies import Strategy, lookup
 
@@ -141,6 +141,7 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
             valid.append(len(rows))
             prompts_in += len(values)
         extra.finish()
+        check_reward_columns(config, set(extra.types) | extra.left_out)  # before any model loads
         if extra.left_out:
             log.info(f"note: {data.prompts}: column(s) {', '.join(sorted(extra.left_out))} not kept in the output "
                   "(the pair columns have those names)")

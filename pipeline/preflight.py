@@ -242,6 +242,28 @@ def check_reward(reward: str, load: dict | None = None, key: str = "models.rewar
                           f"({str(exc).strip().splitlines()[0]})") from None
 
 
+SCORER_ARGUMENTS = frozenset({"prompts", "completions", "partial"})
+"""What the function scorer passes a reward function besides the input's columns
+(pipeline.engines.rewards.FunctionScorer)."""
+
+
+def check_reward_columns(config: Config, columns: set[str]) -> None:
+    """Each reward function's required parameters (those with no default) are arguments the scorer
+    passes or columns of the input (``columns``: the names its rows carry): ConfigError, one line,
+    naming the function, the missing columns and the input, before any model loads. Otherwise a
+    build would run until the first reward call, then die with a TypeError."""
+    for key, spec in reward_keys(config.models):
+        if not is_reward_function(spec):
+            continue
+        parameters = inspect.signature(load_reward_function(spec)).parameters.values()
+        missing = [p.name for p in parameters if p.default is p.empty and p.name not in SCORER_ARGUMENTS | columns
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if missing:
+            has = ", ".join(sorted(columns)) or "none"
+            raise ConfigError(f"{key}: {spec} needs the input column(s) {', '.join(missing)}, which "
+                              f"{config.data.prompts} lacks (its other columns: {has})")
+
+
 def max_prompt_tokens(config: Config, context: int) -> int:
     """The prompt token limit: data.max_prompt_tokens, or what the context leaves after
     max_new_tokens. Refused (ConfigError) when a prompt and its response could overrun the context:

@@ -167,6 +167,22 @@ def test_a_bad_reward_function_is_one_line_and_exit_2(tiny_models, tmp_path, cap
     assert not (tmp_path / "o").exists()
 
 
+def test_a_reward_function_whose_columns_the_input_lacks_is_refused_at_plan_time(tiny_models, tmp_path, capsys):
+    """letter_reward needs a ``letter`` column: an input without one is refused in one line, exit 2,
+    before any model loads and before the output exists (issue 49: it used to run until the first
+    reward call, then die with a TypeError)."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": r["prompt"], "key": r["key"]} for r in ROWS[:2]])
+    code = main(["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(tmp_path / "o"),
+                 "--set", f"models.generator={tiny_models['generator']}",
+                 "--set", "models.reward=tests.test_reward_function:letter_reward",
+                 "--set", "runtime.local=true", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith("models.reward: tests.test_reward_function:letter_reward needs the input column(s) letter, "
+                           f"which {prompts} lacks (its other columns: key)")
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_column_of_empty_dicts_is_kept_as_json_text(tiny_models, tmp_path):
     """IFEval's kwargs of instructions without arguments are [{}]: a struct with no fields, which
     Parquet cannot hold; when no row gives it a field the column is written as JSON text."""
