@@ -246,3 +246,85 @@ def test_vllm_benchmark_builds_read_the_first_num_prompts_rows(vllm_bench, tmp_p
         assert not any(s.startswith("data.prompts=") for s in sets), name
         assert argv[argv.index("--prompts") + 1] == str(tmp_path / "prompts.jsonl")
     assert "strategy.decision_token=32" in argvs["sbon_continuous"] and "strategy.decision_token=32" not in argvs["bon_vllm"]
+
+
+# -- the equal-compute frontier (benchmarks.frontier, issue 49) -----------------------------------
+
+
+def _frontier_prompts(seed: int, n: int, prompts: int = 3, agreeing: bool = False):
+    """Random prompts; ``agreeing``: the judge follows the final reward (instructions followed at
+    final >= 2 and >= 3), so Best-of-K's quality grows with K."""
+    from benchmarks.frontier import Prompt
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(prompts):
+        lengths = [rng.choice([5, 20, 40, 64]) for _ in range(n)]
+        final = [float(rng.choice([0, 1, 2, 2, 3])) for _ in range(n)]  # ties on purpose
+        partial = {t: [f + rng.random() if length >= t else f for f, length in zip(final, lengths)] for t in (8, 16)}
+        judged = [[f >= 2, f >= 3] if agreeing else [rng.random() < 0.5 for _ in range(2)] for f in final]
+        out.append(Prompt(PromptRewards(lengths, final, partial), judged))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_frontier_best_of_k_is_the_exact_mean_over_every_k_subset(seed):
+    """Best-of-K's closed form (rank r chosen in C(N-1-r, K-1) of C(N, K) subsets) equals the mean of
+    Algorithm 1's own choice (metrics.chosen, ties to the lower index) over all K-subsets."""
+    from itertools import combinations
+
+    from benchmarks.frontier import best_of_k
+    from pipeline.decoding.metrics import chosen
+
+    prompts = _frontier_prompts(seed, n=6)
+    for k in range(1, 7):
+        point = best_of_k(prompts, k)
+        for i, p in enumerate(prompts):
+            picks = [chosen(p.rewards, set(s)) for s in combinations(range(6), k)]
+            assert point.prompt_level[i] == pytest.approx(sum(all(p.judged[c]) for c in picks) / len(picks))
+            assert point.followed[i] == pytest.approx(sum(sum(p.judged[c]) for c in picks) / len(picks))
+            assert point.generator[i] == pytest.approx(k * sum(p.rewards.lengths) / 6)
+
+
+def test_frontier_sbon_without_rejection_is_best_of_n_and_the_ratio_interpolates():
+    """alpha 0 keeps every row: sbon at N_max spends Best-of-N's tokens and picks its choice, so its
+    equal-quality ratio is 1; a cut saves tokens; the curve is interpolated linearly between two K."""
+    import numpy as np
+
+    from benchmarks.frontier import aggregate, best_of_k, equal_quality_compute, frontier, sbon
+
+    prompts = _frontier_prompts(7, n=8, prompts=5, agreeing=True)
+    instructions = np.array([2.0] * 5)
+    full, plain = sbon(prompts, 8, 8, 0.0, 1, 0), best_of_k(prompts, 8)
+    assert aggregate(full, instructions, (1, 1)) == pytest.approx(aggregate(plain, instructions, (1, 1)))
+    cut = sbon(prompts, 8, 8, 0.75, 1, 0)
+    assert cut.generator.sum() < full.generator.sum()
+    curve = [{"compute": 10.0, "q": 0.2}, {"compute": 20.0, "q": 0.6}, {"compute": 40.0, "q": 0.6}]
+    assert equal_quality_compute(curve, 0.5, "q") == (17.5, False)
+    assert equal_quality_compute(curve, 0.7, "q") == (40.0, True)
+    result = frontier(prompts, [4, 8], [8], [0.0], "instruction_level", (1.0, 1.0), 20, 50, 0)
+    at_n = {p["n"]: p for p in result["sbon"]}
+    assert at_n[8]["ratio"] == pytest.approx(1.0) and at_n[8]["ratio_low"] <= 1.0 <= at_n[8]["ratio_high"]
+    assert [c["k"] for c in result["best_of_k"]] == list(range(1, 9))
+
+
+def test_frontier_cli_writes_json_and_png_and_refuses_bad_input(tmp_path, capsys):
+    from benchmarks.frontier import main
+
+    prompts = _frontier_prompts(3, n=6)
+    data = {"taus": [8, 16], "alphas": [0.5], "completions": [
+        {"lengths": p.rewards.lengths, "final": p.rewards.final,
+         "partial": {str(t): v for t, v in p.rewards.partial.items()}, "judged": p.judged} for p in prompts]}
+    path = tmp_path / "counterfactual.json"
+    path.write_text(json.dumps(data))
+    assert main(["--counterfactual", str(path), "--bootstrap", "20", "--json", str(tmp_path / "f.json"),
+                 "--plot", str(tmp_path / "f.png")]) == 0
+    written = json.loads((tmp_path / "f.json").read_text())
+    assert written["n_max"] == 6 and len(written["sbon"]) == 2 and (tmp_path / "f.png").stat().st_size > 0
+    for bad, message in ((tmp_path / "none.json", "not a counterfactual JSON"),):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--counterfactual", str(bad)])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--counterfactual", str(path), "--taus", "32"])
+    assert exit_.value.code == 2 and "no partial rewards at tau [32]" in capsys.readouterr().err

@@ -1,0 +1,252 @@
+"""The equal-compute frontier of speculative rejection against Best-of-K, replayed on collected
+completions (issue 49): the paper's own comparison (reward reached against compute spent), not the
+same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(L - tau)).
+
+    python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [--sizes 8,16,32] \
+        [--taus 16,32,64] [--alphas 0.5,0.75,0.9] [--level instruction] [--json OUT.json] [--plot OUT.png]
+
+The input is jobs.counterfactual's JSON (``bon-counterfactual ... --output DIR``): per prompt, N_max
+completions with their lengths, the combined reward at each decision token and at the end, and the
+judge's verdicts (IFEval strict, per instruction). Nothing is sampled here; every point is replayed on
+those same completions:
+
+- Best-of-K for K = 1..N_max, as an exact expectation over the K-subsets: the completion ranked r-th
+  by final reward (ties: the lower index, as pair selection breaks them) is Best-of-K's choice in
+  C(N - 1 - r, K - 1) of the C(N, K) subsets.
+- Speculative rejection at every (N, tau, alpha): Algorithm 1 replayed by
+  pipeline.decoding.metrics (accepted, chosen), exactly at N = N_max and averaged over --subsets
+  random N-subsets below it.
+- Compute per prompt: generator tokens (a stopped row costs min(length, tau), a kept one its
+  length) plus the reward model's tokens read (a streaming session reads each generated token
+  once; Best-of-K reads its K responses once), weighted by --generator-cost and --reward-cost
+  (seconds per token, measured on your models; the defaults count tokens). Prompt tokens are not in
+  the counterfactual's data and are left out of both sides.
+- Quality: the judge's prompt- and instruction-level accuracy of the chosen completion, and the
+  mean final reward.
+- For each sbon point: the compute ratio at equal quality, Best-of-K's compute interpolated at
+  sbon's quality (--level) over sbon's compute, with a percentile bootstrap interval over prompts
+  (--bootstrap resamples). Where sbon's quality is above Best-of-N_max's, the ratio is a lower
+  bound (``above_curve``).
+
+Prints the curve and the points; --json writes them, --plot draws quality against compute (the
+Best-of-K curve and the sbon points). Bad input prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import bench_parser, fail, parse, write_json, write_png
+from pipeline.decoding.metrics import PromptRewards, accepted, chosen
+
+
+@dataclass
+class Prompt:
+    """One prompt's collected completions: rewards, lengths, the judge's verdicts."""
+
+    rewards: PromptRewards
+    judged: list[list[bool]]
+
+
+@dataclass
+class Point:
+    """Per-prompt expectations of one method: generator and reward tokens, judged prompt-level
+    (all instructions followed), instructions followed, and the chosen completion's final reward."""
+
+    generator: np.ndarray
+    reward: np.ndarray
+    prompt_level: np.ndarray
+    followed: np.ndarray
+    final: np.ndarray
+
+
+def load(path: str) -> tuple[list[Prompt], dict]:
+    """The prompts of a counterfactual JSON that the judge saw; one line and exit 2 otherwise."""
+    try:
+        data = json.loads(Path(path).read_text())
+        prompts = [Prompt(PromptRewards(c["lengths"], c["final"], {int(t): v for t, v in c["partial"].items()}),
+                          c["judged"]) for c in data["completions"] if c.get("judged")]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        fail(f"{path}: not a counterfactual JSON with completions ({type(exc).__name__}: {exc})")
+    if not prompts:
+        fail(f"{path}: no prompt has the judge's verdicts (the prompts need IFEval's columns)")
+    return prompts, data
+
+
+def _order(rewards: PromptRewards) -> list[int]:
+    """Completions best first, as ``chosen`` picks them (finite final rewards first, ties: lower index)."""
+    return sorted(range(len(rewards.final)),
+                  key=lambda k: (not math.isfinite(rewards.final[k]), -rewards.final[k] if math.isfinite(
+                      rewards.final[k]) else 0.0, k))
+
+
+def best_of_k(prompts: list[Prompt], k: int) -> Point:
+    """Best-of-K's exact expectation over the K-subsets of each prompt's completions."""
+    rows = []
+    for p in prompts:
+        n, order = len(p.rewards.final), _order(p.rewards)
+        weights = [math.comb(n - 1 - r, k - 1) / math.comb(n, k) for r in range(n)]
+        tokens = k * sum(p.rewards.lengths) / n
+        pick = list(zip(weights, order))
+        rows.append((tokens, tokens, sum(w * all(p.judged[c]) for w, c in pick),
+                     sum(w * sum(p.judged[c]) for w, c in pick),
+                     sum(w * p.rewards.final[c] for w, c in pick if math.isfinite(p.rewards.final[c]))))
+    return Point(*map(np.array, zip(*rows)))
+
+
+def _subset(rewards: PromptRewards, keep: list[int]) -> PromptRewards:
+    return PromptRewards([rewards.lengths[k] for k in keep], [rewards.final[k] for k in keep],
+                         {t: [v[k] for k in keep] for t, v in rewards.partial.items()})
+
+
+def sbon(prompts: list[Prompt], n: int, tau: int, alpha: float, subsets: int, seed: int,
+         keep_lowest: bool = True) -> Point:
+    """Algorithm 1 at (tau, alpha) on N-subsets of each prompt's completions (all of them at N_max),
+    averaged: per prompt, the tokens spent and the judged quality of its choice."""
+    rows = []
+    for i, p in enumerate(prompts):
+        total = len(p.rewards.final)
+        draws = [list(range(total))] if n >= total else \
+            [sorted(random.Random(seed * 1_000_003 + i * 7919 + s).sample(range(total), n)) for s in range(subsets)]
+        sums = np.zeros(4)
+        for keep in draws:
+            sub = _subset(p.rewards, keep)
+            kept = accepted(sub, tau, alpha, keep_lowest)
+            pick = chosen(sub, kept)
+            judged = p.judged[keep[pick]] if pick is not None else [False] * len(p.judged[0])
+            tokens = sum(length if j in kept else min(length, tau) for j, length in enumerate(sub.lengths))
+            sums += (tokens, all(judged), sum(judged), sub.final[pick] if pick is not None else 0.0)
+        tokens, level, followed, final = sums / len(draws)
+        rows.append((tokens, tokens, level, followed, final))  # streaming: the reward reads each token once
+    return Point(*map(np.array, zip(*rows)))
+
+
+def aggregate(point: Point, instructions: np.ndarray, costs: tuple[float, float], index=None) -> dict:
+    """Means over prompts (``index``: a bootstrap resample of them): compute per prompt, quality."""
+    index = np.arange(len(point.generator)) if index is None else index
+    generator, reward = point.generator[index].mean(), point.reward[index].mean()
+    return {"generator_tokens": float(generator), "reward_tokens": float(reward),
+            "compute": float(costs[0] * generator + costs[1] * reward),
+            "prompt_level": float(point.prompt_level[index].mean()),
+            "instruction_level": float(point.followed[index].sum() / instructions[index].sum()),
+            "final_reward": float(point.final[index].mean())}
+
+
+def equal_quality_compute(curve: list[dict], quality: float, level: str) -> tuple[float, bool]:
+    """Best-of-K's compute interpolated at ``quality`` along the curve (K ascending): the first
+    segment that reaches it. (compute, False), or (the curve's last compute, True) when no K reaches it."""
+    previous = None
+    for point in curve:
+        if point[level] >= quality:
+            if previous is None or point[level] == previous[level]:
+                return point["compute"], False
+            share = (quality - previous[level]) / (point[level] - previous[level])
+            return previous["compute"] + share * (point["compute"] - previous["compute"]), False
+        previous = point
+    return curve[-1]["compute"], True
+
+
+def ratio(curve_points: list[Point], point: Point, instructions, costs, level: str, index=None) -> tuple[float, bool]:
+    curve = [aggregate(p, instructions, costs, index) for p in curve_points]
+    at = aggregate(point, instructions, costs, index)
+    compute, above = equal_quality_compute(curve, at[level], level)
+    return compute / at["compute"], above
+
+
+def frontier(prompts: list[Prompt], sizes: list[int], taus: list[int], alphas: list[float], level: str,
+             costs: tuple[float, float], subsets: int, resamples: int, seed: int) -> dict:
+    """The Best-of-K curve and every sbon point with its equal-quality compute ratio and interval."""
+    n_max = min(len(p.rewards.final) for p in prompts)
+    instructions = np.array([len(p.judged[0]) for p in prompts], dtype=float)
+    curve_points = [best_of_k(prompts, k) for k in range(1, n_max + 1)]
+    rng = np.random.default_rng(seed)
+    samples = [rng.integers(0, len(prompts), len(prompts)) for _ in range(resamples)]
+    points = []
+    for n in (s for s in sizes if s <= n_max):
+        for tau in taus:
+            for alpha in alphas:
+                point = sbon(prompts, n, tau, alpha, subsets, seed)
+                value, above = ratio(curve_points, point, instructions, costs, level)
+                spread = sorted(ratio(curve_points, point, instructions, costs, level, s)[0] for s in samples)
+                low, high = (spread[int(0.025 * len(spread))], spread[int(0.975 * len(spread)) - 1]) if spread \
+                    else (math.nan, math.nan)
+                points.append({"n": n, "tau": tau, "alpha": alpha, **aggregate(point, instructions, costs),
+                               "ratio": value, "ratio_low": low, "ratio_high": high, "above_curve": above})
+    return {"prompts": len(prompts), "n_max": n_max, "level": level, "costs_per_token": list(costs),
+            "best_of_k": [{"k": k, **aggregate(p, instructions, costs)} for k, p in enumerate(curve_points, 1)],
+            "sbon": points}
+
+
+def draw(result: dict, level: str):
+    def figure(plt):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        curve = result["best_of_k"]
+        ax.plot([c["compute"] for c in curve], [c[level] for c in curve], "-o", ms=3, label="Best-of-K, K = 1..N")
+        best = sorted(result["sbon"], key=lambda p: -p["ratio"])[:5]  # labelled: the five best ratios
+        ax.scatter([p["compute"] for p in result["sbon"]], [p[level] for p in result["sbon"]], s=18, marker="^",
+                   color="tab:red", label="speculative rejection (N, tau, alpha)")
+        for p in best:
+            ax.annotate(f"N{p['n']} tau{p['tau']} a{p['alpha']}: {p['ratio']:.2f}x", (p["compute"], p[level]),
+                        fontsize=7, xytext=(4, -10), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("compute per prompt (generator + reward tokens, cost-weighted)")
+        ax.set_ylabel(f"IFEval {level.replace('_', '-')} (strict)")
+        ax.set_title(f"Equal-compute frontier, {result['prompts']} prompts")
+        ax.legend(loc="lower right")
+        return fig
+    return figure
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__name__, __doc__, json=None, plot=None, seed=0)
+    parser.add_argument("--counterfactual", required=True, help="jobs.counterfactual's counterfactual.json")
+    parser.add_argument("--sizes", default="", help="sbon's N values (default: N_max)")
+    parser.add_argument("--taus", default="", help="decision tokens (default: the counterfactual's)")
+    parser.add_argument("--alphas", default="", help="rejection rates (default: the counterfactual's)")
+    parser.add_argument("--level", choices=["instruction_level", "prompt_level", "final_reward"],
+                        default="instruction_level", help="the quality the ratio is taken at")
+    parser.add_argument("--generator-cost", type=float, default=1.0, help="seconds (or units) per generated token")
+    parser.add_argument("--reward-cost", type=float, default=1.0, help="seconds (or units) per reward token read")
+    parser.add_argument("--subsets", type=int, default=200, help="random N-subsets per prompt below N_max")
+    parser.add_argument("--bootstrap", type=int, default=1000, help="resamples of the prompts for the intervals")
+    args = parse(parser, argv)
+    prompts, data = load(args.counterfactual)
+    n_max = min(len(p.rewards.final) for p in prompts)
+    taus = [int(t) for t in _floats(args.taus)] or data.get("taus") or sorted(prompts[0].rewards.partial)
+    missing = [t for t in taus if any(t not in p.rewards.partial for p in prompts)]
+    if missing:
+        fail(f"{args.counterfactual}: no partial rewards at tau {missing} (it has {sorted(prompts[0].rewards.partial)})")
+    result = frontier(prompts, [int(s) for s in _floats(args.sizes)] or [n_max], taus,
+                      _floats(args.alphas) or data.get("alphas") or [0.75], args.level,
+                      (args.generator_cost, args.reward_cost), args.subsets, args.bootstrap, args.seed)
+    report(result, args.level)
+    write_json(args.json, {"counterfactual": args.counterfactual, **result}, args)
+    write_png(args.plot, draw(result, args.level))
+    return 0
+
+
+def report(result: dict, level: str) -> None:
+    print(f"{result['prompts']} prompts, N_max {result['n_max']}; quality: {level}")
+    print("Best-of-K:  K  compute  prompt  instruction")
+    for c in result["best_of_k"]:
+        print(f"          {c['k']:>3} {c['compute']:>8.0f}  {c['prompt_level']:.3f}   {c['instruction_level']:.3f}")
+    print("sbon:  N  tau alpha  compute  prompt  instruction  ratio at equal quality [95%]")
+    for p in result["sbon"]:
+        bound = ">=" if p["above_curve"] else "  "
+        print(f"    {p['n']:>4} {p['tau']:>4} {p['alpha']:.3f} {p['compute']:>8.0f}  {p['prompt_level']:.3f}   "
+              f"{p['instruction_level']:.3f}      {bound}{p['ratio']:.2f}x [{p['ratio_low']:.2f}, {p['ratio_high']:.2f}]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
