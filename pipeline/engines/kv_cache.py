@@ -8,7 +8,7 @@ keys and values live in a pool of fixed-size blocks allocated once, sized by a m
     kv.release(rows[:2])                       # pruned or finished: their blocks go back
     batch = kv.take(rows[2:])                  # back out as a RowBatch (speculative decoding)
 
-Blocks. ``block_size`` tokens of every layer's keys and values; a block is taken when a row's
+Blocks (``BlockPool``, which KVCache extends with its rows). ``block_size`` tokens of every layer's keys and values; a block is taken when a row's
 next token starts one (a step's ``grow``) and given back when the last row holding it is released.
 Free blocks are handed out lowest first: on a CPU, where the pool is ``torch.empty`` (its pages are
 not resident until written), the memory a build touches then follows the blocks it holds at its
@@ -324,40 +324,22 @@ class _Rows:
     live: np.ndarray  # [R] bool: the handle is in use
 
 
-class KVCache:
-    """One model's paged KV cache (see the module docstring)."""
+class BlockPool:
+    """The memory of a KV cache: every layer's keys and values in fixed-size blocks allocated once
+    (sized by the budget, at the first use), the blocks' reference counts and the free list, lowest
+    block first. KVCache keeps its rows on it."""
 
-    def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
-                 counted_by: tuple = ()):
+    def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None):
         """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
         device); the pool is allocated at the first admission, after the weights are in memory."""
-        _register()
         self.model, self.device, self.memory, self.block_size = model, device, memory, block_size or BLOCK_SIZE
-        self.counted_by = counted_by
         self.keys: list[torch.Tensor] = []  # per layer [1, H, NB * bs, D]
         self.values: list[torch.Tensor] = []
         self.num_blocks = 0
         self.block_bytes = 0
         self.refs = np.zeros(0, dtype=np.int32)  # [NB] rows holding each block
         self._free: list[int] = []  # a heap: lowest block first
-        self._rows = _Rows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.int32),
-                           np.zeros(0, bool))
-        self._spare_rows: list[int] = []
-        self._released: list[int] = []  # released by callers outside the loop, freed at the next collect
-        self._lock = threading.Lock()
-        self.forward_passes = 0
         self.peak_blocks = 0
-        self.shared_bytes = 0
-        """Bytes a prompt's shared blocks saved: (samples - 1) x its whole blocks, summed over admissions."""
-        self.preemptions = 0
-        """Sessions preempted for blocks (counted by the model runner)."""
-
-    @staticmethod
-    def supports(model) -> bool:
-        """Whether every cache layer of ``model`` is full attention (the pool holds no sliding window)."""
-        return all(isinstance(layer, _GrowingLayer) for layer in _new_cache(model).layers)
-
-    # -- the pool ------------------------------------------------------------------------------
 
     @property
     def allocated(self) -> bool:
@@ -378,17 +360,6 @@ class KVCache:
     def held_bytes(self) -> int:
         """Bytes of the blocks rows hold now (a shared block once)."""
         return self.used_blocks * self.block_bytes
-
-    def live_tokens(self) -> int:
-        """Tokens the live rows hold (a shared prompt's tokens once per row)."""
-        rows = self._rows
-        return int(rows.length[rows.live].sum())
-
-    def stats(self) -> dict:
-        return {"kv_blocks_total": self.num_blocks, "kv_blocks_used": self.used_blocks,
-                "kv_blocks_peak": self.peak_blocks, "kv_block_size": self.block_size,
-                "kv_bytes_total": self.nbytes(), "kv_bytes_peak": self.peak_blocks * self.block_bytes,
-                "kv_prompt_bytes_shared": self.shared_bytes, "kv_preemptions": self.preemptions}
 
     def _allocate_for_model(self) -> None:
         """The pool before any admission, shaped from the model's config (``rows_that_fit`` needs it)."""
@@ -448,6 +419,63 @@ class KVCache:
         index = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
         return torch.from_numpy(index).to(self.device)
 
+    def _room_for(self, need: int) -> bool:
+        watermark = WATERMARK * self.num_blocks if self.used_blocks else 0
+        return need + watermark <= self.free_blocks
+
+    def rows_that_fit(self, lengths: list[int], tokens: int) -> int:
+        """Rows per prompt that the pool holds, each prompt (of ``lengths`` tokens) with that many
+        rows of ``tokens`` generated tokens: its whole blocks once, each row's own blocks, less the
+        watermark. The whole pool, not the blocks free at the moment: the answer depends on the
+        budget, never on timing, so a resumed build sizes a batch as the first run did. 0 when not
+        one row per prompt fits. Allocates the pool if no admission has."""
+        if not self.allocated:
+            self._allocate_for_model()
+        bs = self.block_size
+        shared = sum(length // bs for length in lengths)
+        per_row = sum(-(-(length + tokens) // bs) - length // bs for length in lengths)
+        room = (1 - WATERMARK) * self.num_blocks - shared
+        return max(0, int(room // max(per_row, 1)))
+
+
+class KVCache(BlockPool):
+    """One model's paged KV cache (see the module docstring): rows, each with a block table, on a
+    BlockPool."""
+
+    def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
+                 counted_by: tuple = ()):
+        """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
+        device); the pool is allocated at the first admission, after the weights are in memory."""
+        _register()
+        super().__init__(model, device, memory, block_size)
+        self.counted_by = counted_by
+        self._rows = _Rows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.int32),
+                           np.zeros(0, bool))
+        self._spare_rows: list[int] = []
+        self._released: list[int] = []  # released by callers outside the loop, freed at the next collect
+        self._lock = threading.Lock()
+        self.forward_passes = 0
+        self.shared_bytes = 0
+        """Bytes a prompt's shared blocks saved: (samples - 1) x its whole blocks, summed over admissions."""
+        self.preemptions = 0
+        """Sessions preempted for blocks (counted by the model runner)."""
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether every cache layer of ``model`` is full attention (the pool holds no sliding window)."""
+        return all(isinstance(layer, _GrowingLayer) for layer in _new_cache(model).layers)
+
+    def live_tokens(self) -> int:
+        """Tokens the live rows hold (a shared prompt's tokens once per row)."""
+        rows = self._rows
+        return int(rows.length[rows.live].sum())
+
+    def stats(self) -> dict:
+        return {"kv_blocks_total": self.num_blocks, "kv_blocks_used": self.used_blocks,
+                "kv_blocks_peak": self.peak_blocks, "kv_block_size": self.block_size,
+                "kv_bytes_total": self.nbytes(), "kv_bytes_peak": self.peak_blocks * self.block_bytes,
+                "kv_prompt_bytes_shared": self.shared_bytes, "kv_preemptions": self.preemptions}
+
     # -- rows ------------------------------------------------------------------------------------
 
     def _new_rows(self, count: int) -> list[int]:
@@ -478,24 +506,6 @@ class KVCache:
         if not self.allocated:
             return True
         return self._room_for(self.blocks_for(lengths, samples))
-
-    def rows_that_fit(self, lengths: list[int], tokens: int) -> int:
-        """Rows per prompt that the pool holds, each prompt (of ``lengths`` tokens) with that many
-        rows of ``tokens`` generated tokens: its whole blocks once, each row's own blocks, less the
-        watermark. The whole pool, not the blocks free at the moment: the answer depends on the
-        budget, never on timing, so a resumed build sizes a batch as the first run did. 0 when not
-        one row per prompt fits. Allocates the pool if no admission has."""
-        if not self.allocated:
-            self._allocate_for_model()
-        bs = self.block_size
-        shared = sum(length // bs for length in lengths)
-        per_row = sum(-(-(length + tokens) // bs) - length // bs for length in lengths)
-        room = (1 - WATERMARK) * self.num_blocks - shared
-        return max(0, int(room // max(per_row, 1)))
-
-    def _room_for(self, need: int) -> bool:
-        watermark = WATERMARK * self.num_blocks if self.used_blocks else 0
-        return need + watermark <= self.free_blocks
 
     @torch.inference_mode()
     def admit(self, batch: RowBatch, sources: list[int] | None = None) -> list[int] | None:

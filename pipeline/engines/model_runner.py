@@ -103,7 +103,89 @@ class Session:
         return not self.rows or len(self.tokens[self.rows[0]]) >= self.until
 
 
-class ModelRunner:
+class _Residency:
+    """A ModelRunner's sessions in and out of its KV cache's blocks: admission (a prefill's rows, or
+    a preempted session's recomputed), preemption, release, and a batch of their own for speculative
+    decoding. Uses the runner's ``kv``, ``resident``, ``model``, ``pad_id`` and ``device``."""
+
+    def blocks_needed(self, sessions: list[Session]) -> int:
+        """Blocks the next step of ``sessions`` takes beyond the free ones (0: it fits)."""
+        return max(0, self.kv.needed([h for s in sessions for h in s.kv]) - self.kv.free_blocks)
+
+    def _admission(self, state: Session) -> tuple[RowBatch, list[int] | None]:
+        """The batch and sources a session is admitted from: its prefill's, or (preempted) its rows'
+        tokens recomputed, one row each: the prompt and every response token but the pending one."""
+        if not state.preempted:
+            return state.batch, state.fan
+        texts = [state.prompts[r // state.num_samples] + state.tokens[r][:-1] for r in state.rows]
+        batch, _ = RowBatch.prefill(self.model, texts, self.pad_id, self.device, counted_by=(self,),
+                                    logits_to_keep=1)
+        state.forward_passes += 1
+        return batch, None
+
+    @torch.inference_mode()
+    def admit(self, state: Session) -> bool:
+        """Write the session's rows into the KV cache (their one copy; a preempted session's
+        recomputed first); False, nothing done, when their blocks do not fit now. Raises
+        KVBudgetError when they could never fit."""
+        if state.kv is not None:
+            return True
+        if not state.rows:
+            state.kv, state.batch, state.fan, state.preempted = [], None, None, False
+            return True
+        if state.preempted:  # recompute only once the blocks fit
+            lengths = [len(state.prompts[r // state.num_samples]) + len(state.tokens[r]) - 1 for r in state.rows]
+            if not self.kv.fits(lengths, [1] * len(lengths)):
+                return False
+        batch, sources = self._admission(state)
+        handles = self.kv.admit(batch, sources)
+        if handles is None:
+            return False
+        state.kv, state.batch, state.fan, state.preempted = handles, None, None, False
+        self.resident.append(state)
+        return True
+
+    def preempt(self, state: Session) -> None:
+        """Give back the session's blocks (the newest session, when a step needs more than are free);
+        its rows keep their tokens and samplers, and their KV is recomputed at their next admission."""
+        if state.kv is None:
+            return
+        self.kv.release(state.kv)
+        self.kv.collect()
+        state.kv, state.preempted = None, True
+        self.kv.preemptions += 1
+        self._evict(state)
+
+    def _evict(self, state: Session) -> None:
+        if state in self.resident:
+            self.resident.remove(state)
+
+    def unpool(self, state: Session) -> None:
+        """The session's rows in a batch of their own, one row each (speculative decoding verifies
+        on it): out of the KV cache, fanned out from its prompts' KV, or recomputed (preempted)."""
+        if state.kv is not None:
+            state.batch = self.kv.take(state.kv) if state.kv else None
+            state.kv = None
+            self._evict(state)
+        elif state.preempted:
+            state.batch, _ = self._admission(state)
+            state.preempted = False
+        elif state.fan is not None:
+            state.batch.select(state.fan)
+            state.fan = None
+
+    def release(self, state: Session) -> None:
+        """Free whatever the session's rows hold in the KV cache (a closed session), and the heap's
+        free pages (kv_cache.trim_heap)."""
+        if state.kv:
+            self.kv.release(state.kv)
+            self.kv.collect()  # the engine runs this between steps, on the loop's driver
+        state.kv = [] if state.kv is not None else None
+        self._evict(state)
+        trim_heap()
+
+
+class ModelRunner(_Residency):
     """The model, its tokenizer and the sessions' model work (see the module docstring)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu",
@@ -181,82 +263,6 @@ class ModelRunner:
         handles = [h for s in sessions for h in s.kv]
         logits = self.kv.step(handles, pending, logits_to_keep=1).logits[:, -1, :]  # [live, V]
         return self._advance(sessions, logits)
-
-    def blocks_needed(self, sessions: list[Session]) -> int:
-        """Blocks the next step of ``sessions`` takes beyond the free ones (0: it fits)."""
-        return max(0, self.kv.needed([h for s in sessions for h in s.kv]) - self.kv.free_blocks)
-
-    def _admission(self, state: Session) -> tuple[RowBatch, list[int] | None]:
-        """The batch and sources a session is admitted from: its prefill's, or (preempted) its rows'
-        tokens recomputed, one row each: the prompt and every response token but the pending one."""
-        if not state.preempted:
-            return state.batch, state.fan
-        texts = [state.prompts[r // state.num_samples] + state.tokens[r][:-1] for r in state.rows]
-        batch, _ = RowBatch.prefill(self.model, texts, self.pad_id, self.device, counted_by=(self,),
-                                    logits_to_keep=1)
-        state.forward_passes += 1
-        return batch, None
-
-    @torch.inference_mode()
-    def admit(self, state: Session) -> bool:
-        """Write the session's rows into the KV cache (their one copy; a preempted session's
-        recomputed first); False, nothing done, when their blocks do not fit now. Raises
-        KVBudgetError when they could never fit."""
-        if state.kv is not None:
-            return True
-        if not state.rows:
-            state.kv, state.batch, state.fan, state.preempted = [], None, None, False
-            return True
-        if state.preempted:  # recompute only once the blocks fit
-            lengths = [len(state.prompts[r // state.num_samples]) + len(state.tokens[r]) - 1 for r in state.rows]
-            if not self.kv.fits(lengths, [1] * len(lengths)):
-                return False
-        batch, sources = self._admission(state)
-        handles = self.kv.admit(batch, sources)
-        if handles is None:
-            return False
-        state.kv, state.batch, state.fan, state.preempted = handles, None, None, False
-        self.resident.append(state)
-        return True
-
-    def preempt(self, state: Session) -> None:
-        """Give back the session's blocks (the newest session, when a step needs more than are free);
-        its rows keep their tokens and samplers, and their KV is recomputed at their next admission."""
-        if state.kv is None:
-            return
-        self.kv.release(state.kv)
-        self.kv.collect()
-        state.kv, state.preempted = None, True
-        self.kv.preemptions += 1
-        self._evict(state)
-
-    def _evict(self, state: Session) -> None:
-        if state in self.resident:
-            self.resident.remove(state)
-
-    def unpool(self, state: Session) -> None:
-        """The session's rows in a batch of their own, one row each (speculative decoding verifies
-        on it): out of the KV cache, fanned out from its prompts' KV, or recomputed (preempted)."""
-        if state.kv is not None:
-            state.batch = self.kv.take(state.kv) if state.kv else None
-            state.kv = None
-            self._evict(state)
-        elif state.preempted:
-            state.batch, _ = self._admission(state)
-            state.preempted = False
-        elif state.fan is not None:
-            state.batch.select(state.fan)
-            state.fan = None
-
-    def release(self, state: Session) -> None:
-        """Free whatever the session's rows hold in the KV cache (a closed session), and the heap's
-        free pages (kv_cache.trim_heap)."""
-        if state.kv:
-            self.kv.release(state.kv)
-            self.kv.collect()  # the engine runs this between steps, on the loop's driver
-        state.kv = [] if state.kv is not None else None
-        self._evict(state)
-        trim_heap()
 
     @torch.inference_mode()
     def step(self, batch: RowBatch, sessions: list[Session], live: list[int]) -> list[list[int]]:
