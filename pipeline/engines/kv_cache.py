@@ -8,8 +8,9 @@ keys and values live in a pool of fixed-size blocks allocated once, sized by a m
     kv.release(rows[:2])                       # pruned or finished: their blocks go back
     batch = kv.take(rows[2:])                  # back out as a RowBatch (speculative decoding)
 
-Blocks (``BlockPool``, which KVCache extends with its rows). ``block_size`` tokens of every layer's keys and values; a block is taken when a row's
-next token starts one (a step's ``grow``) and given back when the last row holding it is released.
+Blocks (``BlockPool``, which KVCache extends with its rows). ``block_size`` tokens of every layer's
+keys and values; a block is taken when a row's next token starts one (a step's ``grow``) and given
+back when the last row holding it is released.
 Free blocks are handed out lowest first: on a CPU, where the pool is ``torch.empty`` (its pages are
 not resident until written), the memory a build touches then follows the blocks it holds at its
 peak, not the budget. No buffer grows during a build, and a row's keys and values never move.
