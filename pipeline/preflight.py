@@ -154,8 +154,9 @@ def check_engines(config: Config, record: Strategy | None = None) -> None:
       from an actor that asked for none, unless its backend's engine asks for its own (vLLM:
       Backend.spans_gpus, actors.factory.actor_resources).
     - a backend's engine settings (models.vllm / models.reward_vllm, Backend.role_settings_key):
-      noted when the role runs on another backend; every key a ``vllm.EngineArgs`` field (where vLLM
-      is installed on the driver; on a driver without it the actor reports a bad key when it starts);
+      noted when the role runs on another backend; every key one its engine takes (Backend.check_settings:
+      for vLLM a ``vllm.EngineArgs`` field, where vLLM is installed on the driver; on a driver without it
+      the actor reports a bad key when it starts);
     - models.hf.attn_implementation: one transformers knows (or a Hub kernel, ``org/repo``).
 
     ``record``: the strategy's registry record (None: looked up here)."""
@@ -184,7 +185,7 @@ def check_engines(config: Config, record: Strategy | None = None) -> None:
                 log.info(f"note: models.{key} is set but the {'generator' if role == 'generator' else 'reward model'} "
                          f"runs on backend {name}; it is not used")
             elif settings:
-                _check_vllm_settings(key, settings)
+                backend(name).check_settings(key, settings)
     attn = models.hf.attn_implementation
     if attn and "/" not in attn:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -193,27 +194,6 @@ def check_engines(config: Config, record: Strategy | None = None) -> None:
         if attn not in known and attn.split("|")[-1] not in known:
             raise ConfigError(f"models.hf.attn_implementation: {attn!r}: expected one of {', '.join(known)} "
                               "(or a Hub kernel org/repo)")
-
-
-def _check_vllm_settings(key: str, settings: dict) -> None:
-    """``models.<key>``: every key a ``vllm.LLM`` keyword (where vLLM is installed here)."""
-    known = _vllm_engine_keys()
-    for name in settings:
-        if known is not None and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"models.{key}.{name}: not a vLLM engine argument{hint}")
-
-
-def _vllm_engine_keys() -> set[str] | None:
-    """The keyword arguments ``vllm.LLM`` takes (its own and ``EngineArgs``' fields); None where vLLM
-    is not installed here."""
-    try:
-        import vllm
-    except ImportError:
-        return None
-    return ({f.name for f in dataclasses.fields(vllm.EngineArgs)}
-            | set(inspect.signature(vllm.LLM.__init__).parameters) - {"self", "kwargs"})
 
 
 def reward_keys(models) -> list[tuple[str, str]]:

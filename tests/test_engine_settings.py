@@ -139,7 +139,8 @@ def test_a_reward_function_needs_no_gpu_and_hub_kernels_pass(tiny_models):
 
 
 def test_vllm_settings_are_left_to_the_actor_where_the_driver_has_no_vllm(tiny_models):
-    from pipeline.preflight import _vllm_engine_keys, check_engines
+    from pipeline.engines.backends import _vllm_engine_keys
+    from pipeline.preflight import check_engines
 
     if _vllm_engine_keys() is not None:
         pytest.skip("vLLM is installed here: test_vllm_settings_are_checked_against_vllms_engine_arguments runs")
@@ -148,11 +149,12 @@ def test_vllm_settings_are_left_to_the_actor_where_the_driver_has_no_vllm(tiny_m
 
 @pytest.mark.vllm
 def test_vllm_settings_are_checked_against_vllms_engine_arguments(tiny_models):
-    from pipeline.preflight import _vllm_engine_keys, check_engines
+    from pipeline.engines.backends import _vllm_engine_keys
+    from pipeline.preflight import check_engines
 
     if _vllm_engine_keys() is None:
         pytest.skip("vllm is not installed (make install-vllm)")
-    with pytest.raises(ConfigError, match=r"models.vllm.max_model_lenn: not a vLLM engine argument \(did you mean "
+    with pytest.raises(ConfigError, match=r"models.vllm.max_model_lenn: not a vllm engine argument \(did you mean "
                                           r"max_model_len\?\)"):
         check_engines(config(tiny_models, "models.backend=vllm", "models.vllm={max_model_lenn: 4096}"))
     with pytest.raises(ConfigError, match=r"models.reward_vllm.runnerr"):

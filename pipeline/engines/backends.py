@@ -22,9 +22,12 @@ This module imports no engine: the loaders are dotted paths, imported when an ac
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
+import inspect
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from pipeline.decoding.domain import RowState
 from pipeline.decoding.sampling import SamplingParams
@@ -123,6 +126,9 @@ class Backend:
     sliding_window: bool = True
     """Its generator engine holds models with sliding-window attention layers; the HF engine's paged
     KV cache does not, and the plan refuses such a generator on it (pipeline.preflight.check_models)."""
+    engine_keys: Callable[[], set[str] | None] | None = None
+    """The keyword names its engine settings (``settings``) take, or None where its engine is not
+    installed here; the plan checks every models.<settings> key against them (``check_settings``)."""
     kv_capacity: bool = False
     """Its generator engine answers Generator.capacity (the rows its paged KV pool holds), which
     memory-budget speculative rejection's ``initial_candidates: auto`` reads."""
@@ -138,11 +144,32 @@ class Backend:
         """Its reward scorer over the sequence-classification model ``model``."""
         return _load(self.reward).from_options(model, options)
 
+    def check_settings(self, key: str, settings: dict) -> None:
+        """``models.<key>``: every key one its engine takes (where the engine is installed here, to ask);
+        ConfigError naming the key, with the closest known one, otherwise."""
+        known = self.engine_keys() if self.engine_keys is not None else None
+        for name in settings:
+            if known is not None and name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"models.{key}.{name}: not a {self.name} engine argument{hint}")
+
     def role_settings_key(self, role: str) -> str | None:
         """The models.* key holding ``role``'s engine keywords on this backend (None: none)."""
         if self.settings is None:
             return None
         return self.settings if role == "generator" else f"reward_{self.settings}" if role == "reward" else None
+
+
+def _vllm_engine_keys() -> set[str] | None:
+    """The keyword arguments ``vllm.LLM`` takes (its own and ``EngineArgs``' fields); None where vLLM
+    is not installed here."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return ({f.name for f in dataclasses.fields(vllm.EngineArgs)}
+            | set(inspect.signature(vllm.LLM.__init__).parameters) - {"self", "kwargs"})
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
@@ -151,7 +178,8 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             sliding_window=False, kv_capacity=True),
     Backend("vllm", "vLLM: continuous batching and paged attention; coordinator-side strategies",
             frozenset({SESSIONS}), "pipeline.engines.vllm_engine:VLLMEngine",
-            "pipeline.engines.vllm_reward:VLLMRewardScorer", settings="vllm", spans_gpus=True),
+            "pipeline.engines.vllm_reward:VLLMRewardScorer", settings="vllm", engine_keys=_vllm_engine_keys,
+            spans_gpus=True),
 )}
 
 
