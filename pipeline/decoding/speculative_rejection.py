@@ -66,7 +66,8 @@ from dataclasses import dataclass
 
 from pipeline.decoding.best_of_n import assemble, open_session, score_rows
 from pipeline.errors import ConfigError
-from pipeline.decoding.domain import Candidate, Generator, PromptInput, PromptResult, RowState, Scorer
+from pipeline.decoding.domain import (Candidate, Generator, PromptInput, PromptResult, RowState, Scorer,
+                                      components_of)
 from pipeline.decoding.sampling import SamplingParams
 
 
@@ -207,12 +208,12 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
             rows = generator.extend(session, until=tau, keep=live)  # Alg. 1 line 2
             scores = rewards(rows)  # Eq. 2
             by_prompt: dict[int, list[int]] = {}
-            for r, s in zip(rows, scores):
+            for r, s, parts in zip(rows, scores, components_of(scores)):
                 partials = candidates[r.row].partials if r.row in candidates else {}
                 if not r.finished:
                     partials = {**partials, tau: s}
                 candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
-                                              score=s, completed=r.finished, partials=partials)
+                                              score=s, completed=r.finished, partials=partials, components=parts)
                 by_prompt.setdefault(r.row // width, []).append(r.row)
             live = []
             for members in by_prompt.values():
@@ -244,12 +245,13 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
                         c.stopped_early, c.stopped_at = True, tau
         if live:  # Alg. 1 line 5: finish the accepted sequences
             rows = generator.extend(session, until=sampling.max_new_tokens, keep=live)
-            for r, s in zip(rows, rewards(rows)):
+            scores = rewards(rows)
+            for r, s, parts in zip(rows, scores, components_of(scores)):
                 # A row with no decision point before max_new_tokens (every tau >= T) has no partials:
                 # it is plain Best-of-N.
                 partials = candidates[r.row].partials if r.row in candidates else {}
                 candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
-                                              score=s, completed=True, partials=partials)
+                                              score=s, completed=True, partials=partials, components=parts)
     finally:
         try:
             if rewards is not None:

@@ -42,6 +42,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from pipeline.data.prompts import encode_chat, encode_text
+from pipeline.decoding.domain import Scores
 from pipeline.engines.hf import for_inference, load_pretrained, load_tokenizer
 from pipeline.engines.kv_cache import bound_heap, trim_heap
 from pipeline.engines.rows import RowBatch, timed_forward
@@ -496,8 +497,9 @@ class CompositeScorer:
     checker scores every prefix that has broken nothing alike) is broken by the others.
 
     Sessions open one session per component, so a streaming reward model keeps its KV cache behind
-    the composite as it does alone; ``components`` gives each reward's own scores (the output's
-    ``chosen_scores`` and ``rejected_scores``)."""
+    the composite as it does alone. ``score`` and ``extend`` return Scores: with each response's
+    score, each reward's own from the same call (``combine``), which the candidates carry to the
+    output's ``chosen_scores`` and ``rejected_scores``."""
 
     def __init__(self, scorers: list, weights: list[float], names: list[str]):
         if not scorers or len(scorers) != len(weights) or len(names) != len(scorers):
@@ -508,11 +510,11 @@ class CompositeScorer:
 
     def components(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
                    columns: list[dict] | None = None) -> list[list[float]]:
-        """Each response's scores, one per component, in ``names``' order (stateless)."""
-        return [list(scores) for scores in zip(*self._parts(prompts, responses, finished, columns))] if responses else []
+        """Each response's scores, one per component, in ``names``' order (stateless): ``score``'s components."""
+        return self.score(prompts, responses, finished=finished, columns=columns).components
 
     def score(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
-              columns: list[dict] | None = None) -> list[float]:
+              columns: list[dict] | None = None) -> Scores:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         groups = [p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in prompts]
@@ -538,7 +540,7 @@ class CompositeScorer:
         self.sessions[session] = num_samples
 
     def extend(self, session: str, rows: list[int], responses: list[str],
-               finished: list[bool] | None = None) -> list[float]:
+               finished: list[bool] | None = None) -> Scores:
         if session not in self.sessions:
             raise ValueError(f"unknown reward session {session}")
         parts = [s.extend(session, rows, responses, finished=finished) for s in self.scorers]
@@ -562,28 +564,31 @@ class CompositeScorer:
                 scorer.shutdown()
 
 
-def combine(parts: list[list[float]], weights: list[float], finished: list[bool] | None, groups: list) -> list[float]:
+def combine(parts: list[list[float]], weights: list[float], finished: list[bool] | None, groups: list) -> Scores:
     """The composite score of each response from its components' ``parts`` (one list per component):
     sum_k weights[k] * parts[k][i]. A finished response (``finished`` None: all are) needs every
     component finite (else NaN); partial responses of one group (a prompt) sum the components finite
-    for all of them (none: NaN). See CompositeScorer."""
+    for all of them (none: NaN). See CompositeScorer. Each response's components come with its score
+    (Scores): a final response's as its rewards gave them, a partial one's with NaN for each component
+    its group's sum left out, so a score is the weighted sum of its finite components."""
     n = len(groups)
     finished = [True] * n if finished is None else finished
     if any(len(p) != n for p in parts) or len(finished) != n:
         raise ValueError(f"component scores of lengths {[len(p) for p in parts]} for {n} responses")
-    out = [math.nan] * n
+    summed: list[list[int]] = [[] for _ in range(n)]  # per response, the components its score sums
     partial: dict[object, list[int]] = {}
     for i in range(n):
         if not finished[i]:
             partial.setdefault(groups[i], []).append(i)
         elif all(math.isfinite(p[i]) for p in parts):
-            out[i] = sum(w * p[i] for w, p in zip(weights, parts))
+            summed[i] = list(range(len(parts)))
     for members in partial.values():
         speaking = [k for k, p in enumerate(parts) if all(math.isfinite(p[i]) for i in members)]
-        if speaking:
-            for i in members:
-                out[i] = sum(weights[k] * parts[k][i] for k in speaking)
-    return out
+        for i in members:
+            summed[i] = speaking
+    scores = [sum(weights[k] * parts[k][i] for k in ks) if ks else math.nan for i, ks in enumerate(summed)]
+    return Scores(scores, [[p[i] if finished[i] or k in summed[i] else math.nan for k, p in enumerate(parts)]
+                           for i in range(n)])
 
 
 def load_rewards(specs: list[str], weights: list[float] | None, load_model: Callable[[str], Any]):
@@ -603,12 +608,3 @@ def load_rewards(specs: list[str], weights: list[float] | None, load_model: Call
     if len(scorers) == 1 and weights == [1.0]:
         return scorers[0]
     return CompositeScorer(scorers, weights, list(specs))
-
-
-def component_scores(scorer, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
-                     columns: list[dict] | None = None) -> list[list[float]]:
-    """Each response's score under each reward of ``scorer`` (CompositeScorer.components); a single
-    reward's scorer gives its one score per response."""
-    if isinstance(scorer, CompositeScorer):
-        return scorer.components(prompts, responses, finished=finished, columns=columns)
-    return [[s] for s in scorer.score(prompts, responses, finished=finished, columns=columns)]
