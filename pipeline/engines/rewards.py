@@ -89,7 +89,7 @@ class RewardScorer:
         self.tokens_read = 0
         """Reward-model tokens run through the model (stateless and streaming): its compute."""
         self.sessions: dict[str, _StreamSession] = {}
-        self.streaming = self._supports_streaming()
+        self.streaming = streams_exactly(model, tokenizer, self.device)
         """True for decoder reward models whose cached scores match full re-scoring."""
 
     @classmethod
@@ -260,7 +260,9 @@ class RewardScorer:
             self._bound_cache()
         for batch in self._batches([len(wanted[r]) for r in new_rows]):
             group = self._new_group([new_rows[i] for i in sorted(batch)])
-            self._prefill_shared(group, [wanted[r] for r in group.rows], [r // state.num_samples for r in group.rows])
+            self.tokens_read += group.prefill_shared(self._base_model(), [wanted[r] for r in group.rows],
+                                                     [r // state.num_samples for r in group.rows],
+                                                     int(self.tokenizer.pad_token_id), self.device, (self,))
             state.groups.append(group)
             scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
             self._bound_cache()
@@ -286,24 +288,6 @@ class RewardScorer:
         batch = RowBatch.empty(self._base_model(), len(rows), self.device, counted_by=(self,))
         return _StreamGroup(rows, batch, [[] for _ in rows])
 
-    def _prefill_shared(self, group: _StreamGroup, token_ids: list[list[int]], prompts: list[int]) -> None:
-        """A new group reads each prompt's shared head (template + prompt: the common prefix of
-        its rows' tokens) once and fans the cache out to the rows, as the generator's prefill does."""
-        heads: dict[int, list[int]] = {}
-        for ids, p in zip(token_ids, prompts):
-            head = ids[:-1] if p not in heads else heads[p][:common_prefix(heads[p], ids)]
-            heads[p] = head[:len(ids) - 1]  # leave every row at least one token to score
-        if sum(prompts.count(p) > 1 for p in heads) == 0:
-            return  # nothing shared
-        order = sorted(heads)
-        if max(len(heads[p]) for p in order) == 0:
-            return  # every head is empty: nothing to prefill
-        group.batch, _ = RowBatch.prefill(self._base_model(), [heads[p] for p in order],
-                                          int(self.tokenizer.pad_token_id), self.device, counted_by=(self,))
-        self.tokens_read += sum(len(heads[p]) for p in order)
-        group.batch.select([order.index(p) for p in prompts])  # fan out: [P, W] -> [B, W]
-        group.ids = [list(heads[p]) for p in prompts]
-
     def _extend_group(self, group: _StreamGroup, token_ids: list[list[int]]) -> dict[int, float]:
         """Feed each row's tokens after its common prefix with the cache; score at the last token."""
         kept = []
@@ -318,24 +302,26 @@ class RewardScorer:
         self.tokens_read += sum(len(c) for c in chunks)
         return {r: float(v) if math.isfinite(v) else math.nan for r, v in zip(group.rows, logits[:, 0].float().tolist())}
 
-    def _supports_streaming(self) -> bool:
-        """Decoder check: a score computed in two cached chunks must equal the one-pass score."""
-        score_head = getattr(self.model, "score", None)
-        base_model = getattr(self.model, getattr(self.model, "base_model_prefix", ""), None)
-        if score_head is None or base_model is None:
-            return False
-        ids = torch.tensor([[int(self.tokenizer.pad_token_id or 0) + 1 + i for i in range(6)]], device=self.device)
-        try:
-            with torch.inference_mode():
-                full = score_head(base_model(input_ids=ids).last_hidden_state[:, -1])
-                rows = RowBatch.empty(base_model, 1, self.device)
-                rows.feed(ids[:, :4])
-                inc = score_head(rows.feed(ids[:, 4:]).last_hidden_state[:, -1])
-        except Exception:  # an encoder that takes no cache
-            return False
-        # Half precision reorders sums between the one-pass and cached paths: a looser tolerance.
-        tolerance = 1e-3 if next(self.model.parameters()).dtype == torch.float32 else 5e-2
-        return bool(torch.allclose(full.float(), inc.float(), atol=tolerance, rtol=tolerance))
+
+def streams_exactly(model, tokenizer, device: torch.device) -> bool:
+    """Whether ``model`` scores exactly when streamed (RewardScorer.streaming): a decoder whose score
+    computed in two cached chunks equals its one-pass score."""
+    score_head = getattr(model, "score", None)
+    base_model = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if score_head is None or base_model is None:
+        return False
+    ids = torch.tensor([[int(tokenizer.pad_token_id or 0) + 1 + i for i in range(6)]], device=device)
+    try:
+        with torch.inference_mode():
+            full = score_head(base_model(input_ids=ids).last_hidden_state[:, -1])
+            rows = RowBatch.empty(base_model, 1, device)
+            rows.feed(ids[:, :4])
+            inc = score_head(rows.feed(ids[:, 4:]).last_hidden_state[:, -1])
+    except Exception:  # an encoder that takes no cache
+        return False
+    # Half precision reorders sums between the one-pass and cached paths: a looser tolerance.
+    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    return bool(torch.allclose(full.float(), inc.float(), atol=tolerance, rtol=tolerance))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -359,6 +345,26 @@ class _StreamGroup:
         self.batch.select(index)
         self.rows = [self.rows[i] for i in index]
         self.ids = [self.ids[i] for i in index]
+
+    def prefill_shared(self, base_model, token_ids: list[list[int]], prompts: list[int], pad_token_id: int,
+                       device: torch.device, counted_by: tuple) -> int:
+        """A new group reads each prompt's shared head (template + prompt: the common prefix of
+        its rows' tokens) once and fans the cache out to the rows, as the generator's prefill does.
+        Returns the tokens read."""
+        heads: dict[int, list[int]] = {}
+        for ids, p in zip(token_ids, prompts):
+            head = ids[:-1] if p not in heads else heads[p][:common_prefix(heads[p], ids)]
+            heads[p] = head[:len(ids) - 1]  # leave every row at least one token to score
+        if sum(prompts.count(p) > 1 for p in heads) == 0:
+            return 0  # nothing shared
+        order = sorted(heads)
+        if max(len(heads[p]) for p in order) == 0:
+            return 0  # every head is empty: nothing to prefill
+        self.batch, _ = RowBatch.prefill(base_model, [heads[p] for p in order], pad_token_id, device,
+                                         counted_by=counted_by)
+        self.batch.select([order.index(p) for p in prompts])  # fan out: [P, W] -> [B, W]
+        self.ids = [list(heads[p]) for p in prompts]
+        return sum(len(heads[p]) for p in order)
 
 
 @dataclass
