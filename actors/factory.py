@@ -7,7 +7,7 @@ attribute forwarding), so a reader can follow a call down:
 1. row counting (pipeline.coordinator._CountedRows): one per batch, only with runtime.rows_in_flight;
    reports the batch's live rows to the coordinator's admission.
 2. the role handle (GeneratorHandle / ScorerHandle, here): the Generator calls (open, extend,
-   close, search, stats) or the Scorer calls (score, open, extend, close, components, stats). The
+   close, search, stats) or the Scorer calls (score, open, extend, close, stats). The
    coordinator asks it for ``pinned()`` per batch (a generator) or per streaming session (a
    scorer): the same handle bound to the actor that holds the session, so that after a replacement
    the session's calls fail over (WorkerFailure, the batch rerun) instead of reaching an actor that
@@ -164,10 +164,6 @@ class ScorerHandle(_Handle):
 
     def close(self, session: str) -> dict:
         return self._work("close", session)
-
-    def components(self, prompts: list, responses: list[str], finished: list[bool] | None = None,
-                   columns: list[dict] | None = None) -> list[list[float]]:
-        return self._work("components", prompts, responses, finished=finished, columns=columns)
 
 
 def local_generator(worker: Any, concurrent: bool = False, timed: bool = True) -> GeneratorHandle:

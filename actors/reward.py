@@ -1,7 +1,9 @@
 """RewardActor: loads a sequence-classification reward model (or a reward function, or a weighted list
 of both: pipeline.engines.rewards.CompositeScorer) once and serves the Scorer protocol,
 stateless ``score`` and the streaming sessions (``open`` / ``extend`` / ``close``) whose KV cache
-lives here, so a session's calls must all reach the same actor (the coordinator pins them).
+lives here, so a session's calls must all reach the same actor (the coordinator pins them). A
+composite's ``score`` and ``extend`` return pipeline.decoding.domain.Scores, each reward's scores
+with the sum, in the same reply.
 
 Every work call takes the driver's ``timing`` (pipeline.observability.CallTiming; None from callers
 that send none) and runs inside the actor's timeline, which ``stats()["time"]`` reports: forward
@@ -14,7 +16,7 @@ import torch
 
 from pipeline.engines.backends import EngineOptions
 from pipeline.engines.backends import backend as backend_record
-from pipeline.engines.rewards import component_scores, load_rewards
+from pipeline.engines.rewards import load_rewards
 from pipeline.observability import ActorTimeline, CallTiming
 
 
@@ -56,12 +58,6 @@ class RewardActor:
                timing: CallTiming | None = None) -> list[float]:
         with self.timeline.call(timing):
             return self.scorer.extend(session, rows, responses, finished=finished)
-
-    def components(self, prompts: list[str], responses: list[str], finished: list[bool] | None = None,
-                   columns: list[dict] | None = None, timing: CallTiming | None = None) -> list[list[float]]:
-        """Each response's score under each reward (pipeline.engines.rewards.component_scores)."""
-        with self.timeline.call(timing):
-            return component_scores(self.scorer, prompts, responses, finished=finished, columns=columns)
 
     def close(self, session: str, timing: CallTiming | None = None) -> dict:
         with self.timeline.call(timing):

@@ -275,10 +275,6 @@ class _BuildRun:
         self.run_started = self.last_commit = time.perf_counter()
         self.quarantined = self.truncated_prompts = self.prompts_run = 0
         self.pairs_made = self.tokens = self.bon_tokens = 0
-        models = self.config.models
-        self.composite = isinstance(models.reward, list) or models.weights != [1.0]
-        """A composite reward (models.reward a list, or a weight): each pair's chosen_scores and
-        rejected_scores are asked of the reward actors; one reward's are its chosen and rejected scores."""
         self.coordinator = Coordinator.from_config(self.config, workers.generators, workers.scorers,
                                                    on_retry=self.on_retry)
         runtime = self.config.runtime
@@ -333,11 +329,6 @@ class _BuildRun:
                                                     result.prompt.prompt_id), "pairing",
                                              result.generated_tokens, result.bon_equivalent_tokens))
         else:
-            if self.composite:
-                by_sample = {c.sample: c for c in result.candidates}
-                chosen, rejected = by_sample[pair["chosen_sample"]], by_sample[pair["rejected_sample"]]
-                pair["chosen_scores"], pair["rejected_scores"] = self.coordinator.reward_components(
-                    result.prompt, [chosen.text, rejected.text], [True, not rejected.stopped_early])
             pair.update(prompt_truncated=truncated, source_row=source_row,
                         **self.plan.extra.values(result.prompt.columns))
             shard.pairs.append(pair)

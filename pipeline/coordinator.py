@@ -29,7 +29,6 @@ batch raises BatchFailed, naming its prompts.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -160,13 +159,6 @@ class _RoundRobin:
             scorer = next(self._cycle)
         return scorer.score(prompts, responses, finished=finished, columns=columns)
 
-    def components(self, prompts: list[str], responses: list[str], finished: list[bool] | None = None,
-                   columns: list[dict] | None = None) -> list[list[float]]:
-        """Each response's score under each reward (pipeline.engines.rewards.component_scores)."""
-        with self._lock:
-            scorer = next(self._cycle)
-        return scorer.components(prompts, responses, finished=finished, columns=columns)
-
     def open(self, session: str, prompts: list[str], num_samples: int, columns: list[dict] | None = None) -> None:
         with self._lock:
             scorer = next(self._cycle)
@@ -256,23 +248,6 @@ class Coordinator:
                 raise RuntimeError(f"{self.strategy_name}: prompt {r.prompt.prompt_id} has "
                                    f"{len(r.candidates)} candidates, expected {self.num_samples}")
         return results
-
-    def reward_components(self, prompt: PromptInput, responses: list[str], finished: list[bool]) -> list[list[float]]:
-        """Each response's score under each reward of ``prompt``'s composite reward, stateless (the
-        output's chosen_scores and rejected_scores). A reward actor that fails is replaced and the
-        call made again, up to max_attempts in all, as a batch is."""
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                return self.scorer.components([prompt.reward_input] * len(responses), responses, finished=finished,
-                                              columns=[prompt.columns] * len(responses))
-            except WorkerFailure as exc:
-                if attempt == self.max_attempts:
-                    raise BatchFailed([prompt.prompt_id], attempt, exc) from None
-                with contextlib.suppress(WorkerFailure):  # a replacement that did not start: the next try retries it
-                    exc.recover()
-                self.retries += 1
-                self.on_retry(BatchFailed([prompt.prompt_id], attempt, exc))
-        raise AssertionError("unreachable")
 
     def run(self, prompts: list[PromptInput]) -> Iterator[PromptResult]:
         """Yields one PromptResult per prompt, in completion order."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import config_from_dict
+from pipeline.decoding.domain import components_of
 from pipeline.engines.rewards import CompositeScorer, FunctionScorer, RewardScorer, combine, load_rewards
 from pipeline.errors import ConfigError
 from tests import reward_functions
@@ -80,6 +82,18 @@ def test_two_functions_sum_with_their_weights_stateless_and_in_sessions():
     assert [c["reward"] for c in stats["components"]] == ["tests.reward_functions:scored",
                                                          "tests.reward_functions:scored_again"]
     assert [c["weight"] for c in stats["components"]] == [2.0, -0.5]
+
+
+def test_the_sum_comes_with_each_rewards_score_nan_where_it_was_left_out_and_survives_pickling():
+    """combine's Scores: a partial response's component left out of its group's sum is NaN beside it,
+    a final's components are as given; pickled (as Ray sends it), the components come along."""
+    got = combine([[1.0, math.nan, 2.0], [3.0, 4.0, 5.0]], [1.0, 0.5], [False, False, True], [0, 0, 1])
+    assert list(got) == [1.5, 2.0, 4.5]
+    back = pickle.loads(pickle.dumps(got))
+    assert list(back) == list(got)
+    for components in (got.components, back.components):
+        assert [[None if math.isnan(v) else v for v in c] for c in components] == [[None, 3.0], [None, 4.0], [2.0, 5.0]]
+    assert components_of([0.25, 1.0]) == [[0.25], [1.0]]  # one reward: its score is its one component
 
 
 def test_load_rewards_gives_one_reward_its_own_scorer_and_several_a_composite():
@@ -302,3 +316,23 @@ def test_a_composite_build_on_ray_writes_what_the_in_process_build_writes(cluste
     for got, exp in zip(sorted(rows, key=key), sorted(want, key=key)):
         assert got["chosen_scores"] == pytest.approx(exp["chosen_scores"], abs=1e-5)
     assert manifest["pairs"] == len(rows)
+
+
+def test_each_pair_score_is_the_weighted_sum_of_its_finite_components(tiny_models, tmp_path):
+    """Issue 50, item 3: a candidate's components come from the call that gave its score, not from a
+    second, stateless call after selection that would score the rejected response alone in its group.
+    A rejected response stopped at a decision token where none_partial_sometimes said nothing for one
+    of its prompt's rows has that reward left out of its score: NaN in rejected_scores."""
+    raw = composite_config(tiny_models, tmp_path)
+    raw["models"]["reward"][1] = "tests.reward_functions:none_partial_sometimes"
+    raw["sampling"]["num_samples"] = 8
+    raw["data"]["rejected"] = "any"
+    run(raw)
+    rows = pairs(tmp_path / "out")
+    assert rows and any(r["rejected_is_partial"] for r in rows)
+    for row in rows:
+        for side in ("chosen", "rejected"):
+            scores = row[f"{side}_scores"]
+            assert len(scores) == 2 and math.isfinite(scores[0])
+            want = sum(w * s for w, s in zip([1.0, 0.5], scores) if math.isfinite(s))
+            assert row[f"{side}_score"] == pytest.approx(want, abs=1e-5), (side, row["prompt_id"])

@@ -140,20 +140,7 @@ def card_body(manifest: dict, schema: pa.Schema, uri: str) -> str:
         "## Provenance", "",
         "| role | model | revision asked | found |", "| --- | --- | --- | --- |",
     ]
-    for role, found in models.items():
-        if found is None:
-            lines.append(f"| {role} | (none) | | |")
-            continue
-        if found.get("kind") == "reward function":
-            what = f"module sha256 `{found.get('module_sha256')}`"
-        elif found.get("kind") == "local":
-            what = f"weights sha256 `{found.get('weights_sha256')}` ({', '.join(found.get('weights_files', []))})"
-        else:
-            what = (f"commit `{found['commit']}`" if found.get("commit")
-                    else f"commit unknown: {found.get('commit_reason')}")
-        if "weight" in found:
-            what += f"; weight {found['weight']:g}"
-        lines.append(f"| {role} | `{found['model']}` | {found.get('revision') or 'default'} | {what} |")
+    lines += _model_rows(models)
     packages = prov.get("packages", {})
     source = manifest.get("input")
     if source:
@@ -169,6 +156,27 @@ def card_body(manifest: dict, schema: pa.Schema, uri: str) -> str:
     ]
     return "\n".join(lines)
 
+
+
+def _model_rows(models: dict) -> list[str]:
+    """The provenance table's rows: per role, the model, the revision asked and what was found (a
+    reward function's module hash, local weights' hash, or the Hub commit), with a reward's weight."""
+    rows = []
+    for role, found in models.items():
+        if found is None:
+            rows.append(f"| {role} | (none) | | |")
+            continue
+        if found.get("kind") == "reward function":
+            what = f"module sha256 `{found.get('module_sha256')}`"
+        elif found.get("kind") == "local":
+            what = f"weights sha256 `{found.get('weights_sha256')}` ({', '.join(found.get('weights_files', []))})"
+        else:
+            what = (f"commit `{found['commit']}`" if found.get("commit")
+                    else f"commit unknown: {found.get('commit_reason')}")
+        if "weight" in found:
+            what += f"; weight {found['weight']:g}"
+        rows.append(f"| {role} | `{found['model']}` | {found.get('revision') or 'default'} | {what} |")
+    return rows
 
 def check_slot(store) -> None:
     """Whether README.md is free or ours (CARD_TAG); a user's stays, and no card is written."""

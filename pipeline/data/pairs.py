@@ -53,8 +53,9 @@ def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0, ou
         "rejected": rejected_text,
         "chosen_score": float(chosen.score),
         "rejected_score": float(rejected.score),
-        "chosen_scores": [float(chosen.score)],  # one reward's; a composite's components replace them (pipeline.build)
-        "rejected_scores": [float(rejected.score)],
+        # each reward's, from the call that gave the score (Candidate.components)
+        "chosen_scores": [float(v) for v in chosen.components or [chosen.score]],
+        "rejected_scores": [float(v) for v in rejected.components or [rejected.score]],
         "strategy": strategy,
         "num_candidates": len(result.candidates),
         "generated_tokens": int(result.generated_tokens),

@@ -9,7 +9,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from pipeline.decoding.domain import Candidate, Generator, PromptInput, PromptResult, RowState, Scorer
+from pipeline.decoding.domain import (Candidate, Generator, PromptInput, PromptResult, RowState, Scorer,
+                                      components_of)
 from pipeline.decoding.sampling import SamplingParams, row_seed
 
 
@@ -28,12 +29,20 @@ def open_session(generator: Generator, prompts: list[PromptInput], num_samples: 
 
 def score_rows(scorer: Scorer, prompts: list[PromptInput], num_samples: int, rows: list[RowState]) -> list[float]:
     """Score (raw prompt, response so far) for each row state; row ids locate the prompt. Each row's
-    ``finished`` and its prompt's other columns go along (a reward function reads them)."""
+    ``finished`` and its prompt's other columns go along (a reward function reads them). What the
+    scorer returns comes back as it is (a composite's Scores keep their components)."""
     if not rows:
         return []
     owners = [prompts[r.row // num_samples] for r in rows]
     return scorer.score([p.reward_input for p in owners], [r.text for r in rows],
                         finished=[r.finished for r in rows], columns=[p.columns for p in owners])
+
+
+def scored_candidates(rows: list[RowState], scores: list[float], num_samples: int) -> dict[int, Candidate]:
+    """Each completed row as a Candidate with its score and its rewards' scores (``components_of``)."""
+    return {r.row: Candidate(sample=r.row % num_samples, token_ids=r.token_ids, text=r.text, score=s,
+                             completed=True, components=c)
+            for r, s, c in zip(rows, scores, components_of(scores))}
 
 
 def assemble(prompts: list[PromptInput], num_samples: int, candidates: dict[int, Candidate],
@@ -59,9 +68,5 @@ def best_of_n(prompts: list[PromptInput], generator: Generator, scorer: Scorer, 
     finally:
         generator.close(session)
     assert len(rows) == len(prompts) * num_samples, "generator lost or duplicated rows"
-    scores = score_rows(scorer, prompts, num_samples, rows)
-    candidates = {
-        r.row: Candidate(sample=r.row % num_samples, token_ids=r.token_ids, text=r.text, score=s, completed=True)
-        for r, s in zip(rows, scores)
-    }
+    candidates = scored_candidates(rows, score_rows(scorer, prompts, num_samples, rows), num_samples)
     return assemble(prompts, num_samples, candidates, {r.row: len(r.token_ids) for r in rows})

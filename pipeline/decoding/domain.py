@@ -62,6 +62,11 @@ class Candidate:
     """Decision token at which it was stopped."""
     partials: dict = field(default_factory=dict)
     """Speculative rejection: its partial reward at each decision token it was live at (tau -> reward)."""
+    components: list[float] = field(default_factory=list)
+    """Each reward's score from the call that gave ``score`` (``components_of``): a composite reward's,
+    in models.reward's order, NaN for one the sum left out (so ``score`` is the weighted sum of the
+    finite ones); one reward's, its score. Empty: not scored yet. The output's chosen_scores and
+    rejected_scores."""
 
     @property
     def failed(self) -> bool:
@@ -132,6 +137,25 @@ def check_open(open_sessions, session: str, prompts: list[list[int]], num_sample
         raise ValueError("every prompt needs at least one token")
 
 
+class Scores(list):
+    """What a scorer of several rewards returns from ``score`` and ``extend``: the scores, a list of
+    floats as any scorer returns, with ``components``, per response each reward's score from the same
+    call (pipeline.engines.rewards.CompositeScorer: NaN for a reward its sum left out). It crosses Ray
+    as itself (pickled, with its components). A scorer of one reward returns a plain list."""
+
+    def __init__(self, scores: list[float], components: list[list[float]]):
+        super().__init__(scores)
+        if len(components) != len(scores):
+            raise ValueError(f"{len(components)} component lists for {len(scores)} scores")
+        self.components = [list(c) for c in components]
+
+
+def components_of(scores: list[float]) -> list[list[float]]:
+    """Per response, the scores ``scores`` sums: a Scores' components, else each score alone (one reward)."""
+    components = getattr(scores, "components", None)
+    return [list(c) for c in components] if components is not None else [[s] for s in scores]
+
+
 class Scorer(Protocol):
     def score(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
               columns: list[dict] | None = None) -> list[float]:
@@ -140,7 +164,8 @@ class Scorer(Protocol):
         a string or a conversation (PromptInput.reward_input). ``finished``: per response, whether it
         is final (EOS or max_new_tokens) rather than partial; None: all final. ``columns``: per
         response, its input row's other columns (PromptInput.columns). A reward model reads neither;
-        a reward function (pipeline.engines.rewards.FunctionScorer) gets both."""
+        a reward function (pipeline.engines.rewards.FunctionScorer) gets both. A scorer of several
+        rewards returns Scores, which also holds each reward's score (``components_of``)."""
 
 
 @dataclass

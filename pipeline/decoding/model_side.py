@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pipeline.decoding.best_of_n import assemble, score_rows
-from pipeline.decoding.domain import Candidate, Generator, PromptInput, PromptResult, Scorer
+from pipeline.decoding.best_of_n import assemble, score_rows, scored_candidates
+from pipeline.decoding.domain import Generator, PromptInput, PromptResult, Scorer
 from pipeline.decoding.sampling import SamplingParams, row_seed
 
 
@@ -36,10 +36,7 @@ def run_model_side(method: str, search: Callable[..., list], prompts: list[Promp
             raise RuntimeError(f"{method}: prompt {prompts[i].prompt_id} came back with rows {ids}, "
                                f"expected {num_samples} rows from {i * num_samples}")
         rows.extend(out.rows)
-    scores = score_rows(scorer, prompts, num_samples, rows)
-    candidates = {r.row: Candidate(sample=r.row % num_samples, token_ids=r.token_ids, text=r.text, score=s,
-                                   completed=True)
-                  for r, s in zip(rows, scores)}
+    candidates = scored_candidates(rows, score_rows(scorer, prompts, num_samples, rows), num_samples)
     results = assemble(prompts, num_samples, candidates, {r.row: len(r.token_ids) for r in rows})
     for result, out in zip(results, outputs):
         # A search's cost is what it decoded, not the length of what it kept.

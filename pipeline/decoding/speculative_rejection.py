@@ -66,7 +66,8 @@ from dataclasses import dataclass
 
 from pipeline.decoding.best_of_n import assemble, open_session, score_rows
 from pipeline.errors import ConfigError
-from pipeline.decoding.domain import Candidate, Generator, PromptInput, PromptResult, RowState, Scorer
+from pipeline.decoding.domain import (Candidate, Generator, PromptInput, PromptResult, RowState, Scorer,
+                                      components_of)
 from pipeline.decoding.sampling import SamplingParams
 
 
@@ -205,51 +206,16 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
             if not live:
                 break
             rows = generator.extend(session, until=tau, keep=live)  # Alg. 1 line 2
-            scores = rewards(rows)  # Eq. 2
-            by_prompt: dict[int, list[int]] = {}
-            for r, s in zip(rows, scores):
-                partials = candidates[r.row].partials if r.row in candidates else {}
-                if not r.finished:
-                    partials = {**partials, tau: s}
-                candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
-                                              score=s, completed=r.finished, partials=partials)
-                by_prompt.setdefault(r.row // width, []).append(r.row)
+            by_prompt = _record_rewards(candidates, rows, rewards(rows), width, tau)  # Eq. 2
             live = []
             for members in by_prompt.values():
-                # Non-finite partials (no signal) are left out of every cutoff by the helpers below.
-                partial = [candidates[m].score for m in members]
-                floor = _lowest_live(candidates, members) if params.keep_lowest else None
-                if point == 0 and params.max_live_candidates is not None:  # section 6.3
-                    kept = _budget_rows(candidates, members, params.max_live_candidates, floor)
-                else:
-                    r_cut = None
-                    if point > 0 and params.adaptive_rejection is not None:
-                        r_cut = adaptive_cutoff([previous.get(m, math.nan) for m in members], partial,
-                                                params.adaptive_rejection)
-                    if r_cut is None:
-                        r_cut = rejection_cutoff(partial, params.rejection_rate)  # Eq. 3
-                    # Eq. 4, the rejected side's supply, and the rows with no signal at tau
-                    kept = {m for m in members if candidates[m].score >= r_cut or m == floor
-                            or not _signalled(candidates[m])}
-                for m in members:
-                    c = candidates[m]
-                    previous[m] = c.score
-                    if c.completed:
-                        continue  # ended before tau: kept unchanged (a non-finite final reward fails it)
-                    if m in kept:
-                        live.append(m)
-                        if point == 0:
-                            continued.add(m)
-                    else:
-                        c.stopped_early, c.stopped_at = True, tau
+                kept = _accepted(candidates, members, point, params, previous)  # Eq. 3 and 4
+                live += _stop_rejected(candidates, members, kept, tau, previous)
+            if point == 0:
+                continued = set(live)
         if live:  # Alg. 1 line 5: finish the accepted sequences
             rows = generator.extend(session, until=sampling.max_new_tokens, keep=live)
-            for r, s in zip(rows, rewards(rows)):
-                # A row with no decision point before max_new_tokens (every tau >= T) has no partials:
-                # it is plain Best-of-N.
-                partials = candidates[r.row].partials if r.row in candidates else {}
-                candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text,
-                                              score=s, completed=True, partials=partials)
+            _record_rewards(candidates, rows, rewards(rows), width, None)
     finally:
         try:
             if rewards is not None:
@@ -267,6 +233,62 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     for result, extra in zip(results, (counters or {}).get("unreported_tokens") or []):
         result.generated_tokens += extra
     return results
+
+
+def _record_rewards(candidates: dict[int, Candidate], rows: list[RowState], scores: list[float], width: int,
+                    tau: int | None) -> dict[int, list[int]]:
+    """Each row as its Candidate, with its reward and its rewards' scores (``components_of``): at
+    decision token ``tau`` the partial reward s(Y_k^{<=tau_k}) (Eq. 2), kept in its partials unless the
+    row finished; with ``tau`` None the final reward s(Y_k) of a finished row (Alg. 1 line 5; a row
+    with no decision point before max_new_tokens has no partials: it is plain Best-of-N). Returns
+    the rows by prompt."""
+    by_prompt: dict[int, list[int]] = {}
+    for r, s, parts in zip(rows, scores, components_of(scores)):
+        partials = candidates[r.row].partials if r.row in candidates else {}
+        if tau is not None and not r.finished:
+            partials = {**partials, tau: s}
+        candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text, score=s,
+                                      completed=True if tau is None else r.finished, partials=partials,
+                                      components=parts)
+        by_prompt.setdefault(r.row // width, []).append(r.row)
+    return by_prompt
+
+
+def _accepted(candidates: dict[int, Candidate], members: list[int], point: int,
+              params: SpeculativeRejectionParams, previous: dict[int, float]) -> set[int]:
+    """The rows of one prompt that go on past decision point ``point``: I_accepted (Eq. 4, with r_cut
+    from Eq. 3, or from the adaptive fit after the first point), keep_lowest's floor and the rows
+    with no signal at tau; at the first point in memory-budget mode, ``_budget_rows`` (section 6.3).
+    Non-finite partials (no signal) are left out of every cutoff by the helpers."""
+    partial = [candidates[m].score for m in members]
+    floor = _lowest_live(candidates, members) if params.keep_lowest else None
+    if point == 0 and params.max_live_candidates is not None:  # section 6.3
+        return _budget_rows(candidates, members, params.max_live_candidates, floor)
+    r_cut = None
+    if point > 0 and params.adaptive_rejection is not None:
+        r_cut = adaptive_cutoff([previous.get(m, math.nan) for m in members], partial, params.adaptive_rejection)
+    if r_cut is None:
+        r_cut = rejection_cutoff(partial, params.rejection_rate)  # Eq. 3
+    # Eq. 4, the rejected side's supply, and the rows with no signal at tau
+    return {m for m in members if candidates[m].score >= r_cut or m == floor or not _signalled(candidates[m])}
+
+
+def _stop_rejected(candidates: dict[int, Candidate], members: list[int], kept: set[int], tau: int,
+                   previous: dict[int, float]) -> list[int]:
+    """One prompt's rows after decision token ``tau``: those not ``kept`` stop there, the kept ones
+    that are still decoding go on (returned); a row that ended before tau is kept unchanged (a
+    non-finite final reward fails it). Each row's reward at tau goes to ``previous``."""
+    live = []
+    for m in members:
+        c = candidates[m]
+        previous[m] = c.score
+        if c.completed:
+            continue
+        if m in kept:
+            live.append(m)
+        else:
+            c.stopped_early, c.stopped_at = True, tau
+    return live
 
 
 AUTO_MAX_CANDIDATES = 1024

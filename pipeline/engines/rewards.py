@@ -42,6 +42,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from pipeline.data.prompts import encode_chat, encode_text
+from pipeline.decoding.domain import Scores
 from pipeline.engines.hf import for_inference, load_pretrained, load_tokenizer
 from pipeline.engines.kv_cache import bound_heap, trim_heap
 from pipeline.engines.rows import RowBatch, timed_forward
@@ -88,7 +89,7 @@ class RewardScorer:
         self.tokens_read = 0
         """Reward-model tokens run through the model (stateless and streaming): its compute."""
         self.sessions: dict[str, _StreamSession] = {}
-        self.streaming = self._supports_streaming()
+        self.streaming = streams_exactly(model, tokenizer, self.device)
         """True for decoder reward models whose cached scores match full re-scoring."""
 
     @classmethod
@@ -259,7 +260,9 @@ class RewardScorer:
             self._bound_cache()
         for batch in self._batches([len(wanted[r]) for r in new_rows]):
             group = self._new_group([new_rows[i] for i in sorted(batch)])
-            self._prefill_shared(group, [wanted[r] for r in group.rows], [r // state.num_samples for r in group.rows])
+            self.tokens_read += group.prefill_shared(self._base_model(), [wanted[r] for r in group.rows],
+                                                     [r // state.num_samples for r in group.rows],
+                                                     int(self.tokenizer.pad_token_id), self.device, (self,))
             state.groups.append(group)
             scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
             self._bound_cache()
@@ -285,24 +288,6 @@ class RewardScorer:
         batch = RowBatch.empty(self._base_model(), len(rows), self.device, counted_by=(self,))
         return _StreamGroup(rows, batch, [[] for _ in rows])
 
-    def _prefill_shared(self, group: _StreamGroup, token_ids: list[list[int]], prompts: list[int]) -> None:
-        """A new group reads each prompt's shared head (template + prompt: the common prefix of
-        its rows' tokens) once and fans the cache out to the rows, as the generator's prefill does."""
-        heads: dict[int, list[int]] = {}
-        for ids, p in zip(token_ids, prompts):
-            head = ids[:-1] if p not in heads else heads[p][:common_prefix(heads[p], ids)]
-            heads[p] = head[:len(ids) - 1]  # leave every row at least one token to score
-        if sum(prompts.count(p) > 1 for p in heads) == 0:
-            return  # nothing shared
-        order = sorted(heads)
-        if max(len(heads[p]) for p in order) == 0:
-            return  # every head is empty: nothing to prefill
-        group.batch, _ = RowBatch.prefill(self._base_model(), [heads[p] for p in order],
-                                          int(self.tokenizer.pad_token_id), self.device, counted_by=(self,))
-        self.tokens_read += sum(len(heads[p]) for p in order)
-        group.batch.select([order.index(p) for p in prompts])  # fan out: [P, W] -> [B, W]
-        group.ids = [list(heads[p]) for p in prompts]
-
     def _extend_group(self, group: _StreamGroup, token_ids: list[list[int]]) -> dict[int, float]:
         """Feed each row's tokens after its common prefix with the cache; score at the last token."""
         kept = []
@@ -317,24 +302,26 @@ class RewardScorer:
         self.tokens_read += sum(len(c) for c in chunks)
         return {r: float(v) if math.isfinite(v) else math.nan for r, v in zip(group.rows, logits[:, 0].float().tolist())}
 
-    def _supports_streaming(self) -> bool:
-        """Decoder check: a score computed in two cached chunks must equal the one-pass score."""
-        score_head = getattr(self.model, "score", None)
-        base_model = getattr(self.model, getattr(self.model, "base_model_prefix", ""), None)
-        if score_head is None or base_model is None:
-            return False
-        ids = torch.tensor([[int(self.tokenizer.pad_token_id or 0) + 1 + i for i in range(6)]], device=self.device)
-        try:
-            with torch.inference_mode():
-                full = score_head(base_model(input_ids=ids).last_hidden_state[:, -1])
-                rows = RowBatch.empty(base_model, 1, self.device)
-                rows.feed(ids[:, :4])
-                inc = score_head(rows.feed(ids[:, 4:]).last_hidden_state[:, -1])
-        except Exception:  # an encoder that takes no cache
-            return False
-        # Half precision reorders sums between the one-pass and cached paths: a looser tolerance.
-        tolerance = 1e-3 if next(self.model.parameters()).dtype == torch.float32 else 5e-2
-        return bool(torch.allclose(full.float(), inc.float(), atol=tolerance, rtol=tolerance))
+
+def streams_exactly(model, tokenizer, device: torch.device) -> bool:
+    """Whether ``model`` scores exactly when streamed (RewardScorer.streaming): a decoder whose score
+    computed in two cached chunks equals its one-pass score."""
+    score_head = getattr(model, "score", None)
+    base_model = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if score_head is None or base_model is None:
+        return False
+    ids = torch.tensor([[int(tokenizer.pad_token_id or 0) + 1 + i for i in range(6)]], device=device)
+    try:
+        with torch.inference_mode():
+            full = score_head(base_model(input_ids=ids).last_hidden_state[:, -1])
+            rows = RowBatch.empty(base_model, 1, device)
+            rows.feed(ids[:, :4])
+            inc = score_head(rows.feed(ids[:, 4:]).last_hidden_state[:, -1])
+    except Exception:  # an encoder that takes no cache
+        return False
+    # Half precision reorders sums between the one-pass and cached paths: a looser tolerance.
+    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    return bool(torch.allclose(full.float(), inc.float(), atol=tolerance, rtol=tolerance))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -358,6 +345,26 @@ class _StreamGroup:
         self.batch.select(index)
         self.rows = [self.rows[i] for i in index]
         self.ids = [self.ids[i] for i in index]
+
+    def prefill_shared(self, base_model, token_ids: list[list[int]], prompts: list[int], pad_token_id: int,
+                       device: torch.device, counted_by: tuple) -> int:
+        """A new group reads each prompt's shared head (template + prompt: the common prefix of
+        its rows' tokens) once and fans the cache out to the rows, as the generator's prefill does.
+        Returns the tokens read."""
+        heads: dict[int, list[int]] = {}
+        for ids, p in zip(token_ids, prompts):
+            head = ids[:-1] if p not in heads else heads[p][:common_prefix(heads[p], ids)]
+            heads[p] = head[:len(ids) - 1]  # leave every row at least one token to score
+        if sum(prompts.count(p) > 1 for p in heads) == 0:
+            return 0  # nothing shared
+        order = sorted(heads)
+        if max(len(heads[p]) for p in order) == 0:
+            return 0  # every head is empty: nothing to prefill
+        self.batch, _ = RowBatch.prefill(base_model, [heads[p] for p in order], pad_token_id, device,
+                                         counted_by=counted_by)
+        self.batch.select([order.index(p) for p in prompts])  # fan out: [P, W] -> [B, W]
+        self.ids = [list(heads[p]) for p in prompts]
+        return sum(len(heads[p]) for p in order)
 
 
 @dataclass
@@ -496,8 +503,9 @@ class CompositeScorer:
     checker scores every prefix that has broken nothing alike) is broken by the others.
 
     Sessions open one session per component, so a streaming reward model keeps its KV cache behind
-    the composite as it does alone; ``components`` gives each reward's own scores (the output's
-    ``chosen_scores`` and ``rejected_scores``)."""
+    the composite as it does alone. ``score`` and ``extend`` return Scores: with each response's
+    score, each reward's own from the same call (``combine``), which the candidates carry to the
+    output's ``chosen_scores`` and ``rejected_scores``."""
 
     def __init__(self, scorers: list, weights: list[float], names: list[str]):
         if not scorers or len(scorers) != len(weights) or len(names) != len(scorers):
@@ -508,11 +516,11 @@ class CompositeScorer:
 
     def components(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
                    columns: list[dict] | None = None) -> list[list[float]]:
-        """Each response's scores, one per component, in ``names``' order (stateless)."""
-        return [list(scores) for scores in zip(*self._parts(prompts, responses, finished, columns))] if responses else []
+        """Each response's scores, one per component, in ``names``' order (stateless): ``score``'s components."""
+        return self.score(prompts, responses, finished=finished, columns=columns).components
 
     def score(self, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
-              columns: list[dict] | None = None) -> list[float]:
+              columns: list[dict] | None = None) -> Scores:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         groups = [p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in prompts]
@@ -538,7 +546,7 @@ class CompositeScorer:
         self.sessions[session] = num_samples
 
     def extend(self, session: str, rows: list[int], responses: list[str],
-               finished: list[bool] | None = None) -> list[float]:
+               finished: list[bool] | None = None) -> Scores:
         if session not in self.sessions:
             raise ValueError(f"unknown reward session {session}")
         parts = [s.extend(session, rows, responses, finished=finished) for s in self.scorers]
@@ -562,28 +570,31 @@ class CompositeScorer:
                 scorer.shutdown()
 
 
-def combine(parts: list[list[float]], weights: list[float], finished: list[bool] | None, groups: list) -> list[float]:
+def combine(parts: list[list[float]], weights: list[float], finished: list[bool] | None, groups: list) -> Scores:
     """The composite score of each response from its components' ``parts`` (one list per component):
     sum_k weights[k] * parts[k][i]. A finished response (``finished`` None: all are) needs every
     component finite (else NaN); partial responses of one group (a prompt) sum the components finite
-    for all of them (none: NaN). See CompositeScorer."""
+    for all of them (none: NaN). See CompositeScorer. Each response's components come with its score
+    (Scores): a final response's as its rewards gave them, a partial one's with NaN for each component
+    its group's sum left out, so a score is the weighted sum of its finite components."""
     n = len(groups)
     finished = [True] * n if finished is None else finished
     if any(len(p) != n for p in parts) or len(finished) != n:
         raise ValueError(f"component scores of lengths {[len(p) for p in parts]} for {n} responses")
-    out = [math.nan] * n
+    summed: list[list[int]] = [[] for _ in range(n)]  # per response, the components its score sums
     partial: dict[object, list[int]] = {}
     for i in range(n):
         if not finished[i]:
             partial.setdefault(groups[i], []).append(i)
         elif all(math.isfinite(p[i]) for p in parts):
-            out[i] = sum(w * p[i] for w, p in zip(weights, parts))
+            summed[i] = list(range(len(parts)))
     for members in partial.values():
         speaking = [k for k, p in enumerate(parts) if all(math.isfinite(p[i]) for i in members)]
-        if speaking:
-            for i in members:
-                out[i] = sum(weights[k] * parts[k][i] for k in speaking)
-    return out
+        for i in members:
+            summed[i] = speaking
+    scores = [sum(weights[k] * parts[k][i] for k in ks) if ks else math.nan for i, ks in enumerate(summed)]
+    return Scores(scores, [[p[i] if finished[i] or k in summed[i] else math.nan for k, p in enumerate(parts)]
+                           for i in range(n)])
 
 
 def load_rewards(specs: list[str], weights: list[float] | None, load_model: Callable[[str], Any]):
@@ -603,12 +614,3 @@ def load_rewards(specs: list[str], weights: list[float] | None, load_model: Call
     if len(scorers) == 1 and weights == [1.0]:
         return scorers[0]
     return CompositeScorer(scorers, weights, list(specs))
-
-
-def component_scores(scorer, prompts: list[str | list[dict]], responses: list[str], finished: list[bool] | None = None,
-                     columns: list[dict] | None = None) -> list[list[float]]:
-    """Each response's score under each reward of ``scorer`` (CompositeScorer.components); a single
-    reward's scorer gives its one score per response."""
-    if isinstance(scorer, CompositeScorer):
-        return scorer.components(prompts, responses, finished=finished, columns=columns)
-    return [[s] for s in scorer.score(prompts, responses, finished=finished, columns=columns)]

@@ -290,13 +290,9 @@ def _bottom_states(path: Path, model, groups: list, pad_id: int, key: dict, prog
 
 def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict, settings: RewardSettings,
                         seconds: dict, start: float, progress: bool) -> dict:
-    import torch
-    from safetensors.torch import save_file
-
     from pipeline.engines.hf import load_tokenizer
     from pipeline.engines.rewards import RewardScorer
-    from pipeline.training.reward_model import (LORA_TARGETS, TrainingSettings, best_of_n_accuracy, pairwise_agreement,
-                                                partial_final_correlations, partial_rewards, preference_pairs,
+    from pipeline.training.reward_model import (LORA_TARGETS, TrainingSettings, best_of_n_accuracy, preference_pairs,
                                                 reward_texts, save_reward_model, split_reward_model,
                                                 train_reward_model)
 
@@ -327,21 +323,8 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
 
     t = time.perf_counter()
     scorer = RewardScorer.from_pretrained(str(tmp))
-    # The saved directory, read as RewardScorer reads it, against the training-time (split) model
-    # on the final texts of the validation prompts (of the first training prompts when there are none).
-    with torch.no_grad():
-        from pipeline.training.reward_model import top_scores
-
-        check = [(t_.sample, float(v)) for g in (val or fit)[:16] for t_, v in zip(g.texts, top_scores(model, g))
-                 if t_.tau == 0]
-    saved = scorer.score([train[i].prompt for i, _ in check], [train[i].text for i, _ in check])
-    scorer_diff = max((abs(a - b) for (_, a), b in zip(check, saved)), default=0.0)
-    if not scorer_diff < 1e-3:
-        raise RuntimeError(f"the saved reward model scores differ from training by {scorer_diff} (> 1e-3)")
-    held, held_judged = splits["eval"]
-    final = scorer.score([s.prompt for s in held], [s.text for s in held])
-    held_pairs = preference_pairs([s.prompt_id for s in held], [j.fraction for j in held_judged], 0.0)
-    partial = partial_rewards(scorer, held, settings.taus, scorer.tokenizer)
+    scorer_diff, checked = _check_saved(scorer, model, val or fit, train)
+    heldout, correlations = _evaluate_heldout(scorer, *splits["eval"], settings.taus)
     seconds["evaluate"] = round(time.perf_counter() - t, 1)
     first = model.first_top_layer
     frozen = f"layers 0..{first - 1} frozen" if first else "no layer frozen"
@@ -365,6 +348,47 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
         "validation_prompts": len(val),
         "training": training,
         "train_ifeval_accuracy": best_of_n_accuracy(train, judged, fractions)["random_sample"],
+        **heldout,
+        # The saved directory, loaded as RewardScorer, against the training-time model's scores.
+        "scorer_vs_features_max_abs_diff": scorer_diff,
+        "scorer_checked_texts": checked,
+        "partial_final_correlation": correlations,
+        "seconds": seconds,
+        "build_seconds": round(time.perf_counter() - start, 1),
+    }
+    _commit_reward(data, reward, tmp, factors, settings, report)
+    return report
+
+
+def _check_saved(scorer, model, groups: list, train: list) -> tuple[float, int]:
+    """The saved directory, read as RewardScorer reads it (``scorer``), against the training-time
+    (split) ``model`` on the final texts of the first 16 ``groups`` (the validation prompts, or the
+    first training prompts when there are none): the largest difference and the texts checked.
+    RuntimeError when they differ by 1e-3 or more."""
+    import torch
+
+    from pipeline.training.reward_model import top_scores
+
+    with torch.no_grad():
+        check = [(t_.sample, float(v)) for g in groups[:16] for t_, v in zip(g.texts, top_scores(model, g))
+                 if t_.tau == 0]
+    saved = scorer.score([train[i].prompt for i, _ in check], [train[i].text for i, _ in check])
+    scorer_diff = max((abs(a - b) for (_, a), b in zip(check, saved)), default=0.0)
+    if not scorer_diff < 1e-3:
+        raise RuntimeError(f"the saved reward model scores differ from training by {scorer_diff} (> 1e-3)")
+    return scorer_diff, len(check)
+
+
+def _evaluate_heldout(scorer, held: list, held_judged: list, taus) -> tuple[dict, dict]:
+    """The report's held-out figures, and the correlations of the partial rewards at ``taus`` with
+    the final ones (partial_final_correlations)."""
+    from pipeline.training.reward_model import (best_of_n_accuracy, pairwise_agreement, partial_final_correlations,
+                                                partial_rewards, preference_pairs)
+
+    final = scorer.score([s.prompt for s in held], [s.text for s in held])
+    held_pairs = preference_pairs([s.prompt_id for s in held], [j.fraction for j in held_judged], 0.0)
+    partial = partial_rewards(scorer, held, taus, scorer.tokenizer)
+    return {
         "heldout_prompts": len({s.prompt_id for s in held}),
         "heldout_samples": len(held),
         "heldout_samples_ended_with_eos": sum(s.eos for s in held),
@@ -376,13 +400,14 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
         # IFEval strict accuracy of the held-out samples: a random sample (every sample counted),
         # the reward model's best of each prompt's samples, and the judge's own best and worst.
         "heldout_ifeval_accuracy": best_of_n_accuracy(held, held_judged, final),
-        # The saved directory, loaded as RewardScorer, against the training-time model's scores.
-        "scorer_vs_features_max_abs_diff": scorer_diff,
-        "scorer_checked_texts": len(check),
-        "partial_final_correlation": partial_final_correlations(held, final, partial),
-        "seconds": seconds,
-        "build_seconds": round(time.perf_counter() - start, 1),
-    }
+    }, partial_final_correlations(held, final, partial)
+
+
+def _commit_reward(data: Path, reward: Path, tmp: Path, factors: dict, settings: RewardSettings, report: dict) -> None:
+    """The LoRA factors beside the data (``reward-lora.safetensors``, with the settings), the report in
+    the built directory ``tmp``, and ``tmp`` renamed to ``reward`` in place of any earlier one."""
+    from safetensors.torch import save_file
+
     weights = data / "reward-lora.safetensors"
     tmp_weights = weights.with_name(f".{weights.name}.{uuid.uuid4().hex[:8]}")
     save_file({k: v.contiguous() for k, v in factors.items()}, str(tmp_weights),
@@ -391,7 +416,6 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
     (tmp / "report.json").write_text(json.dumps(report, indent=2))
     shutil.rmtree(reward, ignore_errors=True)
     tmp.rename(reward)
-    return report
 
 
 def _agreement_detail(held: list, rewards: list[float], pairs: list[tuple[int, int]]) -> dict:
