@@ -13,9 +13,8 @@
 - pipeline/decoding is pure: it imports nothing from engines, config, data, training, actors, jobs,
   ray, vllm or transformers, opens no files and keeps no module-global mutable state;
 - one method registry: every method's record is complete, and nothing else keeps a table of them;
-- size limits: no class in pipeline/engines over MAX_ENGINE_CLASS_LINES lines (but those of
-  CLASS_LIMIT_OWNED_ELSEWHERE, held at their size), no function or method in pipeline/ over
-  MAX_FUNCTION_LINES lines.
+- size limits: no class in pipeline/engines over MAX_ENGINE_CLASS_LINES lines, no function or
+  method in pipeline/ over MAX_FUNCTION_LINES lines.
 """
 
 from __future__ import annotations
@@ -315,10 +314,6 @@ def test_every_exception_class_is_in_the_errors_module():
 
 MAX_ENGINE_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 80
-CLASS_LIMIT_OWNED_ELSEWHERE = {"pipeline/engines/kv_cache.py: KVCache": 337,
-                               "pipeline/engines/model_runner.py: ModelRunner": 305}
-"""Engine classes over the limit that the paged-KV issue owns (issue 50 stays out of its code), each at
-most the size it had when the limit was written, until that issue splits it."""
 
 
 def long_definitions(paths: list[Path], kinds: tuple[type, ...], limit: int) -> dict[str, int]:
@@ -349,11 +344,7 @@ def test_length_check_finds_a_planted_long_function_and_class(tmp_path):
 def test_no_engine_class_over_the_limit():
     over = long_definitions(sorted((ROOT / "pipeline" / "engines").rglob("*.py")), (ast.ClassDef,),
                             MAX_ENGINE_CLASS_LINES)
-    offenders = {name: lines for name, lines in over.items()
-                 if lines > CLASS_LIMIT_OWNED_ELSEWHERE.get(name, MAX_ENGINE_CLASS_LINES)}
-    assert not offenders, f"engine classes over {MAX_ENGINE_CLASS_LINES} lines: {listing(offenders)}"
-    stale = set(CLASS_LIMIT_OWNED_ELSEWHERE) - set(over)
-    assert not stale, f"within the limit now, so drop them from CLASS_LIMIT_OWNED_ELSEWHERE: {sorted(stale)}"
+    assert not over, f"engine classes over {MAX_ENGINE_CLASS_LINES} lines: {listing(over)}"
 
 
 def test_no_function_over_the_limit():
