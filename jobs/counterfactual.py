@@ -266,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                   ",".join(map(str, wrong[0])), len(args.reward))
         return 2
 
-    from pipeline.data.prompts import PromptFormatter, PromptSource, prompt_id, validate
+    from pipeline.data.chat import PromptFormatter, prompt_id
+    from pipeline.data.prompts import validate
+    from pipeline.data.readers import PromptSource
     from pipeline.errors import InputError
     from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.sampling import SamplingParams

@@ -463,7 +463,7 @@ def test_reward_heldout_compares_rewards_on_a_builds_judged_held_out_samples(tin
     from transformers import AutoTokenizer
 
     from benchmarks import reward_heldout
-    from pipeline.data.prompts import prompt_id
+    from pipeline.data.chat import prompt_id
     from pipeline.engines.rewards import RewardScorer
     from pipeline.judge import check
     from pipeline.training.reward_model import pairwise_agreement, preference_pairs

@@ -20,7 +20,7 @@ def tokenizer(tiny_models):
 
 
 def _samples(tokenizer, responses: dict[str, list[str]]) -> list[rm.Sample]:
-    from pipeline.data.prompts import prompt_id
+    from pipeline.data.chat import prompt_id
 
     out = []
     for prompt, texts in responses.items():

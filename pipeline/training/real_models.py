@@ -665,7 +665,9 @@ def reward_model(generator: Path, gguf: Path | None, output: Path, settings: Rew
 
 def load_prompts(path: str, tokenizer, max_new_tokens: int):
     """The PromptInputs of a prompt file; any bad row is a FetchError naming the file and row."""
-    from pipeline.data.prompts import PromptFormatter, read_raw_rows, validate
+    from pipeline.data.chat import PromptFormatter
+    from pipeline.data.prompts import validate
+    from pipeline.data.readers import read_raw_rows
 
     rows, rejects = validate(read_raw_rows(path, "prompt"), "prompt")
     if rejects:
@@ -680,7 +682,7 @@ def load_instructions(path: str) -> dict[str, tuple[list[str], list[dict]]]:
     """prompt_id -> (instruction_id_list, kwargs) of a JSONL prompt file with IFEval's columns; a
     row without them, or with an instruction the judge does not check, is a FetchError naming the
     file and line."""
-    from pipeline.data.prompts import prompt_id
+    from pipeline.data.chat import prompt_id
     from pipeline.judge import SUPPORTED
 
     out = {}

@@ -361,9 +361,9 @@ class PromptTexts:
 
 def reward_token_ids(tokenizer, prompt: str | list[dict], response: str) -> list[int]:
     """RewardScorer.encode without a model: the conversation through the chat template, contents
-    encoded as plain text (pipeline.data.prompts.encode_chat); without a template, the text with
+    encoded as plain text (pipeline.data.chat.encode_chat); without a template, the text with
     the tokenizer's special tokens."""
-    from pipeline.data.prompts import encode_chat, encode_text
+    from pipeline.data.chat import encode_chat, encode_text
 
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if tokenizer.chat_template:
