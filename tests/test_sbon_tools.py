@@ -106,6 +106,9 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
     report = json.loads((out / "counterfactual.json").read_text())
     assert report["prompts"] == 2 and report["streaming_reward"]
     assert [len(c["final"]) for c in report["completions"]] == [4, 4]
+    summary = json.loads((out / "summary.json").read_text())  # what a results folder keeps
+    assert "completions" not in summary and summary["grid"] == report["grid"]
+    assert summary["final_reward_spread"][str(tiny_models["reward"])]["median_distinct"] >= 1
     # The completions are plain sampling with the build's row seeds, and their final rewards are
     # the reward model's full scores of those texts (streamed, so to float tolerance).
     from pipeline.data.chat import PromptFormatter, prompt_id

@@ -32,8 +32,8 @@ With --draft (`make real-draft`), two more steps:
 
 The fast path (``reward_model``, the default): the trained reward model is the generator's network
 plus LoRA factors and a head (about 2.6 MB), so the model trained here once is committed
-(configs/real-reward-model.json, with the GGUF's sha256, the settings, the weights' sha256 and the
-training report, and configs/real-reward-model.safetensors). When the extracted GGUF has that
+(artifacts/real-reward-model.json, with the GGUF's sha256, the settings, the weights' sha256 and the
+training report, and artifacts/real-reward-model.safetensors). When the extracted GGUF has that
 sha256, the settings are the committed ones and the weights are the recorded ones, steps 4-6 are
 replaced by merging the committed factors into the generator (seconds instead of about an hour on
 2 cores); DIR/reward/report.json is then the committed training report, marked
