@@ -232,7 +232,7 @@ class _LogLines:
 def _samples(path: Path, engine, prompts: list, cap: int, settings, progress: bool):
     from tqdm import tqdm
 
-    from pipeline.training.reward_model import Sample, sample_responses
+    from pipeline.training.judged_samples import Sample, sample_responses
 
     if path.exists():
         _skip(path)
@@ -246,9 +246,9 @@ def _samples(path: Path, engine, prompts: list, cap: int, settings, progress: bo
 
 
 def _judged(path: Path, samples: list, instructions: dict, prompt_file: str):
-    """The judge's verdict on every sample (pipeline.training.reward_model.judge_samples), cached
+    """The judge's verdict on every sample (pipeline.training.judged_samples.judge_samples), cached
     as one JSON line per sample: the instructions' ids and whether each was followed."""
-    from pipeline.training.reward_model import Judgement, judge_samples
+    from pipeline.training.judged_samples import Judgement, judge_samples
 
     missing = {s.prompt_id for s in samples} - set(instructions)
     if missing:
@@ -295,10 +295,11 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
 
     from pipeline.engines.hf import load_tokenizer
     from pipeline.engines.rewards import RewardScorer
-    from pipeline.training.reward_model import (LORA_TARGETS, TrainingSettings, best_of_n_accuracy, pairwise_agreement,
-                                                partial_final_correlations, partial_rewards, preference_pairs,
-                                                reward_texts, save_reward_model, split_reward_model,
-                                                train_reward_model)
+    from pipeline.training.judged_samples import preference_pairs
+    from pipeline.training.lora import LORA_TARGETS, save_reward_model, split_reward_model
+    from pipeline.training.reward_evaluation import (best_of_n_accuracy, pairwise_agreement, partial_final_correlations,
+                                                     partial_rewards)
+    from pipeline.training.reward_model import TrainingSettings, reward_texts, train_reward_model
 
     train, judged = splits["train"]
     fractions = [j.fraction for j in judged]
@@ -395,7 +396,7 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
 
 
 def _agreement_detail(held: list, rewards: list[float], pairs: list[tuple[int, int]]) -> dict:
-    from pipeline.training.reward_model import pairwise_agreement as agreement
+    from pipeline.training.reward_evaluation import pairwise_agreement as agreement
 
     alike = [(c, r) for c, r in pairs if held[c].eos == held[r].eos]
     mixed = [(c, r) for c, r in pairs if held[c].eos != held[r].eos]
@@ -586,7 +587,7 @@ def assemble_reward_model(generator: Path, output: Path, artifact: Path, setting
     other committed weights is replaced."""
     from safetensors.torch import load_file
 
-    from pipeline.training.reward_model import save_reward_model
+    from pipeline.training.lora import save_reward_model
 
     reward = output / "reward"
     committed = json.loads(artifact.read_text())
