@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checker:
         from pipeline.engines.hf import load_tokenizer
         from pipeline.errors import FetchError, InputError
-        from pipeline.training.real_models import load_instructions
+        from pipeline.training.cached_steps import load_instructions
 
         source = args.tokenizer or (args.reward[0] if args.reward else None)
         if source is None:

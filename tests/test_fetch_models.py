@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from jobs import fetch_models
-from pipeline.training import real_models
+from pipeline.training import cached_steps, real_models
 from tests.conftest import write_jsonl
 
 REAL_GENERATOR = Path(__file__).resolve().parent.parent / ".cache" / "real-models" / "generator"
@@ -434,7 +434,7 @@ def test_draft_step_distills_the_generators_first_layers_and_a_rerun_skips_it(ti
     assert report["heldout"]["kl"] < report["heldout_before_training"]["kl"]
     samples = [json.loads(line) for line in (tmp_path / "models" / "draft-data" / "samples-eval.jsonl").open()]
     tokenizer = load_tokenizer(str(tiny_models["generator"]))
-    eval_rows = real_models.load_prompts(str(held), tokenizer, 8)
+    eval_rows = cached_steps.load_prompts(str(held), tokenizer, 8)
     sequences = [(p.token_ids + s["token_ids"], len(p.token_ids)) for p, s in zip(eval_rows, samples) if s["token_ids"]]
     assert evaluate_draft(draft, generator, sequences, tokenizer.pad_token_id) == report["heldout"]
     same = evaluate_draft(generator, generator, sequences, tokenizer.pad_token_id)  # q = p: always accepted
