@@ -240,16 +240,13 @@ def _bottom_states(path: Path, model, groups: list, pad_id: int, key: dict, prog
 
 def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict, settings: RewardSettings,
                         seconds: dict, start: float, progress: bool) -> dict:
-    import torch
     from safetensors.torch import save_file
 
-    from pipeline.engines.hf import load_tokenizer
     from pipeline.engines.rewards import RewardScorer
     from pipeline.training.judged_samples import preference_pairs
-    from pipeline.training.lora import LORA_TARGETS, save_reward_model, split_reward_model
+    from pipeline.training.lora import LORA_TARGETS, save_reward_model
     from pipeline.training.reward_evaluation import (best_of_n_accuracy, pairwise_agreement, partial_final_correlations,
                                                      partial_rewards)
-    from pipeline.training.reward_model import TrainingSettings, reward_texts, train_reward_model
 
     train, judged = splits["train"]
     fractions = [j.fraction for j in judged]
@@ -257,20 +254,7 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
     if not train_pairs:
         raise FetchError(f"{settings.prompts}: no preference pairs (the judge gives every sample of each prompt "
                          "the same fraction of instructions followed)")
-    tokenizer = load_tokenizer(str(generator))
-    t = time.perf_counter()
-    model = split_reward_model(generator, settings.lora_layers, settings.lora_rank, settings.lora_alpha, settings.seed)
-    groups = reward_texts(tokenizer, train, settings.train_taus)
-    _bottom_states(data / "states-train.pt", model, groups, int(tokenizer.pad_token_id),
-                   {"lora_layers": settings.lora_layers, "train_taus": settings.train_taus}, progress)
-    seconds["bottom_states"] = round(time.perf_counter() - t, 1)
-    val = [g for k, g in enumerate(groups) if k % settings.validation_every == settings.validation_every - 1]
-    fit = [g for k, g in enumerate(groups) if k % settings.validation_every != settings.validation_every - 1]
-    training = train_reward_model(model, fit, val, train, fractions, TrainingSettings(
-        epochs=settings.epochs, learning_rate=settings.learning_rate, prefix_weight=settings.prefix_weight,
-        distill_weight=settings.distill_weight, bf16=settings.bf16,
-        prompts_per_step=settings.prompts_per_step, head_l2=settings.head_l2, seed=settings.seed), progress)
-    seconds["train"] = training.pop("seconds")
+    model, groups, fit, val, training = _train(generator, data, train, fractions, settings, seconds, progress)
     factors = model.factors()
     scale = lora_scale(settings.lora_rank, settings.lora_alpha)
     tmp = reward.with_name(f"{reward.name}.building")
@@ -278,17 +262,7 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
 
     t = time.perf_counter()
     scorer = RewardScorer.from_pretrained(str(tmp))
-    # The saved directory, read as RewardScorer reads it, against the training-time (split) model
-    # on the final texts of the validation prompts (of the first training prompts when there are none).
-    with torch.no_grad():
-        from pipeline.training.reward_model import top_scores
-
-        check = [(t_.sample, float(v)) for g in (val or fit)[:16] for t_, v in zip(g.texts, top_scores(model, g))
-                 if t_.tau == 0]
-    saved = scorer.score([train[i].prompt for i, _ in check], [train[i].text for i, _ in check])
-    scorer_diff = max((abs(a - b) for (_, a), b in zip(check, saved)), default=0.0)
-    if not scorer_diff < 1e-3:
-        raise RuntimeError(f"the saved reward model scores differ from training by {scorer_diff} (> 1e-3)")
+    check, scorer_diff = _check_saved(scorer, model, val or fit, train)
     held, held_judged = splits["eval"]
     final = scorer.score([s.prompt for s in held], [s.text for s in held])
     held_pairs = preference_pairs([s.prompt_id for s in held], [j.fraction for j in held_judged], 0.0)
@@ -343,6 +317,52 @@ def _train_and_evaluate(generator: Path, data: Path, reward: Path, splits: dict,
     shutil.rmtree(reward, ignore_errors=True)
     tmp.rename(reward)
     return report
+
+
+def _train(generator: Path, data: Path, train: list, fractions: list[float], settings: RewardSettings,
+           seconds: dict, progress: bool) -> tuple:
+    """Step 6's training: the split model, its bottom states (cached), every validation_every-th
+    training prompt held out to pick the epoch, and Bradley-Terry training on the others.
+    Returns (model, the training prompts' text groups, the groups trained on, the validation
+    groups, the training history); ``seconds`` gets bottom_states and train."""
+    from pipeline.engines.hf import load_tokenizer
+    from pipeline.training.lora import split_reward_model
+    from pipeline.training.reward_model import TrainingSettings, reward_texts, train_reward_model
+
+    tokenizer = load_tokenizer(str(generator))
+    t = time.perf_counter()
+    model = split_reward_model(generator, settings.lora_layers, settings.lora_rank, settings.lora_alpha, settings.seed)
+    groups = reward_texts(tokenizer, train, settings.train_taus)
+    _bottom_states(data / "states-train.pt", model, groups, int(tokenizer.pad_token_id),
+                   {"lora_layers": settings.lora_layers, "train_taus": settings.train_taus}, progress)
+    seconds["bottom_states"] = round(time.perf_counter() - t, 1)
+    val = [g for k, g in enumerate(groups) if k % settings.validation_every == settings.validation_every - 1]
+    fit = [g for k, g in enumerate(groups) if k % settings.validation_every != settings.validation_every - 1]
+    training = train_reward_model(model, fit, val, train, fractions, TrainingSettings(
+        epochs=settings.epochs, learning_rate=settings.learning_rate, prefix_weight=settings.prefix_weight,
+        distill_weight=settings.distill_weight, bf16=settings.bf16,
+        prompts_per_step=settings.prompts_per_step, head_l2=settings.head_l2, seed=settings.seed), progress)
+    seconds["train"] = training.pop("seconds")
+    return model, groups, fit, val, training
+
+
+def _check_saved(scorer, model, groups: list, train: list) -> tuple[list, float]:
+    """The saved directory, read as RewardScorer reads it (``scorer``), against the training-time
+    (split) model on the final texts of the first 16 ``groups`` (the validation prompts, or the
+    first training prompts when there are none): (the texts checked as (sample, score), the
+    largest difference); RuntimeError when it is 1e-3 or more."""
+    import torch
+
+    from pipeline.training.reward_model import top_scores
+
+    with torch.no_grad():
+        check = [(t_.sample, float(v)) for g in groups[:16] for t_, v in zip(g.texts, top_scores(model, g))
+                 if t_.tau == 0]
+    saved = scorer.score([train[i].prompt for i, _ in check], [train[i].text for i, _ in check])
+    scorer_diff = max((abs(a - b) for (_, a), b in zip(check, saved)), default=0.0)
+    if not scorer_diff < 1e-3:
+        raise RuntimeError(f"the saved reward model scores differ from training by {scorer_diff} (> 1e-3)")
+    return check, scorer_diff
 
 
 def _agreement_detail(held: list, rewards: list[float], pairs: list[tuple[int, int]]) -> dict:
