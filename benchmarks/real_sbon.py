@@ -197,7 +197,8 @@ def ifeval(pairs: dict[str, dict]) -> dict:
 def random_sample(used: dict, records: list[dict], device: str) -> dict[str, list[bool]]:
     """prompt_id -> IFEval's per-instruction verdict on one response sampled from the generator
     alone (the builds' sampling settings, candidate 0's seed: one of the builds' own candidates)."""
-    from pipeline.data.prompts import PromptFormatter, validate
+    from pipeline.data.chat import PromptFormatter
+    from pipeline.data.prompts import validate
     from pipeline.decoding.sampling import row_seed
     from pipeline.engines.hf import HFEngine
     from pipeline.judge import check

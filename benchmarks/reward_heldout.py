@@ -8,7 +8,7 @@
 its samples-eval.jsonl (responses sampled for the held-out prompts) and judged-eval.jsonl (IFEval's
 verdicts on them). Each reward model in ``--reward`` scores the same responses, so models trained on
 different samples (the committed one and a retrained one) are compared on equal terms. Per reward it
-prints, with pipeline.training.reward_model's functions (the ones a build's report uses):
+prints, with pipeline.training.reward_evaluation's functions (the ones a build's report uses):
 
 - agreement: the share of the judge's pairs (two responses of one prompt whose instruction-level
   verdicts differ) that the final reward orders the same way;
@@ -37,7 +37,7 @@ from benchmarks import bench_parser, fail, parse, write_json
 
 def held_out(data: Path):
     """The held-out samples of a reward-data directory and their instruction-level judge fractions."""
-    from pipeline.training.reward_model import Sample
+    from pipeline.training.judged_samples import Sample
 
     files = [data / "samples-eval.jsonl", data / "judged-eval.jsonl"]
     for f in files:
@@ -52,7 +52,8 @@ def held_out(data: Path):
 
 def figures(samples: list, fractions: list[float], final: list[float], partial: dict[int, dict[int, float]]) -> dict:
     """Agreement, partial-vs-final correlations and prefix agreement of one reward (module docstring)."""
-    from pipeline.training.reward_model import pairwise_agreement, partial_final_correlations, preference_pairs
+    from pipeline.training.judged_samples import preference_pairs
+    from pipeline.training.reward_evaluation import pairwise_agreement, partial_final_correlations
 
     pairs = preference_pairs([s.prompt_id for s in samples], fractions, 0.0)
     prefix = {}
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(args.data)
     samples, fractions = held_out(data)
     from pipeline.engines.rewards import RewardScorer
-    from pipeline.training.reward_model import partial_rewards
+    from pipeline.training.reward_evaluation import partial_rewards
 
     results, scores = {}, {}
     for path in args.reward:
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checker:
         from pipeline.engines.hf import load_tokenizer
         from pipeline.errors import FetchError, InputError
-        from pipeline.training.real_models import load_instructions
+        from pipeline.training.cached_steps import load_instructions
 
         source = args.tokenizer or (args.reward[0] if args.reward else None)
         if source is None:

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks import bench_parser, model_dirs, model_prompts, parse, read_prompts, write_json, write_png
 
-from pipeline.data.prompts import PromptFormatter, prompt_id
+from pipeline.data.chat import PromptFormatter, prompt_id
 from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
 from pipeline.decoding.domain import PromptInput, PromptResult
 from pipeline.decoding.metrics import normalized_score as eq5

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     import ray
 
     from pipeline.config import ConfigError, config_from_dict
-    from pipeline.data.prompts import PromptFormatter, PromptRow
+    from pipeline.data.chat import PromptFormatter, PromptRow
     from pipeline.engines.hf import load_tokenizer
 
     counts = [int(n) for n in args.actors.split(",")]

@@ -166,7 +166,7 @@ def pair_build(generator: str, reward: str, prompts: list[str], work: Path, args
 
 def eval_inputs(engine, rows: list[dict], max_new_tokens: int):
     """The held-out rows as PromptInputs, their instruction columns kept for the judge."""
-    from pipeline.data.prompts import PromptFormatter, PromptRow
+    from pipeline.data.chat import PromptFormatter, PromptRow
 
     formatter = PromptFormatter(engine.tokenizer, engine.max_context - max_new_tokens)
     return [formatter.prepare(PromptRow(i, r["prompt"], {k: r[k] for k in ("instruction_id_list", "kwargs")}))[0]

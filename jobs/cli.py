@@ -15,9 +15,11 @@ place of its progress bars (pipeline.observability.ShardLog).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+import typing
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -136,3 +138,28 @@ def setup_logging(level: str = "INFO") -> None:
     root.setLevel(logging.DEBUG if debug else logging.WARNING)
     for ours in OURS:
         logging.getLogger(ours).setLevel(level)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, settings_class: type, prefix: str = "") -> None:
+    """A flag for each field of the dataclass ``settings_class`` whose metadata has a "help":
+    --PREFIXNAME (underscores as dashes; its dest PREFIXNAME), of the field's type and default,
+    with the metadata's "choices"; a list field takes one value or more, a bool field is --NAME /
+    --no-NAME. ``settings_from_flags`` reads them back."""
+    defaults, types = settings_class(), typing.get_type_hints(settings_class)
+    for f in dataclasses.fields(settings_class):
+        if "help" not in f.metadata:
+            continue
+        kind, options = types[f.name], {"default": getattr(defaults, f.name), "help": f.metadata["help"]}
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is list:
+            options.update(type=typing.get_args(kind)[0], nargs="+")
+        else:
+            options.update(type=kind, choices=f.metadata.get("choices"))
+        parser.add_argument("--" + (prefix + f.name).replace("_", "-"), dest=prefix + f.name, **options)
+
+
+def settings_from_flags(settings_class: type, args: argparse.Namespace, prefix: str = "", **given):
+    """The ``settings_class`` the flags of ``add_settings_flags`` ask for; ``given`` sets other fields."""
+    flags = {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(settings_class) if "help" in f.metadata}
+    return settings_class(**{**flags, **given})

@@ -25,6 +25,8 @@ weighted sum): the comparison behind a build's raw sum (docs/design.md, "Composi
 
 Writes DIR/counterfactual.json (the settings under the flags' names, the grid, the correlations,
 every completion's rewards under each reward, and ``combinations``: each weighting's grid),
+DIR/summary.json (the same without the per-prompt data: ``report_summary``; what
+benchmarks/results keeps),
 DIR/tradeoff.png (score and token rate against alpha, one line per tau, as the paper's Figure 3)
 and DIR/correlations.png (per-prompt Pearson and Kendall histograms, as Figure 5).
 Bad input (missing file, no usable prompt, a bad weight) prints one line and exits with code 2.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import sys
 import uuid
 from dataclasses import dataclass
@@ -266,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                   ",".join(map(str, wrong[0])), len(args.reward))
         return 2
 
-    from pipeline.data.prompts import PromptFormatter, PromptSource, prompt_id, validate
+    from pipeline.data.chat import PromptFormatter, prompt_id
+    from pipeline.data.prompts import validate
+    from pipeline.data.readers import PromptSource
     from pipeline.errors import InputError
     from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.sampling import SamplingParams
@@ -323,13 +328,34 @@ def main(argv: list[str] | None = None) -> int:
                                "ended": {str(t): v for t, v in c.ended.items()}, "judged": c.judged}
                               for p, c in zip(main_rewards, collected)]}
     (output / "counterfactual.json").write_text(json.dumps(report, indent=1))
+    (output / "summary.json").write_text(json.dumps(report_summary(report), indent=1))
     plot(summary, taus, args.alphas, output)
     for combination in combinations:
         if len(combinations) > 1:
             print(f"weights {combination['weights']}{' standardized per prompt' if combination['standardized'] else ''}:")
         report_lines(combination, taus, args.alphas)
-    print(f"output: {output}/counterfactual.json, tradeoff.png, correlations.png")
+    print(f"output: {output}/counterfactual.json, summary.json, tradeoff.png, correlations.png")
     return 0
+
+
+def report_summary(report: dict) -> dict:
+    """The report without its per-prompt data (every completion's rewards, each prompt's
+    correlations): the settings, each weighting's grid, mean correlations and judge verdicts, and
+    per reward the spread of its final rewards within a prompt (medians over the prompts: distinct
+    values, the share of completions at the prompt's top value, range, standard deviation). It is
+    what a results folder keeps; counterfactual.json, beside it, holds every number."""
+    def brief(part: dict) -> dict:
+        return {k: v for k, v in part.items() if k not in ("correlations", "completions", "combinations")}
+
+    specs = report["reward"] if isinstance(report["reward"], list) else [report["reward"]]
+    spread = {}
+    for spec in specs:
+        finals = [c["rewards"][spec]["final"] for c in report["completions"]]
+        spread[spec] = {"median_distinct": statistics.median(len(set(f)) for f in finals),
+                        "median_top_share": statistics.median(f.count(max(f)) / len(f) for f in finals),
+                        "median_range": statistics.median(max(f) - min(f) for f in finals),
+                        "median_std": statistics.median(statistics.pstdev(f) for f in finals)}
+    return {**brief(report), "combinations": [brief(c) for c in report["combinations"]], "final_reward_spread": spread}
 
 
 if __name__ == "__main__":

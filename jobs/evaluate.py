@@ -80,7 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def read_instructions(uri: str, column: str) -> dict[str, dict]:
     """{prompt text (a conversation: its canonical JSON, as a build's raw_prompt holds it): the row's
     instruction columns} for every row of the prompt file."""
-    from pipeline.data.prompts import PromptSource, conversation_text
+    from pipeline.data.chat import conversation_text
+    from pipeline.data.readers import PromptSource
 
     rows = {}
     for prompt, columns in PromptSource(uri, column, extra_columns=INSTRUCTION_COLUMNS).records():
@@ -90,14 +91,14 @@ def read_instructions(uri: str, column: str) -> dict[str, dict]:
 
 
 def read_pairs(output: str, allow_partial: bool) -> list[dict]:
-    """The build's pair rows, from its committed shards only (OutputStore.read_committed); with
+    """The build's pair rows, from its committed shards only (OutputReader.read_committed); with
     ``allow_partial``, one line on stderr says what of the build was left out. InputError when
     ``output`` is no build."""
     import pyarrow.parquet as pq
 
-    from pipeline.data.store import BUILD_FILES, OutputStore, partial_read_line
+    from pipeline.data.reader import BUILD_FILES, OutputReader, partial_read_line
 
-    store = OutputStore.open_build(output)
+    store = OutputReader.open_build(output)
     if store is None:
         raise InputError(f"{output}: not a build's output (none of {', '.join(BUILD_FILES)}); --pairs takes a "
                          "bon-build --output")
@@ -149,7 +150,9 @@ def judge_pairs(args) -> dict:
 def load_prompts(uri: str, column: str, tokenizer, max_new_tokens: int, limit: int | None):
     """The valid rows of the prompt file as PromptInputs (with their instruction columns), the
     first ``limit`` of them when given."""
-    from pipeline.data.prompts import PromptFormatter, PromptSource, validate
+    from pipeline.data.chat import PromptFormatter
+    from pipeline.data.prompts import validate
+    from pipeline.data.readers import PromptSource
 
     records = list(PromptSource(uri, column, extra_columns=INSTRUCTION_COLUMNS).records())
     rows, _ = validate([v for v, _ in records], column, columns=[c for _, c in records])

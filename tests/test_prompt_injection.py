@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jobs.make_tiny_models import build_tokenizer
-from pipeline.data.prompts import PromptFormatter, PromptRow, encode_text
+from pipeline.data.chat import PromptFormatter, PromptRow, encode_text
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

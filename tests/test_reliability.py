@@ -17,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from jobs.build_dataset import main  # noqa: E402
-from pipeline.data.prompts import prompt_id  # noqa: E402
+from pipeline.data.chat import prompt_id  # noqa: E402
 from tests.conftest import GOOD_PROMPTS, moto_s3, write_jsonl  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]

@@ -1,12 +1,15 @@
-"""pipeline.training.reward_model on the tiny models: LoRA and its merge, the split (frozen bottom,
-LoRA top) model against the merged directory RewardScorer reads, the shared-head bottom states,
-the training texts and pairs, and Bradley-Terry training that has to learn what the judge sees."""
+"""pipeline.training.reward_model (with lora, judged_samples, reward_evaluation) on the tiny models:
+LoRA and its merge, the split (frozen bottom, LoRA top) model against the merged directory
+RewardScorer reads, the shared-head bottom states, the training texts and pairs, and Bradley-Terry
+training that has to learn what the judge sees."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pipeline.training import judged_samples, reward_evaluation
+from pipeline.training import lora as surgery
 from pipeline.training import reward_model as rm
 
 PROMPTS = ["Write a review of the lamp.", "Describe how the blender works.", "Tell me if the camera is good."]
@@ -19,19 +22,19 @@ def tokenizer(tiny_models):
     return load_tokenizer(str(tiny_models["generator"]))
 
 
-def _samples(tokenizer, responses: dict[str, list[str]]) -> list[rm.Sample]:
-    from pipeline.data.prompts import prompt_id
+def _samples(tokenizer, responses: dict[str, list[str]]) -> list[judged_samples.Sample]:
+    from pipeline.data.chat import prompt_id
 
     out = []
     for prompt, texts in responses.items():
         for k, text in enumerate(texts):
             ids = tokenizer(text, add_special_tokens=False).input_ids
-            out.append(rm.Sample(prompt, prompt_id(prompt), k, ids, tokenizer.decode(ids, skip_special_tokens=True),
-                                 eos=True))
+            out.append(judged_samples.Sample(prompt, prompt_id(prompt), k, ids,
+                                             tokenizer.decode(ids, skip_special_tokens=True), eos=True))
     return out
 
 
-def _random_samples(tokenizer, seed: int, lengths=(9, 14, 22)) -> list[rm.Sample]:
+def _random_samples(tokenizer, seed: int, lengths=(9, 14, 22)) -> list[judged_samples.Sample]:
     gen = torch.Generator().manual_seed(seed)
     texts = {p: [tokenizer.decode(torch.randint(10, 500, (n,), generator=gen).tolist(), skip_special_tokens=True)
                  for n in lengths] for p in PROMPTS[:2]}
@@ -41,7 +44,7 @@ def _random_samples(tokenizer, seed: int, lengths=(9, 14, 22)) -> list[rm.Sample
 def test_lora_linear_is_its_base_plus_the_merged_update():
     gen = torch.Generator().manual_seed(0)
     base = torch.nn.Linear(12, 7, bias=False)
-    lora = rm.LoRALinear(base, rank=3, alpha=6.0, generator=gen)
+    lora = surgery.LoRALinear(base, rank=3, alpha=6.0, generator=gen)
     x = torch.randn(5, 12, generator=gen)
     assert torch.equal(lora(x), base(x))  # B starts at zero: the model starts as the base
     with torch.no_grad():
@@ -86,10 +89,10 @@ def test_split_model_scores_equal_the_merged_directory_read_by_reward_scorer(tin
     generator = tiny_models["generator"]
     layers = AutoConfig.from_pretrained(generator).num_hidden_layers
     top_layers = layers if top_layers == "all" else top_layers
-    model = rm.split_reward_model(generator, top_layers=top_layers, rank=rank, alpha=8.0, seed=0)
+    model = surgery.split_reward_model(generator, top_layers=top_layers, rank=rank, alpha=8.0, seed=0)
     assert len(model.bottom.layers) == layers - top_layers and model.first_top_layer == layers - top_layers
     update = "lora_B" if rank else "delta"  # zero at start: the part that makes the model differ
-    assert all(isinstance(m, rm.FullLinear if rank == 0 else rm.LoRALinear) for m in model.lora.values())
+    assert all(isinstance(m, surgery.FullLinear if rank == 0 else surgery.LoRALinear) for m in model.lora.values())
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for m in model.lora.values():
@@ -107,7 +110,7 @@ def test_split_model_scores_equal_the_merged_directory_read_by_reward_scorer(tin
             for k, t in enumerate(g.texts):
                 alone = model.bottom(input_ids=torch.tensor([t.token_ids])).last_hidden_state[0]
                 torch.testing.assert_close(torch.cat([g.head_states, g.states[k]]), alone, rtol=1e-4, atol=1e-4)
-    rm.save_reward_model(generator, model.factors(), 2.0 if rank else 1.0, tmp_path / "reward")
+    surgery.save_reward_model(generator, model.factors(), 2.0 if rank else 1.0, tmp_path / "reward")
     scorer = RewardScorer.from_pretrained(str(tmp_path / "reward"))
     texts = [(samples[t.sample].prompt, samples[t.sample].text if t.tau == 0 else
               rm.prefix_text(tokenizer, samples[t.sample], t.tau)) for g in groups for t in g.texts]
@@ -115,7 +118,7 @@ def test_split_model_scores_equal_the_merged_directory_read_by_reward_scorer(tin
     assert read == pytest.approx(split, abs=1e-4)
     assert len({round(v, 3) for v in read}) == len(read)  # the texts are told apart: the check has teeth
     # Without the merge (the plain generator with the same head) the scores differ: the update matters.
-    rm.save_reward_model(generator, {k: torch.zeros_like(v) if k.endswith(update) else v
+    surgery.save_reward_model(generator, {k: torch.zeros_like(v) if k.endswith(update) else v
                                      for k, v in model.factors().items()}, 2.0, tmp_path / "no-lora")
     plain = RewardScorer.from_pretrained(str(tmp_path / "no-lora")).score([p for p, _ in texts], [r for _, r in texts])
     assert max(abs(a - b) for a, b in zip(plain, split)) > 1e-2
@@ -167,7 +170,7 @@ def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenize
     responses = {p: [good[k % 3], bad[k % 3], good[(k + 1) % 3], bad[(k + 2) % 3]] for k, p in enumerate(prompts)}
     samples = _samples(tokenizer, responses)
     fractions = [1.0 if "no" not in s.text.split() else 0.0 for s in samples]
-    model = rm.split_reward_model(tiny_models["generator"], top_layers=top_layers, rank=rank, alpha=8.0, seed=0)
+    model = surgery.split_reward_model(tiny_models["generator"], top_layers=top_layers, rank=rank, alpha=8.0, seed=0)
     groups = rm.reward_texts(tokenizer, samples, [2, 4])
     rm.bottom_states(model, groups, tokenizer.pad_token_id)
     before = {k: v.clone() for k, v in model.factors().items()}
@@ -187,11 +190,11 @@ def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenize
 
 
 def test_best_of_n_accuracy_picks_by_reward_and_by_judge():
-    samples = [rm.Sample("p", "a", k, [1], "x", True) for k in range(3)] + \
-              [rm.Sample("q", "b", k, [1], "x", True) for k in range(2)]
-    judgements = [rm.Judgement(f) for f in ([True, False], [True, True], [False, False], [False], [True])]
+    samples = [judged_samples.Sample("p", "a", k, [1], "x", True) for k in range(3)] + \
+              [judged_samples.Sample("q", "b", k, [1], "x", True) for k in range(2)]
+    judgements = [judged_samples.Judgement(f) for f in ([True, False], [True, True], [False, False], [False], [True])]
     rewards = [3.0, 1.0, 0.0, 2.0, 1.0]
-    out = rm.best_of_n_accuracy(samples, judgements, rewards)
+    out = reward_evaluation.best_of_n_accuracy(samples, judgements, rewards)
     assert out["random_sample"] == {"prompt_level_strict": 0.4, "instruction_level_strict": round(4 / 8, 4)}
     assert out["best_of_n_by_reward"] == {"prompt_level_strict": 0.0, "instruction_level_strict": round(1 / 3, 4)}
     assert out["best_of_n_by_judge"] == {"prompt_level_strict": 1.0, "instruction_level_strict": 1.0}
@@ -199,9 +202,10 @@ def test_best_of_n_accuracy_picks_by_reward_and_by_judge():
 
 
 def test_judge_samples_reads_each_prompts_instructions():
-    samples = [rm.Sample("Say hi.", "a", 0, [1], "hi, there", True), rm.Sample("Say hi.", "a", 1, [1], "hi there", True)]
+    samples = [judged_samples.Sample("Say hi.", "a", 0, [1], "hi, there", True),
+               judged_samples.Sample("Say hi.", "a", 1, [1], "hi there", True)]
     instructions = {"a": (["punctuation:no_comma", "length_constraints:number_words"],
                           [{}, {"num_words": 3, "relation": "less than"}])}
-    judged = rm.judge_samples(samples, instructions)
+    judged = judged_samples.judge_samples(samples, instructions)
     assert [j.followed for j in judged] == [[False, True], [True, True]]
     assert [j.fraction for j in judged] == [0.5, 1.0] and [j.all_followed for j in judged] == [False, True]

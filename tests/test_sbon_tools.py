@@ -106,9 +106,12 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
     report = json.loads((out / "counterfactual.json").read_text())
     assert report["prompts"] == 2 and report["streaming_reward"]
     assert [len(c["final"]) for c in report["completions"]] == [4, 4]
+    summary = json.loads((out / "summary.json").read_text())  # what a results folder keeps
+    assert "completions" not in summary and summary["grid"] == report["grid"]
+    assert summary["final_reward_spread"][str(tiny_models["reward"])]["median_distinct"] >= 1
     # The completions are plain sampling with the build's row seeds, and their final rewards are
     # the reward model's full scores of those texts (streamed, so to float tolerance).
-    from pipeline.data.prompts import PromptFormatter, prompt_id
+    from pipeline.data.chat import PromptFormatter, prompt_id
     from pipeline.decoding.sampling import SamplingParams, row_seed
     from pipeline.engines.hf import HFEngine
     from pipeline.engines.rewards import RewardScorer
@@ -210,7 +213,7 @@ def test_bon_equivalent_estimate_is_within_10_percent_of_a_real_best_of_n_run(sm
     """What speculative rejection claims Best-of-N would have generated, against a Best-of-N run on
     the same prompts and seeds (tau 16, alpha 0.875, N 16: the setting where survivors' lengths
     alone overstated it by 12-14%)."""
-    from pipeline.data.prompts import PromptFormatter, prompt_id
+    from pipeline.data.chat import PromptFormatter, prompt_id
     from pipeline.decoding.best_of_n import BestOfNParams, best_of_n
     from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.sampling import SamplingParams

@@ -29,7 +29,8 @@ from pipeline.errors import ShardFailed
 from pipeline.config import load_config
 from pipeline.coordinator import Coordinator
 from pipeline.errors import WorkerFailure
-from pipeline.data.prompts import PromptSource, read_raw_rows, validate
+from pipeline.data.prompts import validate
+from pipeline.data.readers import PromptSource, read_raw_rows
 from pipeline.errors import InputError
 from pipeline.engines.hf import load_tokenizer
 from tests.conftest import write_jsonl

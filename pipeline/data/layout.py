@@ -3,6 +3,10 @@ place, which the store's commit protocol and the dataset card (pipeline.data.car
 
 from __future__ import annotations
 
+TMP_PREFIX = ".tmp-"
+"""A file being written locally waits under ``.tmp-<uuid>-<its name>`` until it is renamed whole;
+one left by a killed run is ignored by readers and removed by the next build."""
+
 PENDING_PREFIX = ".pending-"
 """A pair file waits under ``.pending-<its name>`` until its marker is written, then is renamed to
 its name (the commit point). Hidden names are read by neither ``load_dataset`` form."""

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.storage import filesystem, is_remote, list_files
-from pipeline.data.store import BuildRead, OutputStore, is_build, is_pair_file, partial_read_line
+from pipeline.data.reader import BuildRead, OutputReader, is_build, is_pair_file, partial_read_line
 from pipeline.errors import CorruptMarker
 from pipeline.errors import InputError
 
@@ -29,10 +29,10 @@ _DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 
 def _pair_files(uri: str, storage_options: dict, allow_partial: bool = False) -> tuple[list[str], list[BuildRead]]:
     """The Parquet files at ``uri`` that hold pairs (paths of its filesystem, after the footer and
-    column checks), and the account of each build they came from. A build (store.is_build) is read
+    column checks), and the account of each build they came from. A build (reader.is_build) is read
     through its output store, committed shards only, never listed here; a glob or a single file
     inside a build reads through that build's store too (of what it names). A user's own pairs
-    directory is listed: its top-level pair files (store.is_pair_file)."""
+    directory is listed: its top-level pair files (reader.is_pair_file)."""
     fs, path = filesystem(uri, storage_options)
     try:
         if fs.isdir(path) and is_build(fs, path):
@@ -66,8 +66,8 @@ def _pair_files(uri: str, storage_options: dict, allow_partial: bool = False) ->
 
 
 def _read_build(uri: str, storage_options: dict, allow_partial: bool, wanted=None) -> BuildRead:
-    """The committed part of the build at ``uri`` (OutputStore.read_committed), creating nothing."""
-    store = OutputStore(uri, storage_options, create=False)
+    """The committed part of the build at ``uri`` (OutputReader.read_committed), creating nothing."""
+    store = OutputReader(uri, storage_options)
     return store.read_committed(allow_partial=allow_partial, wanted=wanted)
 
 
@@ -110,8 +110,8 @@ def load_pairs(uri: str, storage_options: dict | None = None, token_ids: bool = 
     or s3://) as a `datasets.Dataset` with exactly the columns prompt, chosen and rejected (and,
     with ``token_ids``, the build's TOKEN_ID_COLUMNS when the files have them).
 
-    A build_dataset output (a directory holding any of store.BUILD_FILES) is read through its
-    OutputStore (read_committed), committed shards only: a pair file with no marker (a killed
+    A build_dataset output (a directory holding any of reader.BUILD_FILES) is read through its
+    OutputReader (read_committed), committed shards only: a pair file with no marker (a killed
     build's leftover) is never read, and a build with no ``_SUCCESS`` raises IncompleteBuild (one
     line), so training never runs on half a build unnoticed. ``allow_partial`` reads its
     committed shards instead, and ``say`` (default: stderr) gets one line with how many shards and

@@ -1,15 +1,11 @@
 """A Bradley-Terry reward model fine-tuned from the policy's own network, on pairs of responses the
 policy itself sampled, labelled by the judge (IFEval's checkers, pipeline.judge).
 
-Model: LlamaForSequenceClassification initialised from the policy. The bottom L - K decoder layers
-are frozen; the top K layers get LoRA factors on their attention and MLP projections (Hu et al.,
-2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3: h = W x + (alpha / r) B A x,
-W frozen, A Kaiming-uniform as peft initialises it, B zero), and the score head
-``score.weight`` ([1, H], no bias: a constant does not change a preference) learns in full. The
+Model: LlamaForSequenceClassification initialised from the policy, its bottom L - K decoder layers
+frozen, its top K layers with LoRA factors and its score head trained (pipeline.training.lora). The
 reward of prompt x and response y is read at the last token of the chat-formatted conversation,
-as LlamaForSequenceClassification pools and pipeline.engines.rewards.RewardScorer reads it.
-Rank 0 trains the top K layers' projections in full instead (FullLinear: a full-rank update
-beside each frozen weight, merged the same way); K = L would be the full fine-tune.
+as LlamaForSequenceClassification pools and pipeline.engines.rewards.RewardScorer reads it. The
+data: the policy's samples and the judge's verdicts (pipeline.training.judged_samples).
 
 Loss (Bradley-Terry, as in Ouyang et al., 2022, eq. 1): for a pair (y_w, y_l) of one prompt's
 responses whose judge fractions differ (y_w follows more of the prompt's instructions),
@@ -33,126 +29,24 @@ text is a text of its own: the template's tail after a cut response is not in th
 its states at the tail cannot be read off the full text's; the bottom pass keeps the full text's
 cache up to the cut and runs the tail (and any token the re-encoded cut changed) after it.
 
-Evaluation on prompts the model never saw:
-- pairwise agreement with the judge: the fraction of judge-ordered pairs that the reward model
-  orders the same way;
-- partial-vs-final reward correlation, as in the speculative-rejection paper, appendix D:
-  r(x, y_<=tau) against r(x, y), Pearson and Kendall's tau over the responses longer than tau,
-  pooled and per prompt (the paper's statistic, averaged over prompts with at least three such
-  responses).
+Evaluation on prompts the model never saw: pipeline.training.reward_evaluation.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from pipeline.decoding.sampling import SamplingParams, row_seed
 from pipeline.engines.rewards import common_prefix
+from pipeline.training.judged_samples import Sample, preference_pairs
+from pipeline.training.lora import SplitRewardModel
+from pipeline.training.reward_evaluation import pairwise_agreement, partial_final_correlations, rounded
 
 log = logging.getLogger(__name__)
-
-LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-"""The projections of a Llama decoder layer that get LoRA factors."""
-
-
-@dataclass
-class Sample:
-    """One complete response the policy sampled."""
-
-    prompt: str | list[dict]
-    """What the reward model and the judge read before the response (PromptInput.reward_input)."""
-    prompt_id: str
-    sample: int
-    token_ids: list[int]
-    """Generated tokens, EOS excluded."""
-    text: str
-    eos: bool
-    """True when the response ended with EOS, False when it reached the token cap."""
-
-
-@dataclass
-class Judgement:
-    """The judge's strict verdict on one sample (pipeline.judge.check)."""
-
-    followed: list[bool]
-    """Per instruction of the prompt: followed or not (IFEval strict)."""
-
-    @property
-    def fraction(self) -> float:
-        """Instruction-level: the share of the prompt's instructions followed."""
-        return sum(self.followed) / len(self.followed)
-
-    @property
-    def all_followed(self) -> bool:
-        """Prompt-level: every instruction followed."""
-        return all(self.followed)
-
-
-def sample_responses(engine, prompts, num_samples: int, max_new_tokens: int, temperature: float, seed: int,
-                     rows_per_batch: int = 128, progress=None) -> list[Sample]:
-    """``num_samples`` seeded samples of each prompt (pipeline.decoding.domain.PromptInput) with
-    ``engine`` (an HFEngine), in batches of about ``rows_per_batch`` rows."""
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
-    per_batch = max(1, rows_per_batch // num_samples)
-    out = []
-    for start in range(0, len(prompts), per_batch):
-        chunk = prompts[start:start + per_batch]
-        seeds = [row_seed(seed, p.prompt_id, s) for p in chunk for s in range(num_samples)]
-        rows = engine.generate([p.token_ids for p in chunk], num_samples, seeds, sampling)
-        for row in rows:
-            p = chunk[row.row // num_samples]
-            out.append(Sample(p.reward_input, p.prompt_id, row.row % num_samples, list(row.token_ids), row.text,
-                              eos=len(row.token_ids) < max_new_tokens))
-        if progress is not None:
-            progress.update(len(chunk))
-    return out
-
-
-def judge_samples(samples: list[Sample], instructions: dict[str, tuple[list[str], list[dict]]]) -> list[Judgement]:
-    """The judge's verdict on each sample; ``instructions`` maps a prompt_id to the prompt's
-    (instruction_id_list, kwargs), as in IFEval's data."""
-    from pipeline.judge import check
-
-    out = []
-    for s in samples:
-        ids, kwargs = instructions[s.prompt_id]
-        out.append(Judgement(check(s.text, ids, kwargs, s.prompt if isinstance(s.prompt, str) else None)))
-    return out
-
-
-def preference_pairs(groups: list[str], scores: list[float], margin: float) -> list[tuple[int, int]]:
-    """(chosen, rejected) index pairs: every two responses of one group (prompt) whose judge
-    scores differ, by at least ``margin``; the higher one is chosen."""
-    members: dict[str, list[int]] = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
-    pairs = []
-    for index in members.values():
-        for a, i in enumerate(index):
-            for j in index[a + 1:]:
-                gap = abs(scores[i] - scores[j])
-                if gap > 0 and gap >= margin:
-                    pairs.append((i, j) if scores[i] > scores[j] else (j, i))
-    return pairs
-
-
-def pairwise_agreement(rewards: list[float], pairs: list[tuple[int, int]]) -> float:
-    """Fraction of (chosen, rejected) pairs the rewards order the same way (a tie counts half)."""
-    if not pairs:
-        return math.nan
-    agree = sum(1.0 if rewards[c] > rewards[r] else 0.5 if rewards[c] == rewards[r] else 0.0 for c, r in pairs)
-    return agree / len(pairs)
 
 
 def fit_head(features: torch.Tensor, pairs: list[tuple[int, int]], l2: float, steps: int = 200) -> torch.Tensor:
@@ -178,160 +72,6 @@ def fit_head(features: torch.Tensor, pairs: list[tuple[int, int]], l2: float, st
 
     opt.step(closure)
     return (w.detach() / std).float()
-
-
-# -- the model: frozen bottom, LoRA top, score head ---------------------------------------------
-
-class LoRALinear(nn.Module):
-    """``base`` (frozen) plus the low-rank update (alpha / rank) B A (LoRA, eq. 3)."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator):
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        bound = 1 / math.sqrt(base.in_features)  # peft: kaiming_uniform_(a=sqrt(5)) on A
-        self.lora_A = nn.Parameter((torch.rand(rank, base.in_features, generator=generator) * 2 - 1) * bound)
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank))
-        self.scale = alpha / rank
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T * self.scale
-
-    def delta(self) -> torch.Tensor:
-        """The weight update the factors stand for: [out, in]."""
-        return self.lora_B @ self.lora_A * self.scale
-
-
-class FullLinear(nn.Module):
-    """``base`` (frozen) plus a full-rank update ``delta`` ([out, in], zero at start): training
-    ``delta`` is training the weight itself (a full fine-tune of the projection), and it merges
-    the same way as LoRA's B A. What ``split_reward_model(rank=0)`` puts in the top layers."""
-
-    def __init__(self, base: nn.Linear):
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.delta = nn.Parameter(torch.zeros_like(base.weight))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.base.weight + self.delta, self.base.bias)
-
-
-@dataclass
-class SplitRewardModel:
-    """The reward model in two parts: ``bottom`` (embeddings and the frozen layers 0 .. L-K-1, no
-    final norm: it returns the residual stream) and ``top`` (layers L-K .. L-1 with LoRA, and the
-    final norm; fed the bottom's states), then ``score``. Both parts are LlamaModels, so every
-    pass runs transformers' own attention, masks and rotary positions."""
-
-    bottom: nn.Module
-    top: nn.Module
-    score: nn.Linear
-    lora: dict[str, LoRALinear | FullLinear]
-    """"model.layers.{i}.{target}" (the full model's names) -> its LoRA (or full-rank) module in
-    ``top``."""
-    first_top_layer: int
-
-    def _trained(self) -> dict[str, nn.Parameter]:
-        """``{name}.lora_A`` / ``.lora_B`` (LoRA) or ``{name}.delta`` (full rank) -> the parameter."""
-        return {f"{name}.{part}": p for name, m in self.lora.items() for part, p in m.named_parameters(recurse=False)}
-
-    def parameters(self) -> list[nn.Parameter]:
-        """What training updates: the LoRA factors (or full-rank updates) and the score head."""
-        return list(self._trained().values()) + [self.score.weight]
-
-    def factors(self) -> dict[str, torch.Tensor]:
-        """The trained tensors by name (``...q_proj.lora_A``, ``score.weight``), detached copies."""
-        out = {k: p.detach().clone() for k, p in self._trained().items()}
-        out["score.weight"] = self.score.weight.detach().clone()
-        return out
-
-    def load_factors(self, factors: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for key, p in self._trained().items():
-                p.copy_(factors[key])
-            self.score.weight.copy_(factors["score.weight"].reshape(1, -1))
-
-
-def split_reward_model(backbone: str | Path, top_layers: int, rank: int, alpha: float, seed: int) -> SplitRewardModel:
-    """The generator directory ``backbone`` as a SplitRewardModel with ``top_layers`` LoRA layers
-    (rank ``rank``, scale alpha / rank, A drawn from ``seed``) and a zero score head. Rank 0
-    trains the top layers' projections in full instead (FullLinear; ``alpha`` is unused)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaModel
-
-    config = AutoConfig.from_pretrained(str(backbone))
-    layers = config.num_hidden_layers
-    if not 1 <= top_layers <= layers:
-        raise ValueError(f"top_layers must be in 1..{layers} (the model has {layers} layers), got {top_layers}")
-    source = AutoModelForCausalLM.from_pretrained(str(backbone), dtype=torch.float32).model.state_dict()
-    cut = layers - top_layers
-    parts = []
-    for count, first in ((cut, 0), (top_layers, cut)):
-        part_config = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": count})
-        part_config._attn_implementation = "sdpa"
-        part = LlamaModel(part_config)
-        state = {k: v for k, v in source.items() if not k.startswith("layers.")}
-        state.update({f"layers.{int(k.split('.')[1]) - first}.{k.split('.', 2)[2]}": v for k, v in source.items()
-                      if k.startswith("layers.") and first <= int(k.split(".")[1]) < first + count})
-        part.load_state_dict(state)
-        parts.append(part.eval().requires_grad_(False))
-    bottom, top = parts
-    bottom.norm = nn.Identity()
-    top.embed_tokens = None  # fed hidden states only
-    generator = torch.Generator().manual_seed(seed)
-    lora = {}
-    for i, layer in enumerate(top.layers):
-        for target in LORA_TARGETS:
-            parent_name, name = target.split(".")
-            parent = getattr(layer, parent_name)
-            base = getattr(parent, name)
-            module = FullLinear(base) if rank == 0 else LoRALinear(base, rank, alpha, generator)
-            setattr(parent, name, module)
-            lora[f"model.layers.{cut + i}.{target}"] = module
-    score = nn.Linear(config.hidden_size, 1, bias=False)
-    nn.init.zeros_(score.weight)
-    return SplitRewardModel(bottom, top, score, lora, cut)
-
-
-def merge_lora(model, factors: dict[str, torch.Tensor], scale: float) -> None:
-    """Writes ``factors`` (SplitRewardModel.factors) into a LlamaForSequenceClassification: each
-    projection's weight += scale * B A (LoRA) or += delta (full rank), and ``score.weight``; the
-    result is a plain model."""
-    with torch.no_grad():
-        modules = dict(model.named_modules())
-        for key, a in factors.items():
-            if key.endswith(".lora_A"):
-                name = key[: -len(".lora_A")]
-                modules[name].weight += factors[f"{name}.lora_B"] @ a * scale
-            elif key.endswith(".delta"):
-                modules[key[: -len(".delta")]].weight += a
-        model.score.weight.copy_(factors["score.weight"].reshape(1, -1))
-
-
-def save_reward_model(backbone: str | Path, factors: dict[str, torch.Tensor], scale: float, output: str | Path) -> Path:
-    """An AutoModelForSequenceClassification directory at ``output``: the backbone's weights (a
-    causal LM directory) with the LoRA factors merged in and ``score`` set, and the backbone's
-    tokenizer (chat template included), written to a temp dir and renamed into place."""
-    from transformers import AutoModelForSequenceClassification
-    from transformers.utils import logging
-
-    from pipeline.engines.hf import load_tokenizer
-
-    output = Path(output)
-    tokenizer = load_tokenizer(str(backbone))
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # the score head is new by design: no "newly initialized" warning
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(str(backbone), num_labels=1, dtype=torch.float32)
-    finally:
-        logging.set_verbosity(verbosity)
-    merge_lora(model, factors, scale)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    tmp = output.with_name(f"{output.name}.tmp-{uuid.uuid4().hex[:8]}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(output, ignore_errors=True)
-    tmp.rename(output)
-    return output
 
 
 # -- training texts and the bottom layers' states -----------------------------------------------
@@ -361,9 +101,9 @@ class PromptTexts:
 
 def reward_token_ids(tokenizer, prompt: str | list[dict], response: str) -> list[int]:
     """RewardScorer.encode without a model: the conversation through the chat template, contents
-    encoded as plain text (pipeline.data.prompts.encode_chat); without a template, the text with
+    encoded as plain text (pipeline.data.chat.encode_chat); without a template, the text with
     the tokenizer's special tokens."""
-    from pipeline.data.prompts import encode_chat, encode_text
+    from pipeline.data.chat import encode_chat, encode_text
 
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if tokenizer.chat_template:
@@ -374,7 +114,7 @@ def reward_token_ids(tokenizer, prompt: str | list[dict], response: str) -> list
 
 
 def prefix_text(tokenizer, sample: Sample, tau: int) -> str:
-    """The response's first tau tokens as text, decoded as pipeline.training.reward_model.partial_rewards
+    """The response's first tau tokens as text, decoded as pipeline.training.reward_evaluation.partial_rewards
     and the engines decode a partial response."""
     return tokenizer.decode(sample.token_ids[:tau], skip_special_tokens=True)
 
@@ -620,10 +360,10 @@ def validate(model: SplitRewardModel, groups: list[PromptTexts], samples: list[S
         for g, s in zip(groups, scores):
             agree += [1.0 if s[c] > s[r] else 0.5 if s[c] == s[r] else 0.0
                       for c, r in group_pairs(g, fractions).get(tau, [])]
-        prefix_agreement[str(tau)] = _round(sum(agree) / len(agree)) if agree else None
+        prefix_agreement[str(tau)] = rounded(sum(agree) / len(agree)) if agree else None
     correlation = partial_final_correlations(
         kept, [final[i] for i in index], {tau: {position[i]: v for i, v in p.items()} for tau, p in partial.items()})
-    return {"pairs": len(pairs), "agreement": _round(pairwise_agreement([final[i] for i in index], pairs)),
+    return {"pairs": len(pairs), "agreement": rounded(pairwise_agreement([final[i] for i in index], pairs)),
             "prefix_agreement": prefix_agreement,
             "per_prompt_kendall": {tau: c["per_prompt_kendall"] for tau, c in correlation.items()},
             "final_scores": {i: final[i] for i in index}}
@@ -686,7 +426,7 @@ def train_reward_model(model: SplitRewardModel, train: list[PromptTexts], val: l
             bar.update(len(chunk))
         bar.close()
         model.top.eval()
-        figures = {"epoch": epoch, "train_loss": _round(sum(losses) / len(losses)),
+        figures = {"epoch": epoch, "train_loss": rounded(sum(losses) / len(losses)),
                    **_without_scores(validate(model, val, samples, fractions, taus))}
         history.append(figures)
         log.info(f"epoch {epoch}: {figures}")
@@ -703,89 +443,3 @@ def train_reward_model(model: SplitRewardModel, train: list[PromptTexts], val: l
 
 def _without_scores(figures: dict) -> dict:
     return {k: v for k, v in figures.items() if k != "final_scores"}
-
-
-# -- evaluation -----------------------------------------------------------------------------------
-
-def partial_rewards(scorer, samples: list[Sample], taus: list[int], tokenizer) -> dict[int, dict[int, float]]:
-    """tau -> {sample index: r(x, y_<=tau)} for every sample longer than tau, read with streaming
-    reward sessions (each tau feeds only the new tokens), a few prompts per session."""
-    by_prompt: dict[str, list[int]] = {}
-    for i, s in enumerate(samples):
-        by_prompt.setdefault(s.prompt_id, []).append(i)
-    width = max(len(v) for v in by_prompt.values())
-    groups = list(by_prompt.values())
-    per_session = max(1, scorer.batch_size // width)
-    out: dict[int, dict[int, float]] = {tau: {} for tau in taus}
-    for start in range(0, len(groups), per_session):
-        chunk = groups[start:start + per_session]
-        row_of = {i: k * width + j for k, members in enumerate(chunk) for j, i in enumerate(members)}
-        session = uuid.uuid4().hex
-        scorer.open(session, [samples[m[0]].prompt for m in chunk], width)
-        try:
-            for tau in sorted(taus):
-                live = [i for m in chunk for i in m if len(samples[i].token_ids) > tau]
-                if not live:
-                    continue
-                texts = tokenizer.batch_decode([samples[i].token_ids[:tau] for i in live], skip_special_tokens=True)
-                for i, v in zip(live, scorer.extend(session, [row_of[i] for i in live], texts)):
-                    out[tau][i] = v
-        finally:
-            scorer.close(session)
-    return out
-
-
-def partial_final_correlations(samples: list[Sample], final: list[float], partial: dict[int, dict[int, float]]) -> dict:
-    """Pearson and Kendall's tau of partial vs final rewards at each tau over the responses longer
-    than tau: pooled, and per prompt averaged over prompts (the paper's statistic; a prompt needs
-    three such responses). Responses of at most tau tokens are left out of both: their partial
-    reward is their final one, which would only inflate the figures."""
-    from scipy import stats
-
-    from pipeline.decoding.metrics import PromptRewards, correlations
-
-    out = {}
-    for tau, values in sorted(partial.items()):
-        index = sorted(values)
-        xs, ys = [values[i] for i in index], [final[i] for i in index]
-        pooled = (float(stats.pearsonr(xs, ys)[0]), float(stats.kendalltau(xs, ys)[0])) if len(index) >= 3 \
-            else (math.nan, math.nan)
-        by_prompt: dict[str, list[int]] = {}
-        for i in index:
-            by_prompt.setdefault(samples[i].prompt_id, []).append(i)
-        per_prompt = [correlations(PromptRewards(lengths=[len(samples[i].token_ids) for i in m],
-                                                 final=[final[i] for i in m], partial={tau: [values[i] for i in m]}),
-                                   tau) for m in by_prompt.values()]
-        defined = [(p, k) for p, k in per_prompt if math.isfinite(p) and math.isfinite(k)]
-        out[str(tau)] = {
-            "responses_longer_than_tau": len(index),
-            "pearson": _round(pooled[0]), "kendall": _round(pooled[1]),
-            "per_prompt_pearson": _round(sum(p for p, _ in defined) / len(defined)) if defined else None,
-            "per_prompt_kendall": _round(sum(k for _, k in defined) / len(defined)) if defined else None,
-            "prompts_with_defined_correlation": len(defined),
-        }
-    return out
-
-
-def best_of_n_accuracy(samples: list[Sample], judgements: list[Judgement], rewards: list[float]) -> dict:
-    """IFEval strict accuracy (pipeline.judge.accuracy) of: every sample (a random sample's
-    expected accuracy), the highest-reward sample of each prompt (Best-of-N with this reward
-    model), and the judge's own best and worst sample of each prompt (the bounds)."""
-    from pipeline.judge import accuracy
-
-    by_prompt: dict[str, list[int]] = {}
-    for i, s in enumerate(samples):
-        by_prompt.setdefault(s.prompt_id, []).append(i)
-
-    def pick(key):
-        return accuracy([judgements[key(m)].followed for m in by_prompt.values()])
-
-    figures = {"random_sample": accuracy([j.followed for j in judgements]),
-               "best_of_n_by_reward": pick(lambda m: max(m, key=lambda i: rewards[i])),
-               "best_of_n_by_judge": pick(lambda m: max(m, key=lambda i: judgements[i].fraction)),
-               "worst_of_n_by_judge": pick(lambda m: min(m, key=lambda i: judgements[i].fraction))}
-    return {name: {k: _round(v) for k, v in f.items()} for name, f in figures.items()}
-
-
-def _round(value: float) -> float | None:
-    return round(value, 4) if value is not None and math.isfinite(value) else None
