@@ -27,7 +27,9 @@ from typing import Iterable, Iterator
 from pipeline.config import Config
 from pipeline.coordinator import Coordinator
 from pipeline.data.pairs import select_pair
-from pipeline.data.prompts import FirstRows, PromptFormatter, PromptSource, Reject, hub_dataset_id, validate
+from pipeline.data.chat import PromptFormatter, Reject
+from pipeline.data.prompts import FirstRows, validate
+from pipeline.data.readers import PromptSource, hub_dataset_id
 from pipeline.data.storage import access_errors, check_access
 from pipeline.data.schema import ExtraColumns
 from pipeline.data.store import OutputStore, check_location, fingerprint, part_name

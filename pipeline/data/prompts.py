@@ -17,11 +17,6 @@ from typing import Any
 from pipeline.data.chat import PromptRow, Reject, conversation_text, prompt_id
 from pipeline.data.readers import NOT_AN_OBJECT
 
-# Re-exported from their modules until pipeline/engines/rewards.py (encode_chat, encode_text) and
-# pipeline/build.py (PromptFormatter, PromptSource, hub_dataset_id) import them from there.
-from pipeline.data.chat import PromptFormatter, encode_chat, encode_text  # noqa: F401
-from pipeline.data.readers import PromptSource, hub_dataset_id  # noqa: F401
-
 
 ROLES = ("system", "user", "assistant")
 

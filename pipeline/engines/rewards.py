@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from pipeline.data.prompts import encode_chat, encode_text
+from pipeline.data.chat import encode_chat, encode_text
 from pipeline.decoding.domain import Scores
 from pipeline.engines.hf import for_inference, load_pretrained, load_tokenizer
 from pipeline.engines.kv_cache import bound_heap, trim_heap
@@ -126,7 +126,7 @@ class RewardScorer:
 
     def encode(self, prompt: str | list[dict], response: str) -> list[int]:
         """Token ids of ``format(prompt, response)``, the prompt's and the response's text encoded as
-        plain text (pipeline.data.prompts.encode_chat): a special token's string inside a prompt
+        plain text (pipeline.data.chat.encode_chat): a special token's string inside a prompt
         cannot forge a turn the reward model reads. The chat template holds BOS when the model
         wants it; without one the tokenizer adds its own."""
         turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
