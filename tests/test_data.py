@@ -1,4 +1,5 @@
-"""Prompt reading and validation, pair selection, and the shard writer."""
+"""The data layer across its modules: prompt reading and validation (readers, prompts), prompt
+formatting (chat), pair selection (pairs), and empty shards read back by `datasets`."""
 
 import json
 import math
