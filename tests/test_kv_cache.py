@@ -264,6 +264,29 @@ def test_where_flex_attention_cannot_compile_a_step_gathers_the_blocks_with_the_
     torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
 
 
+def test_past_the_recompile_limit_a_new_pool_gathers_its_blocks_with_the_same_logits(engine, monkeypatch, caplog):
+    """Pools of many shapes in one process (a test suite) use up dynamo's recompile limit. A pool whose
+    kernel would need one more compile then gathers its blocks for SDPA, with one warning, instead of
+    running flex_attention eagerly over the whole pool (which took minutes a step); same logits."""
+    prompts = [ids(engine, TEXTS[2]), ids(engine, "Hi")]
+    batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
+    out, pools = {}, {}
+    monkeypatch.setitem(kv_cache._kernel, "limit_logged", False)
+    for limited, memory in ((False, 8 << 20), (True, 3 << 20)):
+        if limited:
+            monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 0)
+        kv = KVCache(engine.model, engine.device, memory=memory, block_size=8)
+        handles = kv.admit(batch, [0, 0, 1])
+        for token in range(3, 12):
+            logits = kv.step(handles, torch.full((3,), token), logits_to_keep=1).logits[:, -1]
+        out[limited], pools[limited] = logits, kv
+    assert pools[True].num_blocks != pools[False].num_blocks  # a new pool shape: it needs a compile
+    assert all(getattr(k, "bon_gather", False) for k in pools[True].keys)
+    assert not any(getattr(k, "bon_gather", False) for k in pools[False].keys)
+    assert "recompile limit is reached" in caplog.text
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
+
+
 def test_initial_candidates_auto_is_refused_off_the_hf_backend_and_checked_as_a_value():
     """``auto`` reads the HF engine's pool: with vLLM it is a one-line config error; other strings too."""
     base = {"models": {"generator": "g", "reward": ["r"], "backend": "vllm"},

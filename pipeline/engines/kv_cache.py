@@ -212,9 +212,20 @@ def _attend(query, key, value, step: StepAttention, scale):
     """Compiled flex_attention over the blocks in place; where it cannot be compiled for this dtype
     and device (a warning says so, once), each row's blocks gathered, then SDPA (a copy per layer)."""
     kind = (query.dtype, query.device.type)
-    if kind not in _kernel.setdefault("broken", set()):
+    if kind not in _kernel.setdefault("broken", set()) and not getattr(key, "bon_gather", False):
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
         try:
-            return _flex()(query, key, value, block_mask=step.mask, scale=scale, enable_gqa=True)
+            # Past dynamo's recompile limit (pools of many sizes in one process: a test suite) the
+            # kernel would run eagerly over the whole pool, far slower than the gather: refuse that.
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return _flex()(query, key, value, block_mask=step.mask, scale=scale, enable_gqa=True)
+        except FailOnRecompileLimitHit:
+            key.bon_gather = True  # this pool's layer: gathered from now on
+            if not _kernel.get("limit_logged"):
+                _kernel["limit_logged"] = True
+                log.warning("KV cache: torch.compile's recompile limit is reached (pools of many shapes in one "
+                            "process); a new pool's steps gather its blocks for SDPA instead (slower)")
         except Exception as exc:  # noqa: BLE001 - no compiler, or none for this dtype or device
             _kernel["broken"].add(kind)
             log.warning("KV cache: flex_attention could not be compiled for %s on %s (%s); gathering each row's "
