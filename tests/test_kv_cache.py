@@ -272,16 +272,20 @@ def test_past_the_recompile_limit_a_new_pool_gathers_its_blocks_with_the_same_lo
     batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
     out, pools = {}, {}
     monkeypatch.setitem(kv_cache._kernel, "limit_logged", False)
-    for limited, memory in ((False, 8 << 20), (True, 3 << 20)):
-        # Room for the first pool's compiles whatever the process compiled before (the suite), none for the second's.
+    monkeypatch.setitem(kv_cache._kernel, "broken", set())  # an earlier test's shape that failed to build
+    torch._dynamo.reset()  # no entry compiled by an earlier test may serve the second pool
+    for limited in (False, True):
+        # Room for the first pool's compiles whatever the process compiled before (the suite), none for the
+        # second's; the second has a block count no other test uses, so its kernel is not compiled yet.
         monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 0 if limited else 100_000)
         monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 0 if limited else 100_000)
+        memory = 173 * pools[False].block_bytes if limited else 8 << 20
         kv = KVCache(engine.model, engine.device, memory=memory, block_size=8)
         handles = kv.admit(batch, [0, 0, 1])
         for token in range(3, 12):
             logits = kv.step(handles, torch.full((3,), token), logits_to_keep=1).logits[:, -1]
         out[limited], pools[limited] = logits, kv
-    assert pools[True].num_blocks != pools[False].num_blocks  # a new pool shape: it needs a compile
+    assert pools[True].num_blocks == 173 != pools[False].num_blocks  # a new pool shape: it needs a compile
     assert all(getattr(k, "bon_gather", False) for k in pools[True].keys)
     assert not any(getattr(k, "bon_gather", False) for k in pools[False].keys)
     assert "recompile limit is reached" in caplog.text
