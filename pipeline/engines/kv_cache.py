@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -172,6 +173,10 @@ def _flex():
         config = _dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), 64))
+        # Past the limit (pools of many sizes in one process: a test suite) the kernel would run eagerly
+        # over the whole pool, far slower than the gather: raise instead, and _attend gathers. Set once
+        # here, not patched around each call (every layer of every step).
+        config.fail_on_recompile_limit_hit = True
     return _kernel["run"]
 
 
@@ -213,14 +218,9 @@ def _attend(query, key, value, step: StepAttention, scale):
     and device (a warning says so, once), each row's blocks gathered, then SDPA (a copy per layer)."""
     kind = (query.dtype, query.device.type)
     if kind not in _kernel.setdefault("broken", set()) and not getattr(key, "bon_gather", False):
-        from torch._dynamo.exc import FailOnRecompileLimitHit
-
         try:
-            # Past dynamo's recompile limit (pools of many sizes in one process: a test suite) the
-            # kernel would run eagerly over the whole pool, far slower than the gather: refuse that.
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-                return _flex()(query, key, value, block_mask=step.mask, scale=scale, enable_gqa=True)
-        except FailOnRecompileLimitHit:
+            return _flex()(query, key, value, block_mask=step.mask, scale=scale, enable_gqa=True)
+        except FailOnRecompileLimitHit:  # _flex() has dynamo raise it rather than run the kernel eagerly
             key.bon_gather = True  # this pool's layer: gathered from now on
             if not _kernel.get("limit_logged"):
                 _kernel["limit_logged"] = True
