@@ -206,6 +206,9 @@ class Workers:
         kv = [{k: v for k, v in s.items() if k.startswith("kv_")} for s in gen]
         if any(kv):  # each HF generator's KV cache (pipeline.engines.kv_cache.KVCache.stats)
             stats["generator_kv"] = kv
+        reward_kv = [{k: v for k, v in s.items() if k.startswith("kv_")} for s in rew]
+        if any(reward_kv):  # each HF reward scorer's streaming pool (pipeline.engines.rewards)
+            stats["reward_kv"] = reward_kv
         return stats
 
     def kv_use(self) -> dict | None:

@@ -435,6 +435,8 @@ class _BuildRun:
             # Each HF generator actor's KV cache: blocks total and peak, bytes at peak, prompt bytes
             # shared, preemptions (pipeline.engines.kv_cache); None on other engines.
             "generator_kv": run_stats.get("generator_kv"),
+            # Each HF reward actor's streaming pool, the same figures (pipeline.engines.rewards).
+            "reward_kv": run_stats.get("reward_kv"),
             "pairs_per_hour": pairs_per_hour(pairs, wall),
             "generated_tokens": tokens, "bon_equivalent_tokens": bon_tokens, "tokens_saved": bon_tokens - tokens,
             "tokens_per_pair": round(tokens / pairs, 2) if pairs else None,

@@ -28,12 +28,11 @@ def ids(engine, text):
 
 def _expected_blocks(live: dict, block_size: int) -> tuple[int, int]:
     """(blocks, unique tokens) the live rows should hold: each admission group's whole prompt blocks
-    once while any of its rows lives, and each row's own tokens past them."""
-    groups = {}
+    once while any of its rows still holds them, and each row's own tokens past the ones it shares."""
+    groups: dict = {}
     own_blocks = own_tokens = 0
-    for group, prompt_length, length in live.values():
-        shared = prompt_length // block_size
-        groups[group] = shared
+    for group, shared, length in live.values():
+        groups[group] = max(groups.get(group, 0), shared)
         own = length - shared * block_size
         own_blocks += -(-own // block_size)
         own_tokens += own
@@ -46,18 +45,22 @@ ops = st.lists(st.one_of(
               st.integers(1, 4)),
     st.tuples(st.just("step"), st.integers(1, 6)),
     st.tuples(st.just("drop"), st.integers(0, 10 ** 6)),
+    st.tuples(st.just("feed"), st.integers(1, 6), st.integers(1, 9)),
+    st.tuples(st.just("truncate"), st.integers(0, 10 ** 6), st.floats(0, 1)),
+    st.tuples(st.just("open"), st.integers(1, 3)),
 ), min_size=1, max_size=14)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sequence=ops, block_size=st.sampled_from([2, 4, 8]))
 def test_blocks_held_follow_the_live_tokens_over_any_sequence(engine, sequence, block_size):
-    """At every point of a generated admit / step / prune-or-finish sequence, the blocks held are
-    exactly the live rows' (a prompt's whole blocks once per admission, each row's own past them),
-    so the bytes held are at most the live tokens' bytes plus one block per row, shared prompt blocks
-    counted once; reference counts add up, and all is free at the end."""
+    """At every point of a generated admit / step / chunked feed / truncate / open / prune-or-finish
+    sequence, the blocks held are exactly the live rows' (a prompt's whole blocks once per
+    admission while a row holds them, each row's own past them; a truncation inside a shared block
+    copies it), so the bytes held are at most the live tokens' bytes plus one block per row, shared
+    prompt blocks counted once; reference counts add up, and all is free at the end."""
     kv = KVCache(engine.model, engine.device, memory=64 << 20, block_size=block_size)
-    live: dict[int, tuple[int, int, int]] = {}  # handle -> (admission, prompt length, length)
+    live: dict[int, tuple] = {}  # handle -> (admission, whole prompt blocks it shares, length)
     for number, op in enumerate(sequence):
         if op[0] == "admit":
             _, texts, samples = op
@@ -66,13 +69,30 @@ def test_blocks_held_follow_the_live_tokens_over_any_sequence(engine, sequence, 
             sources = [p for p in range(len(prompts)) for _ in range(samples)]
             handles = kv.admit(batch, sources)
             for h, p in zip(handles, sources):
-                live[h] = ((number, p), len(prompts[p]), len(prompts[p]))
-        elif op[0] == "step" and live:
-            handles = sorted(live)[:op[1]]
+                live[h] = ((number, p), len(prompts[p]) // block_size, len(prompts[p]))
+        elif op[0] == "step" and any(length for _, _, length in live.values()):
+            handles = [h for h in sorted(live) if live[h][2]][:op[1]]  # a step continues a row's tokens
             kv.step(handles, torch.full((len(handles),), 7), logits_to_keep=1)
             for h in handles:
-                group, prompt_length, length = live[h]
-                live[h] = (group, prompt_length, length + 1)
+                group, shared, length = live[h]
+                live[h] = (group, shared, length + 1)
+        elif op[0] == "feed" and live:
+            handles = sorted(live)[:op[1]]
+            chunks = [[7 + (h + i) % 5 for i in range(1 + (op[2] + h) % op[2])] for h in handles]
+            kv.feed(handles, chunks, engine.pad_id, logits_to_keep=1)
+            for h, chunk in zip(handles, chunks):
+                group, shared, length = live[h]
+                live[h] = (group, shared, length + len(chunk))
+        elif op[0] == "truncate" and live:
+            handle = sorted(live)[op[1] % len(live)]
+            group, shared, length = live[handle]
+            keep = int(op[2] * length)
+            kv.truncate([handle], [keep])
+            live[handle] = (group, min(shared, keep // block_size), keep)
+            assert kv.length(handle) == keep
+        elif op[0] == "open":
+            for h in kv.open_rows(op[1]):
+                live[h] = (("open", h), 0, 0)
         elif op[0] == "drop" and live:
             handle = sorted(live)[op[1] % len(live)]
             kv.release([handle])
@@ -84,7 +104,40 @@ def test_blocks_held_follow_the_live_tokens_over_any_sequence(engine, sequence, 
         per_token = kv.block_bytes // block_size if kv.allocated else 0
         assert kv.held_bytes() <= tokens * per_token + len(live) * kv.block_bytes
         assert kv.live_tokens() == sum(length for _, _, length in live.values())
+        assert int(kv.refs.min(initial=0)) >= 0
     kv.release(list(live))
+    kv.collect()
+    assert kv.used_blocks == 0
+
+
+def test_chunked_feeds_and_a_copy_on_write_truncation_give_each_rows_own_unpadded_logits(engine):
+    """KVCache.feed (several tokens per row, as the reward model's streaming sessions read) gives
+    every token the logits of the row's own unpadded run; a truncation inside the prompt's shared
+    blocks copies the block, so the rows that share it read what they did before."""
+    model = engine.model
+    kv = KVCache(model, engine.device, memory=64 << 20, block_size=4, decode=False)
+    prompt = ids(engine, TEXTS[3])[:11]  # two whole blocks, shared, and a partial one per row
+    batch, _ = RowBatch.prefill(model, [prompt], engine.pad_id, engine.device)
+    handles = kv.admit(batch, [0, 0, 0])
+    assert kv.used_blocks == 2 + 3
+    texts = [prompt + [9], prompt + [5, 6, 7, 8, 9], prompt + list(range(10, 19))]
+
+    def own(tokens):
+        return model(input_ids=torch.tensor([tokens])).logits[0]
+
+    out = kv.feed(handles, [t[len(prompt):] for t in texts], engine.pad_id)
+    width = out.logits.shape[1]
+    for i, tokens in enumerate(texts):
+        fed = len(tokens) - len(prompt)
+        assert torch.allclose(out.logits[i, width - fed:], own(tokens)[len(prompt):], atol=1e-5)
+    kv.truncate([handles[2]], [6])  # inside the second shared block: copied, then written
+    out = kv.feed([handles[2], handles[0]], [[3, 4, 5], [6]], engine.pad_id)
+    assert torch.allclose(out.logits[0, -1], own(prompt[:6] + [3, 4, 5])[-1], atol=1e-5)
+    assert torch.allclose(out.logits[1, -1], own(texts[0] + [6])[-1], atol=1e-5)
+    (empty,) = kv.open_rows(1)
+    out = kv.feed([empty], [prompt[:5]], engine.pad_id)
+    assert torch.allclose(out.logits[0], own(prompt[:5]), atol=1e-5)
+    kv.release(handles + [empty])
     kv.collect()
     assert kv.used_blocks == 0
 

@@ -93,7 +93,7 @@ def test_streaming_scores_equal_full_rescoring_with_fewer_tokens(scorer):
             rescoring_tokens += scorer.tokens_read - before
             assert streamed == pytest.approx(full, abs=1e-4)
             assert len(set(round(v, 5) for v in streamed)) == len(live)
-            assert sum(len(g.rows) for g in scorer.sessions["s"].groups) == len(live)
+            assert sorted(scorer.sessions["s"].handles) == live
     finally:
         counters = scorer.close("s")
     assert "s" not in scorer.sessions
@@ -101,47 +101,72 @@ def test_streaming_scores_equal_full_rescoring_with_fewer_tokens(scorer):
     assert scorer.tokens_read - session_start == counters["tokens_read"] + rescoring_tokens
 
 
-@pytest.mark.parametrize("budget", ["none", "one session", "zero"])
-def test_the_reward_cache_bound_drops_the_least_recent_sessions_and_keeps_the_scores(scorer, budget):
-    """runtime.reward_cache_mb: after each call the sessions' caches fit the bound, the session
-    scored least recently losing its cache first; a dropped row is read in full at its next score,
-    which comes out the same."""
+def _two_sessions(scorer, cache_bytes):
+    """Sessions a and b, scored in turn at three decision points by a scorer over ``scorer``'s model
+    with a streaming pool of ``cache_bytes``: (that scorer, the scores, the tokens read)."""
     prompts = ["Review the blender for me.", "How good is the lamp?"]
     texts = _growing_texts()
-    sessions = ["a", "b"]
-    unbounded = {}
-    before = scorer.cache_bytes, scorer.dropped_rows
-    try:
-        for limit in (None, budget):
-            scorer.cache_bytes = None
-            for name in sessions:
-                scorer.open(name, prompts, 2)
-            read = scorer.tokens_read
-            scores = {}
-            for step, rows in enumerate([[0, 1, 2, 3], [0, 1, 2, 3], [0, 2]]):
-                for name in sessions:
-                    if limit == "one session":  # room for b's cache alone: a call to a drops b's
-                        scorer.cache_bytes = max(g.batch.nbytes() for g in scorer.sessions["b"].groups) \
-                            if scorer.sessions["b"].groups else 1 << 30
-                    elif limit == "zero":
-                        scorer.cache_bytes = 0
-                    scores[name, step] = scorer.extend(name, rows, [texts[step][r] for r in rows])
-                    assert scorer.cache_bytes is None or scorer.cached_bytes() <= scorer.cache_bytes
-                    if limit == "zero":
-                        assert scorer.cached_bytes() == 0
-            read = scorer.tokens_read - read
-            for name in sessions:
-                scorer.close(name)
-            if limit is None:
-                unbounded, unbounded_read = scores, read
-        for key, values in scores.items():
-            assert values == pytest.approx(unbounded[key], abs=1e-4)
-        if budget == "none":
-            assert read == unbounded_read
-        else:
-            assert read > unbounded_read and scorer.dropped_rows > before[1]
-    finally:
-        scorer.cache_bytes = before[0]
+    bounded = RewardScorer(scorer.model, scorer.tokenizer, cache_bytes=cache_bytes)
+    for name in "ab":
+        bounded.open(name, prompts, 2)
+    scores = {}
+    for step, rows in enumerate([[0, 1, 2, 3], [0, 1, 2, 3], [0, 2]]):
+        for name in "ab":
+            scores[name, step] = bounded.extend(name, rows, [texts[step][r] for r in rows])
+            assert bounded.cached_bytes() <= (bounded.kv.nbytes() if bounded.kv else 0)
+    read = bounded.tokens_read
+    for name in "ab":
+        bounded.close(name)
+    assert bounded.cached_bytes() == 0 and not bounded.sessions
+    return bounded, scores, read
+
+
+@pytest.mark.parametrize("budget", ["one session", "zero"])
+def test_a_small_reward_pool_gives_back_the_least_recent_sessions_blocks_and_keeps_the_scores(scorer, budget):
+    """runtime.reward_cache_mb sizes the streaming sessions' block pool. When it lacks blocks, the
+    session scored least recently gives its rows' blocks back first; those rows are read in full at
+    their next score, which comes out the same. 0 keeps no cache: every row is read in full."""
+    roomy, unbounded, unbounded_read = _two_sessions(scorer, None)
+    assert roomy.dropped_rows == 0
+    if budget == "zero":
+        cache_bytes = 0
+    else:  # the blocks one session holds at its peak, and the admission's watermark
+        alone = RewardScorer(scorer.model, scorer.tokenizer)
+        alone.open("a", ["Review the blender for me.", "How good is the lamp?"], 2)
+        for step, rows in enumerate([[0, 1, 2, 3], [0, 1, 2, 3], [0, 2]]):
+            alone.extend("a", rows, [_growing_texts()[step][r] for r in rows])
+        cache_bytes = (alone.kv.peak_blocks + 1) * alone.kv.block_bytes
+    bounded, scores, read = _two_sessions(scorer, cache_bytes)
+    for key, values in scores.items():
+        assert values == pytest.approx(unbounded[key], abs=1e-4)
+    assert read > unbounded_read
+    if budget == "zero":
+        assert bounded.kv is None
+    else:
+        assert bounded.dropped_rows > 0 and bounded.kv.peak_blocks <= bounded.kv.num_blocks
+
+
+def test_a_long_prompt_is_held_once_for_all_its_samples_in_the_reward_pool(scorer):
+    """Issue 48: the reward model's streaming sessions keep a prompt's KV once, not once per sample.
+    Eight samples of a long prompt hold its whole blocks once plus each row's own, and score as full
+    re-scoring does."""
+    prompt = "Write a careful review of the blender, its motor, its jar and its lid. " * 6
+    responses = [f"It works {'well ' * i}and I keep it." for i in range(8)]
+    kv_scorer = RewardScorer(scorer.model, scorer.tokenizer)
+    kv_scorer.open("long", [prompt], 8)
+    streamed = kv_scorer.extend("long", list(range(8)), responses)
+    assert streamed == pytest.approx(kv_scorer.score([prompt] * 8, responses), abs=1e-4)
+    kv = kv_scorer.kv
+    head = len(kv_scorer.encode(prompt, ""))
+    lengths = [len(kv_scorer.encode(prompt, r)) for r in responses]
+    bs = kv.block_size
+    assert head > 6 * bs
+    own = sum(-(-(length - (head // bs) * bs) // bs) for length in lengths)
+    assert kv.used_blocks <= head // bs + own
+    assert kv.held_bytes() < 0.4 * sum(lengths) * kv.block_bytes / bs  # one copy per sample would be all of it
+    assert kv_scorer.stats()["kv_prompt_bytes_shared"] >= 7 * (head // bs - 1) * kv.block_bytes
+    kv_scorer.close("long")
+    assert kv.used_blocks == 0
 
 
 def test_a_finished_row_without_a_cache_is_scored_without_making_one(scorer):
@@ -154,7 +179,7 @@ def test_a_finished_row_without_a_cache_is_scored_without_making_one(scorer):
         scorer.extend("final", [0, 1], [short[0], short[1]], finished=[False, False])  # 0 and 1 cached
         read = scorer.tokens_read
         got = scorer.extend("final", [0, 1, 2, 3], [full[r] for r in range(4)], finished=[True] * 4)
-        assert sorted(r for g in scorer.sessions["final"].groups for r in g.rows) == [0, 1]
+        assert sorted(scorer.sessions["final"].handles) == [0, 1]
         assert scorer.scored and scorer.tokens_read > read
     finally:
         scorer.close("final")

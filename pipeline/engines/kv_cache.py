@@ -190,34 +190,42 @@ def _static(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 @dataclass
 class StepAttention:
     """What one step's attention reads: the BlockMask for flex_attention, and the rows' tables and
-    lengths (the new token included) for the fallback."""
+    lengths (the new tokens included) for the gather. A chunked feed (``KVCache.feed``: several
+    tokens per row) has no BlockMask and gives each query's logical place in its row instead
+    (``queries``, [n, C]; a padding query's is 0): a query attends its row's places up to its own."""
 
     mask: Any
     tables: np.ndarray  # [n, NB]
     lengths: np.ndarray  # [n]
     block_size: int
     device: torch.device
+    queries: np.ndarray | None = None
     _places: tuple | None = None
 
     def places(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([n, W] each row's places in the pool, in order, padded with its first; [n, 1, 1, W] valid)."""
+        """([n, W] each row's places in the pool, in order, padded with its first; the keys each query
+        may attend: [n, 1, 1, W] for a step, [n, 1, C, W] causal for a chunked feed)."""
         if self._places is None:
             bs, width = self.block_size, int(self.lengths.max())
             logical = np.arange(width)[None, :]
             valid = logical < self.lengths[:, None]
-            logical = np.where(valid, logical, 0)
-            blocks = np.take_along_axis(self.tables, logical // bs, axis=1).astype(np.int64)
-            places = blocks * bs + logical % bs
-            self._places = (torch.from_numpy(places).to(self.device),
-                            torch.from_numpy(valid).to(self.device)[:, None, None, :])
+            blocks = np.take_along_axis(self.tables, np.where(valid, logical, 0) // bs, axis=1).astype(np.int64)
+            places = blocks * bs + np.where(valid, logical, 0) % bs
+            if self.queries is None:
+                allowed = valid[:, None, None, :]
+            else:
+                allowed = (valid[:, None, :] & (logical[:, None, :] <= self.queries[:, :, None]))[:, None]
+            self._places = (torch.from_numpy(places).to(self.device), torch.from_numpy(allowed).to(self.device))
         return self._places
 
 
 def _attend(query, key, value, step: StepAttention, scale):
-    """Compiled flex_attention over the blocks in place; where it cannot be compiled for this dtype
-    and device (a warning says so, once), each row's blocks gathered, then SDPA (a copy per layer)."""
+    """Compiled flex_attention over the blocks in place; for a chunked feed, or where it cannot be
+    compiled for this dtype and device (a warning says so, once), each row's blocks gathered, then
+    SDPA (a copy per layer)."""
     kind = (query.dtype, query.device.type)
-    if kind not in _kernel.setdefault("broken", set()) and not getattr(key, "bon_gather", False):
+    if step.queries is None and kind not in _kernel.setdefault("broken", set()) \
+            and not getattr(key, "bon_gather", False):
         try:
             return _flex()(query, key, value, block_mask=step.mask, scale=scale, enable_gqa=True)
         except FailOnRecompileLimitHit:  # _flex() has dynamo raise it rather than run the kernel eagerly
@@ -239,9 +247,9 @@ def _attend(query, key, value, step: StepAttention, scale):
 
 
 def paged_attention(module, query, key, value, attention_mask, paged=None, scaling=None, **kwargs):
-    """Attention of one step's rows over their blocks: ``query`` [n, Hq, 1, D] (the stepping rows),
-    ``key``/``value`` [1, Hkv, T, D] the pool's whole layer (no copy), ``paged`` the step's
-    StepAttention. Returns [n, 1, Hq, D]."""
+    """Attention of one step's rows over their blocks: ``query`` [n, Hq, C, D] (the stepping rows;
+    C is 1 but in a chunked feed), ``key``/``value`` [1, Hkv, T, D] the pool's whole layer (no
+    copy), ``paged`` the step's StepAttention. Returns [n, C, Hq, D]."""
     out = _attend(query, key, value, paged, scaling)
     return out.transpose(1, 2), None
 
@@ -305,18 +313,26 @@ def warm_up(keys: torch.Tensor, values: torch.Tensor, heads: int, block_size: in
 
 class _BlockLayer(DynamicLayer):
     """One layer of the pool as transformers sees it during one step: ``update`` writes each
-    stepping row's new key and value at its token's place in its block and returns the layer's
-    whole pool (a view, no copy)."""
+    stepping row's new keys and values at their tokens' places in its blocks and returns the layer's
+    whole pool (a view, no copy). ``written``: which of the step's [n * C] query tokens are real (a
+    chunked feed's padding is not written); None: all."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, places: torch.Tensor, seen: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, places: torch.Tensor, seen: int,
+                 written: torch.Tensor | None = None):
         super().__init__()
         self.keys, self.values = keys, values  # [1, H, T, D]
-        self.places, self.seen = places, seen
+        self.places, self.seen, self.written = places, seen, written
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys[0].index_copy_(1, self.places, key_states[:, :, 0].transpose(0, 1))  # [H, n, D]
-        self.values[0].index_copy_(1, self.places, value_states[:, :, 0].transpose(0, 1))
+        for pool, states in ((self.keys, key_states), (self.values, value_states)):
+            n, heads, count, dim = states.shape
+            flat = states[:, :, 0] if count == 1 else states.transpose(0, 1).reshape(heads, n * count, dim)
+            if count == 1:
+                flat = flat.transpose(0, 1)  # [H, n, D]
+            if self.written is not None:
+                flat = flat.index_select(1, self.written)
+            pool[0].index_copy_(1, self.places, flat)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -341,10 +357,14 @@ class BlockPool:
     (sized by the budget, at the first use), the blocks' reference counts and the free list, lowest
     block first. KVCache keeps its rows on it."""
 
-    def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None):
+    def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
+                 decode: bool = True):
         """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
-        device); the pool is allocated at the first admission, after the weights are in memory."""
+        device); the pool is allocated at the first admission, after the weights are in memory.
+        ``decode``: whether rows will ``step`` (the attention kernel is compiled at the allocation);
+        a pool only ever fed chunks (the reward model's) compiles nothing."""
         self.model, self.device, self.memory, self.block_size = model, device, memory, block_size or BLOCK_SIZE
+        self.decode = decode
         self.keys: list[torch.Tensor] = []  # per layer [1, H, NB * bs, D]
         self.values: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -403,7 +423,8 @@ class BlockPool:
         for tensor in self.keys + self.values:
             _static(tensor, 2)
         config = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
-        warm_up(self.keys[0], self.values[0], config.num_attention_heads, bs)
+        if self.decode:
+            warm_up(self.keys[0], self.values[0], config.num_attention_heads, bs)
         self.refs = np.zeros(self.num_blocks, dtype=np.int32)
         self._free = list(range(self.num_blocks))
         heapq.heapify(self._free)
@@ -455,11 +476,12 @@ class KVCache(BlockPool):
     BlockPool."""
 
     def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
-                 counted_by: tuple = ()):
+                 counted_by: tuple = (), decode: bool = True):
         """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
-        device); the pool is allocated at the first admission, after the weights are in memory."""
+        device); the pool is allocated at the first admission, after the weights are in memory.
+        ``decode``: see BlockPool."""
         _register()
-        super().__init__(model, device, memory, block_size)
+        super().__init__(model, device, memory, block_size, decode)
         self.counted_by = counted_by
         self._rows = _Rows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.int32),
                            np.zeros(0, bool))
@@ -663,7 +685,8 @@ class KVCache(BlockPool):
         places = rows.tables[handles, lengths // bs].astype(np.int64) * bs + lengths % bs
         places_t = torch.from_numpy(places).to(self.device)
         position = torch.from_numpy(rows.position[handles]).to(self.device)
-        out = self._forward(handles, tokens, places_t, position, int(lengths.max()), **model_kwargs)
+        out = self._forward(self._step_attention(handles), tokens[:, None], position[:, None], places_t,
+                            int(lengths.max()), **model_kwargs)
         rows.length[handles] += 1
         rows.position[handles] += 1
         self.forward_passes += 1
@@ -671,15 +694,122 @@ class KVCache(BlockPool):
             owner.forward_passes += 1
         return out
 
-    def _forward(self, handles, tokens, places, position, seen, **model_kwargs):
-        step = self._step_attention(handles)
+    def _forward(self, step: StepAttention, input_ids: torch.Tensor, position: torch.Tensor, places: torch.Tensor,
+                 seen: int, written: torch.Tensor | None = None, **model_kwargs):
+        """The model over ``input_ids`` [n, C] at ``position`` [n, C], each written token's key and
+        value going to ``places`` (``written``: which of the n * C are; None: all), attention as
+        ``step`` says."""
         cache = DynamicCache()
-        cache.layers = [_BlockLayer(k, v, places, seen) for k, v in zip(self.keys, self.values)]
+        cache.layers = [_BlockLayer(k, v, places, seen, written) for k, v in zip(self.keys, self.values)]
         config = self.model.config
         configured, config._attn_implementation = config._attn_implementation, PAGED_ATTENTION
         try:
             with timed_forward(self.device):
-                return self.model(input_ids=tokens.to(torch.long)[:, None], position_ids=position[:, None],
-                                  past_key_values=cache, use_cache=True, paged=step, **model_kwargs)
+                return self.model(input_ids=input_ids.to(torch.long), position_ids=position, past_key_values=cache,
+                                  use_cache=True, paged=step, **model_kwargs)
         finally:
             config._attn_implementation = configured
+
+    # -- chunked feeds (the reward model's streaming rows) ---------------------------------------
+
+    def open_rows(self, count: int) -> list[int]:
+        """``count`` new rows holding no token (a chunked ``feed`` writes their first)."""
+        self.collect()
+        if not self.allocated:
+            self._allocate_for_model()
+        handles = self._new_rows(count)
+        self._rows.length[handles] = 0
+        self._rows.position[handles] = 0
+        return handles
+
+    def length(self, handle: int) -> int:
+        """Tokens row ``handle`` holds."""
+        return int(self._rows.length[handle])
+
+    def blocks_to_extend(self, handles: list[int], keep: list[int], counts: list[int]) -> int:
+        """At most the blocks that ``truncate(handles, keep)`` then a ``feed`` of ``counts`` tokens per
+        row take: each row's new blocks, and a copy of a shared block a truncation ends inside. The
+        blocks the truncation gives back are not counted."""
+        self.collect()
+        rows, bs = self._rows, self.block_size
+        need = 0
+        for handle, kept, count in zip(handles, keep, counts):
+            need += -(-(kept + count) // bs) - -(-kept // bs)
+            if kept < rows.length[handle] and kept % bs and self.refs[rows.tables[handle, kept // bs]] > 1:
+                need += 1
+        return need
+
+    @torch.inference_mode()
+    def truncate(self, handles: list[int], keep: list[int]) -> None:
+        """Row ``handles[i]`` keeps its first ``keep[i]`` tokens; the blocks past them go back. A kept
+        last block that another row shares (a prompt's whole block) is copied first, so the row's next
+        tokens never write where another row reads (copy on write: one block, ``blocks_to_extend``
+        counts it)."""
+        self.collect()
+        rows, bs = self._rows, self.block_size
+        for handle, kept in zip(handles, keep):
+            length = int(rows.length[handle])
+            if not 0 <= kept <= length:
+                raise ValueError(f"KV cache: cannot keep {kept} tokens of a row that holds {length}")
+            if kept == length:
+                continue
+            self._drop(rows.tables[handle, -(-kept // bs):-(-length // bs)])
+            shared = int(rows.tables[handle, kept // bs]) if kept % bs else -1
+            if shared >= 0 and self.refs[shared] > 1:
+                if not self._free:
+                    raise KVBudgetError("KV cache: a truncation's copy on write needs a free block, none is "
+                                        "(the caller makes room first; this is a bug)")
+                (own,) = self._take_blocks(1)
+                source, target = self._places_of([shared]), self._places_of([own])
+                for tensor in self.keys + self.values:
+                    tensor[0].index_copy_(1, target, tensor[0].index_select(1, source))
+                self._drop([shared])
+                rows.tables[handle, kept // bs] = own
+            rows.position[handle] -= length - kept
+            rows.length[handle] = kept
+
+    @torch.inference_mode()
+    def feed(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0, **model_kwargs):
+        """One forward pass appending ``chunks[i]`` (one token or more) to row ``handles[i]``, the
+        chunks left-padded so column -1 is every row's last token (as RowBatch.feed_padded). Each new
+        token's key and value go to its place in the row's blocks (new ones taken as it fills them;
+        ``blocks_to_extend`` says how many must be free), and each token attends its row's places up
+        to its own, gathered per layer (a chunked feed comes at a decision token, not every step).
+        Returns the model output, [n, C] aligned with ``handles`` and the padded chunks."""
+        self.collect()
+        rows, bs = self._rows, self.block_size
+        counts = np.array([len(c) for c in chunks], dtype=np.int64)
+        if len(chunks) != len(handles) or not len(chunks) or counts.min() < 1:
+            raise ValueError("KV cache: feed takes one chunk of at least one token per row")
+        starts = rows.length[handles].copy()
+        need = int((-(-(starts + counts) // bs) - -(-starts // bs)).sum())
+        if need > self.free_blocks:
+            raise KVBudgetError(f"KV cache: the feed needs {need} new blocks, {self.free_blocks} are free "
+                                "(the caller makes room first; this is a bug)")
+        for handle, start, count in zip(handles, starts, counts):
+            first, last = -(-int(start) // bs), -(-int(start + count) // bs)
+            rows.tables[handle, first:last] = self._take_blocks(last - first)
+        width = int(counts.max())
+        column = np.arange(width)[None, :]
+        pad = (width - counts)[:, None]
+        real = column >= pad  # [n, C]
+        logical = np.where(real, starts[:, None] + column - pad, 0)  # each query's place in its row
+        tables = rows.tables[handles]
+        places = np.take_along_axis(tables, logical // bs, axis=1).astype(np.int64) * bs + logical % bs
+        input_ids = np.full((len(handles), width), pad_id, dtype=np.int64)
+        for i, chunk in enumerate(chunks):
+            input_ids[i, width - len(chunk):] = chunk
+        position = np.where(real, rows.position[handles][:, None] + column - pad, 0)
+        step = StepAttention(None, tables, starts + counts, bs, self.device, queries=logical)
+
+        def to(array):
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+        out = self._forward(step, to(input_ids), to(position), to(places[real]), int((starts + counts).max()),
+                            written=to(np.flatnonzero(real)), **model_kwargs)
+        rows.length[handles] += counts
+        rows.position[handles] += counts
+        self.forward_passes += 1
+        for owner in self.counted_by:
+            owner.forward_passes += 1
+        return out

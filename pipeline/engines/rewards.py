@@ -44,7 +44,7 @@ from transformers import AutoModelForSequenceClassification
 from pipeline.data.chat import encode_chat, encode_text
 from pipeline.decoding.domain import Scores
 from pipeline.engines.hf import for_inference, load_pretrained, load_tokenizer
-from pipeline.engines.kv_cache import bound_heap, trim_heap
+from pipeline.engines.kv_cache import WATERMARK, KVCache, bound_heap, trim_heap
 from pipeline.engines.rows import RowBatch, timed_forward
 
 
@@ -53,6 +53,11 @@ BATCH_TOKENS = {"cpu": 1024, "cuda": 65536}
 runtime.reward_batch_size's sequences, per device unless runtime.reward_pass_tokens sets it: on a
 CPU a pass's cost grows with its tokens anyway, and a bounded pass keeps its activations small; a
 GPU runs a pass of many sequences in about the time of one, within its memory."""
+
+
+STREAM_BLOCK_SIZE = 16
+"""Tokens per block of the streaming sessions' pool: its attention gathers the rows' blocks (no
+kernel wants 128-token pages), and a row's last block is its own, so small blocks waste little."""
 
 
 def default_pass_tokens(device: str | torch.device) -> int:
@@ -65,8 +70,8 @@ class RewardScorer:
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", batch_size: int = 32,
                  batch_tokens: int | None = None, cache_bytes: int | None = None):
-        """``cache_bytes``: the most bytes of reward-side KV the streaming sessions keep between calls
-        (runtime.reward_cache_mb); None: no bound."""
+        """``cache_bytes``: the streaming sessions' block pool, in bytes (runtime.reward_cache_mb; 0:
+        no cache, every row read in full; None: pipeline.engines.kv_cache's default per device)."""
         if getattr(model.config, "num_labels", 1) != 1:
             raise ValueError(f"reward model must have one output label, has {model.config.num_labels}")
         self.model = model.eval()
@@ -80,7 +85,8 @@ class RewardScorer:
         """runtime.reward_pass_tokens (None: ``default_pass_tokens``)."""
         self.cache_bytes = cache_bytes
         self.dropped_rows = 0
-        """Rows whose cache was dropped to keep within ``cache_bytes`` (each read in full at its next score)."""
+        """Rows whose blocks were given back to make room for another session's (each read in full at
+        its next score)."""
         self._calls = 0  # streaming calls so far: each session's last one orders the drops
         self.max_length = min(int(getattr(model.config, "max_position_embeddings", 0) or 10**9),
                               int(tokenizer.model_max_length or 10**9))
@@ -89,6 +95,7 @@ class RewardScorer:
         self.tokens_read = 0
         """Reward-model tokens run through the model (stateless and streaming): its compute."""
         self.sessions: dict[str, _StreamSession] = {}
+        self._kv: KVCache | None = None
         self.streaming = streams_exactly(model, tokenizer, self.device)
         """True for decoder reward models whose cached scores match full re-scoring."""
 
@@ -172,15 +179,27 @@ class RewardScorer:
         return batches
 
     def stats(self) -> dict:
+        """Counters; with the streaming sessions' pool, its ``kv_`` figures (KVCache.stats)."""
         return {"forward_passes": self.forward_passes, "scored": self.scored, "tokens_read": self.tokens_read,
                 "open_sessions": len(self.sessions), "cached_bytes": self.cached_bytes(),
-                "dropped_rows": self.dropped_rows}
+                "dropped_rows": self.dropped_rows, **(self._kv.stats() if self._kv is not None else {})}
 
     def cached_bytes(self) -> int:
-        """Bytes of reward-side KV the open sessions hold."""
-        return sum(g.batch.nbytes() for state in list(self.sessions.values()) for g in list(state.groups))
+        """Bytes of reward-side KV the open sessions hold (a prompt's shared blocks once)."""
+        return self.kv.held_bytes() if self.kv is not None else 0
 
     # -- streaming sessions ------------------------------------------------------------------
+
+    @property
+    def kv(self) -> KVCache | None:
+        """The streaming sessions' block pool (pipeline.engines.kv_cache): ``cache_bytes`` of blocks of
+        STREAM_BLOCK_SIZE tokens over the base model, made at the first streamed row; None before,
+        and for a scorer that does not stream or keeps no cache."""
+        if self._kv is None and self.streaming and self.cache_bytes != 0:
+            self._kv = KVCache(self._base_model(), self.device, self.cache_bytes, STREAM_BLOCK_SIZE,
+                               counted_by=(self,), decode=False)
+            self._kv.open_rows(0)  # allocates the pool
+        return self._kv
 
     def open(self, session: str, prompts: list[str | list[dict]], num_samples: int,
              columns: list[dict] | None = None) -> None:
@@ -193,15 +212,12 @@ class RewardScorer:
     def extend(self, session: str, rows: list[int], responses: list[str],
                finished: list[bool] | None = None) -> list[float]:
         """Scores of (prompt of row, response so far) for each row. Rows of the session not listed
-        here leave its caches. Equal to ``score`` on the same texts, to float tolerance."""
+        here leave its cache. Equal to ``score`` on the same texts, to float tolerance."""
         state = self._stream(session)
         if len(rows) != len(responses):
             raise ValueError(f"{len(rows)} rows but {len(responses)} responses")
         prompts = [state.prompt_of(r) for r in rows]
-        listed = set(rows)
-        for group in state.groups:  # rejected and finished rows leave the cache now
-            group.keep([i for i, r in enumerate(group.rows) if r in listed])
-        state.groups = [g for g in state.groups if g.rows]
+        self._release(state, [r for r in state.handles if r not in set(rows)])  # rejected and finished rows
         before = self.tokens_read
         self._calls += 1
         state.last_call = self._calls
@@ -209,68 +225,122 @@ class RewardScorer:
             return self._extend_rows(state, rows, prompts, responses, finished)
         finally:
             state.tokens_read += self.tokens_read - before
-            self._bound_cache()
-
-    def _bound_cache(self) -> None:
-        """Keep the sessions' caches within ``cache_bytes``: drop whole groups, those of the session
-        scored least recently first (the one just scored last). A dropped row's next score reads its
-        text in full, as a new row's does: the same score, more tokens read. A session's cache lives
-        from one decision token to the next, while its rows decode; the bound trades that memory for
-        re-reading (docs/benchmarks.md, "The KV pool")."""
-        if self.cache_bytes is None:
-            return
-        groups = sorted(((state.last_call, i, state, group, group.batch.nbytes())
-                         for state in self.sessions.values() for i, group in enumerate(state.groups)),
-                        key=lambda g: (g[0], g[1]))
-        held = sum(g[4] for g in groups)
-        for _, _, state, group, size in groups:
-            if held <= self.cache_bytes:
-                break
-            state.groups.remove(group)
-            self.dropped_rows += len(group.rows)
-            held -= size
 
     def _extend_rows(self, state: _StreamSession, rows: list[int], prompts: list[str],
                      responses: list[str], finished: list[bool] | None = None) -> list[float]:
-        """The streaming scores of ``rows``: cached rows read their new tokens; uncached rows that go
-        on (not ``finished``) get a cache, a group at a time (``_batches``: at most batch_size rows
-        and batch_tokens tokens, so a new group's cache and its prefill stay small); a finished
-        row without a cache is read in full without one (nothing will extend it again). The cache
-        bound is kept after each group, so a call holds at most one new group beyond it."""
-        if not self.streaming:
+        """The streaming scores of ``rows``. A cached row keeps the longest common prefix of its tokens
+        and the cache's, and reads the rest. An uncached row that goes on (not ``finished``) gets
+        blocks: its prompt's shared head (template + prompt: the common prefix of the prompt's new
+        rows' tokens) is read once and its whole blocks shared by those rows, as the generator's
+        prefill shares a prompt; each row then reads its own tokens. A finished row without a cache
+        is read in full without one (nothing will extend it again), and so is a row past the model's
+        context (cut from the left). Passes hold at most batch_size rows and batch_tokens tokens
+        (``_batches``). Where the pool lacks blocks, the sessions scored least recently give theirs
+        back first (their rows are read in full at their next score), then this call's own rows read
+        without a cache."""
+        kv = self.kv if self.streaming else None
+        if kv is None:
             return self.score(prompts, responses)
         token_ids = [self.encode(p, r) for p, r in zip(prompts, responses)]
+        done = set() if finished is None else {r for r, f in zip(rows, finished) if f and r not in state.handles}
+        full = [i for i, ids in enumerate(token_ids) if len(ids) > self.max_length or rows[i] in done]
+        self._release(state, [rows[i] for i in full])
+        full += self._admit(state, [i for i in range(len(rows)) if i not in set(full) and rows[i] not in state.handles],
+                            rows, token_ids)
         scores: dict[int, float] = {}
-        cached = {r for g in state.groups for r in g.rows}
-        done = set() if finished is None else {r for r, f in zip(rows, finished) if f and r not in cached}
-        stateless = [i for i, ids in enumerate(token_ids) if len(ids) > self.max_length or rows[i] in done]
-        if stateless:  # past the context (cut from the left), or finished: no cache
-            for i, v in zip(stateless, self.score([prompts[i] for i in stateless], [responses[i] for i in stateless])):
+        cached = [i for i in range(len(rows)) if rows[i] in state.handles]
+        for group in self._batches([len(token_ids[i]) - self._kept(state, rows[i], token_ids[i]) for i in cached]):
+            picked = [cached[j] for j in group]
+            keep = [self._kept(state, rows[i], token_ids[i]) for i in picked]
+            handles = [state.handles[rows[i]] for i in picked]
+            chunks = [token_ids[i][k:] for i, k in zip(picked, keep)]
+            if not self._make_room(kv.blocks_to_extend(handles, keep, [len(c) for c in chunks]), state):
+                self._release(state, [rows[i] for i in picked])
+                full += picked
+                continue
+            kv.truncate(handles, keep)
+            out = kv.feed(handles, chunks, int(self.tokenizer.pad_token_id))
+            logits = self.model.score(out.last_hidden_state[:, -1])  # [B, 1]
+            self.tokens_read += sum(len(c) for c in chunks)
+            for i, v in zip(picked, logits[:, 0].float().tolist()):
+                state.ids[rows[i]] = token_ids[i]
+                scores[rows[i]] = float(v) if math.isfinite(v) else math.nan
+        if full:
+            full = sorted(set(full))
+            for i, v in zip(full, self.score([prompts[i] for i in full], [responses[i] for i in full])):
                 scores[rows[i]] = v
-            self.scored -= len(stateless)  # counted once, below
-            dropped = {rows[i] for i in stateless}
-            for group in state.groups:
-                if dropped.intersection(group.rows):
-                    group.keep([i for i, r in enumerate(group.rows) if r not in dropped])
-            state.groups = [g for g in state.groups if g.rows]
-        wanted = {rows[i]: token_ids[i] for i in range(len(rows)) if rows[i] not in scores}
-        new_rows = [r for r in rows if r in wanted and r not in cached]
-        for group in list(state.groups):  # a group the bound drops meanwhile is still scored
-            scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
-            self._bound_cache()
-        for batch in self._batches([len(wanted[r]) for r in new_rows]):
-            group = self._new_group([new_rows[i] for i in sorted(batch)])
-            self.tokens_read += group.prefill_shared(self._base_model(), [wanted[r] for r in group.rows],
-                                                     [r // state.num_samples for r in group.rows],
-                                                     int(self.tokenizer.pad_token_id), self.device, (self,))
-            state.groups.append(group)
-            scores.update(self._extend_group(group, [wanted[r] for r in group.rows]))
-            self._bound_cache()
+            self.scored -= len(full)  # counted once, below
         self.scored += len(rows)
         return [scores[r] for r in rows]
 
+    @staticmethod
+    def _kept(state: _StreamSession, row: int, ids: list[int]) -> int:
+        """The cached tokens row ``row`` keeps: its common prefix with ``ids``, less one when nothing
+        is new (the last token is read again, where the score is read)."""
+        common = common_prefix(state.ids[row], ids)
+        return common - 1 if common == len(ids) else common
+
+    def _admit(self, state: _StreamSession, picked: list[int], rows: list[int], token_ids: list[list[int]]) -> list[int]:
+        """Blocks for the new rows ``picked`` (indexes into ``rows``): each prompt's head read once,
+        its whole blocks shared by all its new rows (``shared_heads``), every row left at least one
+        token to read; the heads are read in passes of ``_batches``. Returns the picked rows the
+        pool cannot hold (read in full)."""
+        kv = self.kv
+        prompts = [rows[i] // state.num_samples for i in picked]
+        heads = shared_heads([token_ids[i] for i in picked], prompts)
+        refused: list[int] = []
+        with_head = [p for p in sorted(heads) if heads[p]]
+        for batch_of in self._batches([len(heads[p]) for p in with_head]):
+            order = [with_head[j] for j in sorted(batch_of)]
+            members = [i for i, p in zip(picked, prompts) if p in order]
+            need = kv.blocks_for([len(heads[p]) for p in order], [prompts.count(p) for p in order]) + \
+                math.ceil(WATERMARK * kv.num_blocks)
+            if not self._make_room(need, state):
+                refused += members
+                continue
+            batch, _ = RowBatch.prefill(self._base_model(), [heads[p] for p in order],
+                                        int(self.tokenizer.pad_token_id), self.device, counted_by=(self,))
+            self.tokens_read += sum(len(heads[p]) for p in order)
+            handles = kv.admit(batch, [order.index(rows[i] // state.num_samples) for i in members])
+            if handles is None:  # _make_room counted the watermark; a pool of one block may still refuse
+                refused += members
+                continue
+            for i, handle in zip(members, handles):
+                state.handles[rows[i]], state.ids[rows[i]] = handle, heads[rows[i] // state.num_samples]
+        bare = [i for i, p in zip(picked, prompts) if not heads[p]]
+        for i, handle in zip(bare, kv.open_rows(len(bare))):
+            state.handles[rows[i]], state.ids[rows[i]] = handle, []
+        return refused
+
+    def _make_room(self, need: int, state: _StreamSession) -> bool:
+        """At least ``need`` free blocks, freed where needed from the other sessions' rows, those
+        scored least recently first (each read in full at its next score). False when even that
+        does not make room."""
+        kv = self.kv
+        kv.collect()
+        if need > kv.num_blocks:
+            return False
+        for other in sorted(self.sessions.values(), key=lambda s: s.last_call):
+            if kv.free_blocks >= need:
+                break
+            if other is not state and other.handles:
+                self.dropped_rows += len(other.handles)
+                self._release(other, list(other.handles))
+        return kv.free_blocks >= need
+
+    def _release(self, state: _StreamSession, rows: list[int]) -> None:
+        """Rows of ``state`` leave the pool."""
+        handles = [state.handles.pop(r) for r in rows if r in state.handles]
+        for r in rows:
+            state.ids.pop(r, None)
+        if handles:
+            self.kv.release(handles)
+            self.kv.collect()
+
     def close(self, session: str) -> dict:
         state = self.sessions.pop(session, None)
+        if state is not None:
+            self._release(state, list(state.handles))
         trim_heap()
         return {"tokens_read": state.tokens_read if state else 0}
 
@@ -284,34 +354,19 @@ class RewardScorer:
         """The reward model without its score head: the rows' hidden states are what it returns."""
         return getattr(self.model, self.model.base_model_prefix)
 
-    def _new_group(self, rows: list[int]) -> _StreamGroup:
-        batch = RowBatch.empty(self._base_model(), len(rows), self.device, counted_by=(self,))
-        return _StreamGroup(rows, batch, [[] for _ in rows])
-
-    def _extend_group(self, group: _StreamGroup, token_ids: list[list[int]]) -> dict[int, float]:
-        """Feed each row's tokens after its common prefix with the cache; score at the last token."""
-        kept = []
-        for cached, ids in zip(group.ids, token_ids):
-            common = common_prefix(cached, ids)
-            kept.append(common - 1 if common == len(ids) else common)  # nothing new: re-read the last token
-        group.batch.truncate(kept)  # cached tokens past the common prefix no longer count
-        chunks = [ids[k:] for ids, k in zip(token_ids, kept)]
-        out = group.batch.feed_padded(chunks, int(self.tokenizer.pad_token_id))
-        group.ids = [list(ids) for ids in token_ids]
-        logits = self.model.score(out.last_hidden_state[:, -1])  # [B, 1]
-        self.tokens_read += sum(len(c) for c in chunks)
-        return {r: float(v) if math.isfinite(v) else math.nan for r, v in zip(group.rows, logits[:, 0].float().tolist())}
-
 
 def streams_exactly(model, tokenizer, device: torch.device) -> bool:
     """Whether ``model`` scores exactly when streamed (RewardScorer.streaming): a decoder whose score
-    computed in two cached chunks equals its one-pass score."""
+    computed in two cached chunks equals its one-pass score, and whose cache layers the block pool
+    holds (full attention)."""
     score_head = getattr(model, "score", None)
     base_model = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if score_head is None or base_model is None:
         return False
     ids = torch.tensor([[int(tokenizer.pad_token_id or 0) + 1 + i for i in range(6)]], device=device)
     try:
+        if not KVCache.supports(base_model):
+            return False
         with torch.inference_mode():
             full = score_head(base_model(input_ids=ids).last_hidden_state[:, -1])
             rows = RowBatch.empty(base_model, 1, device)
@@ -333,45 +388,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-@dataclass
-class _StreamGroup:
-    """Up to batch_size rows that share one reward-side KV cache."""
-
-    rows: list[int]  # the session's row ids, aligned with the batch
-    batch: RowBatch  # their KV cache over the reward model's base model
-    ids: list[list[int]]  # per row: the tokens its cache holds, in order
-
-    def keep(self, index: list[int]) -> None:
-        self.batch.select(index)
-        self.rows = [self.rows[i] for i in index]
-        self.ids = [self.ids[i] for i in index]
-
-    def prefill_shared(self, base_model, token_ids: list[list[int]], prompts: list[int], pad_token_id: int,
-                       device: torch.device, counted_by: tuple) -> int:
-        """A new group reads each prompt's shared head (template + prompt: the common prefix of
-        its rows' tokens) once and fans the cache out to the rows, as the generator's prefill does.
-        Returns the tokens read."""
-        heads: dict[int, list[int]] = {}
-        for ids, p in zip(token_ids, prompts):
-            head = ids[:-1] if p not in heads else heads[p][:common_prefix(heads[p], ids)]
-            heads[p] = head[:len(ids) - 1]  # leave every row at least one token to score
-        if sum(prompts.count(p) > 1 for p in heads) == 0:
-            return 0  # nothing shared
-        order = sorted(heads)
-        if max(len(heads[p]) for p in order) == 0:
-            return 0  # every head is empty: nothing to prefill
-        self.batch, _ = RowBatch.prefill(base_model, [heads[p] for p in order], pad_token_id, device,
-                                         counted_by=counted_by)
-        self.batch.select([order.index(p) for p in prompts])  # fan out: [P, W] -> [B, W]
-        self.ids = [list(heads[p]) for p in prompts]
-        return sum(len(heads[p]) for p in order)
+def shared_heads(token_ids: list[list[int]], prompts: list[int]) -> dict[int, list[int]]:
+    """Per prompt, the head its rows share (template + prompt): the common prefix of its rows'
+    tokens, less at least each row's last token, so every row has one to read. A prompt with one
+    row shares nothing (an empty head): its row reads its whole text."""
+    heads: dict[int, list[int]] = {}
+    for ids, p in zip(token_ids, prompts):
+        head = ids[:-1] if p not in heads else heads[p][:common_prefix(heads[p], ids)]
+        heads[p] = head[:len(ids) - 1]
+    return {p: head if prompts.count(p) > 1 else [] for p, head in heads.items()}
 
 
 @dataclass
 class _StreamSession:
     prompts: list[str]
     num_samples: int
-    groups: list[_StreamGroup] = field(default_factory=list)
+    handles: dict[int, int] = field(default_factory=dict)  # row id -> its block-pool row
+    ids: dict[int, list[int]] = field(default_factory=dict)  # row id -> the tokens its blocks hold
     tokens_read: int = 0
     last_call: int = 0  # the scorer's call count at this session's last extend
 
