@@ -354,11 +354,11 @@ class RuntimeConfig:
     """glibc heap tuning (map threshold 4 MiB, two arenas) in the HF actors' processes; off by
     default, since it slowed other work in the process (docs/benchmarks.md)."""
     reward_cache_mb: int = 128
-    """The most reward-side KV, in MiB, that an HF reward actor's streaming sessions keep between
-    their calls (strategy.streaming_rewards): the caches of the sessions scored least recently go
+    """The block pool, in MiB, of an HF reward actor's streaming sessions (strategy.streaming_rewards;
+    pipeline.engines.rewards): a prompt's KV is held once for all its samples, each row's own tokens
+    in blocks of 16. When it runs out, the sessions scored least recently give their blocks back
     first, and their rows are read in full at their next score (the same scores, more reward
-    compute). A cache lives while its rows decode to the next decision token, so without a bound
-    the reward actor holds KV for every row in flight beside the generator's."""
+    compute). 0: no cache, every row read in full."""
     local: bool = False
     """Run in-process without Ray (tests, debugging)."""
     call_timeout_s: float = 900.0
@@ -397,7 +397,7 @@ class RuntimeConfig:
         except ValueError as exc:
             raise ConfigError(f"runtime.kv_cache_memory: {exc}") from None
         if self.reward_cache_mb < 0:
-            raise ConfigError(f"runtime.reward_cache_mb: must be >= 0 (0: keep no cache between calls), "
+            raise ConfigError(f"runtime.reward_cache_mb: must be >= 0 (0: keep no cache), "
                               f"got {self.reward_cache_mb}")
         if self.lease_timeout_s <= 0:
             raise ConfigError(f"runtime.lease_timeout_s: must be > 0, got {self.lease_timeout_s}")

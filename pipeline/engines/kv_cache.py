@@ -7,6 +7,8 @@ keys and values live in a pool of fixed-size blocks allocated once, sized by a m
     out = kv.step(rows, tokens)                # one token for each of those rows, one forward pass
     kv.release(rows[:2])                       # pruned or finished: their blocks go back
     batch = kv.take(rows[2:])                  # back out as a RowBatch (speculative decoding)
+    out = kv.feed(rows, chunks)                # several tokens per row (the reward model's sessions)
+    kv.truncate(rows, keep)                    # rows cut back (a shared block is copied first)
 
 Blocks (``BlockPool``, which KVCache extends with its rows). ``block_size`` tokens of every layer's
 keys and values; a block is taken when a row's next token starts one (a step's ``grow``) and given
@@ -36,6 +38,11 @@ row), so a build compiles it three times per pool, at the pool's allocation (``w
 on a CPU, less from inductor's on-disk cache), never per step. Where it cannot be compiled for a
 dtype and device (no C++ compiler; bfloat16 on some CPUs), a warning says so once and each step
 gathers the rows' blocks for SDPA instead (a copy per layer: slower, same result).
+
+A chunked ``feed`` (several tokens per row: the reward model's streaming sessions, a pool of their
+own, pipeline.engines.rewards) gathers each row's blocks per layer for SDPA with a causal mask, since
+it comes once per decision token, not every step; such a pool (``decode=False``) compiles nothing.
+``truncate`` cuts rows back; a kept block that another row shares is copied first (copy on write).
 
 Only models whose cache layers are all full attention use the manager (``KVCache.supports``); the
 plan refuses sliding-window generators on the HF backend (pipeline.preflight.check_models).
