@@ -31,7 +31,7 @@ class RewardActor:
         models' ``from_pretrained`` keywords (models.hf); ``backend`` (models.reward_backend): the
         record of pipeline.engines.backends whose reward scorer loads each model ("vllm": vLLM's
         pooling runner, with ``vllm`` (models.reward_vllm) as ``vllm.LLM`` keywords). ``cache_mb``:
-        runtime.reward_cache_mb, for each model (None: no bound). ``pass_tokens``: runtime.reward_pass_tokens
+        runtime.reward_cache_mb, each model's streaming pool (None: the device's default). ``pass_tokens``: runtime.reward_pass_tokens
         (0: the device's default); ``heap``: runtime.bound_heap."""
         torch.set_num_threads(max(1, num_threads))
         options = EngineOptions(device=device, dtype=dtype, num_threads=max(1, num_threads), prepack=prepack, load=load,

@@ -104,7 +104,7 @@ class EngineOptions:
     reward_pass_tokens: int | None = None
     """runtime.reward_pass_tokens: padded tokens per reward forward pass (None: the device's default)."""
     reward_cache_bytes: int | None = None
-    """Reward-side KV the HF scorer's streaming sessions keep between calls (runtime.reward_cache_mb);
+    """The HF scorer's streaming sessions' block pool, in bytes (runtime.reward_cache_mb);
     None: no bound."""
 
 
