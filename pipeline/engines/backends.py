@@ -105,7 +105,7 @@ class EngineOptions:
     """runtime.reward_pass_tokens: padded tokens per reward forward pass (None: the device's default)."""
     reward_cache_bytes: int | None = None
     """The HF scorer's streaming sessions' block pool, in bytes (runtime.reward_cache_mb);
-    None: no bound."""
+    None: the device's default (pipeline.engines.kv_cache)."""
 
 
 @dataclass(frozen=True)
