@@ -198,6 +198,7 @@ class Workers:
             "generated_tokens": sum(s["generated_tokens"] for s in gen),
             "generator_forward_passes": sum(s["forward_passes"] for s in gen),
             "reward_forward_passes": sum(s["forward_passes"] for s in rew),
+            "reward_tokens_read": sum(int(s.get("tokens_read", 0)) for s in rew),
             "actor_restarts": self.restarts(),
         }
         roles = {"generator": actor_time_of(gen, self.generators), "reward": actor_time_of(rew, self.scorers)}

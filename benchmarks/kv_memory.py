@@ -69,7 +69,13 @@ def run(name: str, prompts: Path, models: Path, output: Path, extra: list[str]) 
     report = json.loads((output / name / "_report.json").read_text())
     return {"run": name, "peak_rss_gb": round(rss_kb / 2**20, 3), "wall_seconds": round(wall, 1),
             "pairs": report["pairs"], "generated_tokens": report["generated_tokens"],
-            "generator_kv": report.get("generator_kv")}
+            "generator_kv": report.get("generator_kv"), "reward_kv": report.get("reward_kv"),
+            "reward_tokens_read": _run_stats(output / name).get("reward_tokens_read")}
+
+
+def _run_stats(folder: Path) -> dict:
+    """The build's run_stats, from its manifest."""
+    return json.loads((folder / "_manifest.json").read_text()).get("run_stats") or {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     extra = [item for value in args.set for item in ("--set", value)]
     results = [run(name, path, models, output, extra) for name, path in paths.items()]
     base = results[0]["peak_rss_gb"]
-    print(f"{'run':<20} {'peak RSS GB':>12} {'vs short16':>11} {'wall s':>8} {'KV peak GB':>11} {'shared GB':>10}")
+    print(f"{'run':<20} {'peak RSS GB':>12} {'vs short16':>11} {'wall s':>8} {'KV peak GB':>11} {'shared GB':>10} "
+          f"{'reward KV peak GB':>18} {'reward shared GB':>17}")
     for r in results:
         kv = (r["generator_kv"] or [{}])[0]
+        reward = (r["reward_kv"] or [{}])[0]
         print(f"{r['run']:<20} {r['peak_rss_gb']:>12.3f} {r['peak_rss_gb'] - base:>+11.3f} {r['wall_seconds']:>8.1f} "
-              f"{kv.get('kv_bytes_peak', 0) / 2**30:>11.3f} {kv.get('kv_prompt_bytes_shared', 0) / 2**30:>10.3f}")
+              f"{kv.get('kv_bytes_peak', 0) / 2**30:>11.3f} {kv.get('kv_prompt_bytes_shared', 0) / 2**30:>10.3f} "
+              f"{reward.get('kv_bytes_peak', 0) / 2**30:>18.3f} {reward.get('kv_prompt_bytes_shared', 0) / 2**30:>17.3f}")
     write_json(args.json, {"command": " ".join(sys.argv), "results": results})
     return 0
 

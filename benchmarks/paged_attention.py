@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--pool-blocks", type=int, default=0,
+                        help="blocks in the pool (0: the rows' blocks plus 64); a build's pool is sized by its budget")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from pipeline.engines import kv_cache
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                              args.repeats)}
     for bs in [int(b) for b in args.block_sizes.split(",")]:
         per_row = -(-length // bs)
-        blocks = n * per_row + 64
+        blocks = max(args.pool_blocks, n * per_row) if args.pool_blocks else n * per_row + 64
         keys = torch.randn(1, hkv, blocks * bs, d, device=device)
         values = torch.randn(1, hkv, blocks * bs, d, device=device)
         tables = torch.randperm(blocks, device=device)[:n * per_row].view(n, per_row).to(torch.int32)

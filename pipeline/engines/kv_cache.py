@@ -4,7 +4,8 @@ keys and values live in a pool of fixed-size blocks allocated once, sized by a m
 
     kv = KVCache(model, device, budget)        # nothing allocated yet: the pool comes at first use
     rows = kv.admit(batch, sources)            # a prefilled RowBatch's rows: their blocks, or None
-    out = kv.step(rows, tokens)                # one token for each of those rows, one forward pass
+    with kv.stepping(rows, tokens) as inputs:  # one token for each of those rows: the caller's
+        out = model(**inputs)                  # forward pass (the model runner's)
     kv.release(rows[:2])                       # pruned or finished: their blocks go back
     batch = kv.take(rows[2:])                  # back out as a RowBatch (speculative decoding)
     out = kv.feed(rows, chunks)                # several tokens per row (the reward model's sessions)
@@ -54,8 +55,9 @@ import heapq
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -478,9 +480,9 @@ class BlockPool:
         return max(0, int(room // max(per_row, 1)))
 
 
-class KVCache(BlockPool):
-    """One model's paged KV cache (see the module docstring): rows, each with a block table, on a
-    BlockPool."""
+class _RowTables(BlockPool):
+    """The rows of a KV cache, each with a block table, on a BlockPool: admission (a prompt's whole
+    blocks shared), release, truncation (copy on write), and a row's blocks taken back out."""
 
     def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
                  counted_by: tuple = (), decode: bool = True):
@@ -659,65 +661,7 @@ class KVCache(BlockPool):
         self.collect()
         return batch
 
-    # -- a decoding step ------------------------------------------------------------------------
-
-    def _grow(self, handles: list[int]) -> None:
-        rows, bs = self._rows, self.block_size
-        starting = [h for h in handles if rows.length[h] % bs == 0]
-        if len(starting) > self.free_blocks:
-            raise KVBudgetError(f"KV cache: the step needs {len(starting)} new blocks, {self.free_blocks} are free "
-                                "(the step loop preempts before a step; this is a bug)")
-        if starting:
-            blocks = self._take_blocks(len(starting))
-            for handle, block in zip(starting, blocks):
-                rows.tables[handle, rows.length[handle] // bs] = block
-
-    def _step_attention(self, handles: list[int]) -> StepAttention:
-        """The step's BlockMask (``block_mask``) and tables: each row's length counts the token this step writes."""
-        rows = self._rows
-        tables, lengths = rows.tables[handles], rows.length[handles] + 1
-        return StepAttention(block_mask(tables, lengths, self.block_size, self.num_blocks, self.device), tables,
-                             lengths, self.block_size, self.device)
-
-    @torch.inference_mode()
-    def step(self, handles: list[int], tokens: torch.Tensor, **model_kwargs):
-        """One forward pass feeding ``tokens`` [n] to the rows ``handles`` (in that order): each
-        row's new key and value go to its next place (a new block when it starts one; ``needed``
-        says how many must be free), and attention reads every row's blocks in place. Returns the
-        model output, aligned with ``handles``."""
-        self.collect()
-        self._grow(handles)
-        rows, bs = self._rows, self.block_size
-        lengths = rows.length[handles]
-        places = rows.tables[handles, lengths // bs].astype(np.int64) * bs + lengths % bs
-        places_t = torch.from_numpy(places).to(self.device)
-        position = torch.from_numpy(rows.position[handles]).to(self.device)
-        out = self._forward(self._step_attention(handles), tokens[:, None], position[:, None], places_t,
-                            int(lengths.max()), **model_kwargs)
-        rows.length[handles] += 1
-        rows.position[handles] += 1
-        self.forward_passes += 1
-        for owner in self.counted_by:
-            owner.forward_passes += 1
-        return out
-
-    def _forward(self, step: StepAttention, input_ids: torch.Tensor, position: torch.Tensor, places: torch.Tensor,
-                 seen: int, written: torch.Tensor | None = None, **model_kwargs):
-        """The model over ``input_ids`` [n, C] at ``position`` [n, C], each written token's key and
-        value going to ``places`` (``written``: which of the n * C are; None: all), attention as
-        ``step`` says."""
-        cache = DynamicCache()
-        cache.layers = [_BlockLayer(k, v, places, seen, written) for k, v in zip(self.keys, self.values)]
-        config = self.model.config
-        configured, config._attn_implementation = config._attn_implementation, PAGED_ATTENTION
-        try:
-            with timed_forward(self.device):
-                return self.model(input_ids=input_ids.to(torch.long), position_ids=position, past_key_values=cache,
-                                  use_cache=True, paged=step, **model_kwargs)
-        finally:
-            config._attn_implementation = configured
-
-    # -- chunked feeds (the reward model's streaming rows) ---------------------------------------
+    # -- rows for chunked feeds (the reward model's streaming rows) ----------------------------
 
     def open_rows(self, count: int) -> list[int]:
         """``count`` new rows holding no token (a chunked ``feed`` writes their first)."""
@@ -775,14 +719,93 @@ class KVCache(BlockPool):
             rows.position[handle] -= length - kept
             rows.length[handle] = kept
 
+
+class KVCache(_RowTables):
+    """One model's paged KV cache (see the module docstring): its rows' model inputs, a decoding
+    step's (``stepping``) or a chunked feed's (``feeding``), for the caller's forward pass."""
+
+    # -- a decoding step ------------------------------------------------------------------------
+
+    def _grow(self, handles: list[int]) -> None:
+        rows, bs = self._rows, self.block_size
+        starting = [h for h in handles if rows.length[h] % bs == 0]
+        if len(starting) > self.free_blocks:
+            raise KVBudgetError(f"KV cache: the step needs {len(starting)} new blocks, {self.free_blocks} are free "
+                                "(the step loop preempts before a step; this is a bug)")
+        if starting:
+            blocks = self._take_blocks(len(starting))
+            for handle, block in zip(starting, blocks):
+                rows.tables[handle, rows.length[handle] // bs] = block
+
+    def _step_attention(self, handles: list[int]) -> StepAttention:
+        """The step's BlockMask (``block_mask``) and tables: each row's length counts the token this step writes."""
+        rows = self._rows
+        tables, lengths = rows.tables[handles], rows.length[handles] + 1
+        return StepAttention(block_mask(tables, lengths, self.block_size, self.num_blocks, self.device), tables,
+                             lengths, self.block_size, self.device)
+
+    @contextmanager
+    def stepping(self, handles: list[int], tokens: torch.Tensor) -> Iterator[dict]:
+        """The model inputs of one decoding step feeding ``tokens`` [n] to the rows ``handles`` (in
+        that order), for the caller's forward pass (the model runner owns the model): each row's new
+        key and value go to its next place (a new block when it starts one; ``needed`` says how many
+        must be free), and attention reads every row's blocks in place. The rows advance when the
+        block exits without an error.
+
+            with kv.stepping(handles, tokens) as inputs:
+                logits = model(**inputs, logits_to_keep=1).logits
+        """
+        self.collect()
+        self._grow(handles)
+        rows, bs = self._rows, self.block_size
+        lengths = rows.length[handles]
+        places = rows.tables[handles, lengths // bs].astype(np.int64) * bs + lengths % bs
+        position = torch.from_numpy(rows.position[handles]).to(self.device)
+        with self._inputs(self._step_attention(handles), tokens[:, None], position[:, None],
+                          torch.from_numpy(places).to(self.device), int(lengths.max())) as inputs:
+            yield inputs
+        rows.length[handles] += 1
+        rows.position[handles] += 1
+        self._count()
+
     @torch.inference_mode()
-    def feed(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0, **model_kwargs):
-        """One forward pass appending ``chunks[i]`` (one token or more) to row ``handles[i]``, the
-        chunks left-padded so column -1 is every row's last token (as RowBatch.feed_padded). Each new
-        token's key and value go to its place in the row's blocks (new ones taken as it fills them;
-        ``blocks_to_extend`` says how many must be free), and each token attends its row's places up
-        to its own, gathered per layer (a chunked feed comes at a decision token, not every step).
-        Returns the model output, [n, C] aligned with ``handles`` and the padded chunks."""
+    def step(self, handles: list[int], tokens: torch.Tensor, **model_kwargs):
+        """``stepping`` with the pool's model: its output, aligned with ``handles``."""
+        with self.stepping(handles, tokens) as inputs, timed_forward(self.device):
+            return self.model(**inputs, **model_kwargs)
+
+    def _count(self) -> None:
+        self.forward_passes += 1
+        for owner in self.counted_by:
+            owner.forward_passes += 1
+
+    @contextmanager
+    def _inputs(self, step: StepAttention, input_ids: torch.Tensor, position: torch.Tensor, places: torch.Tensor,
+                seen: int, written: torch.Tensor | None = None) -> Iterator[dict]:
+        """The model's keyword arguments over ``input_ids`` [n, C] at ``position`` [n, C], each written
+        token's key and value going to ``places`` (``written``: which of the n * C are; None: all),
+        attention as ``step`` says (the model's attention implementation is PAGED_ATTENTION meanwhile)."""
+        cache = DynamicCache()
+        cache.layers = [_BlockLayer(k, v, places, seen, written) for k, v in zip(self.keys, self.values)]
+        config = self.model.config
+        configured, config._attn_implementation = config._attn_implementation, PAGED_ATTENTION
+        try:
+            yield {"input_ids": input_ids.to(torch.long), "position_ids": position, "past_key_values": cache,
+                   "use_cache": True, "paged": step}
+        finally:
+            config._attn_implementation = configured
+
+    # -- chunked feeds (the reward model's streaming rows) ---------------------------------------
+
+    @contextmanager
+    def feeding(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0) -> Iterator[dict]:
+        """The model inputs of one forward pass appending ``chunks[i]`` (one token or more) to row
+        ``handles[i]``, for the caller's forward pass, the chunks left-padded so column -1 is every
+        row's last token (as RowBatch.feed_padded). Each new token's key and value go to its place in
+        the row's blocks (new ones taken as it fills them; ``blocks_to_extend`` says how many must be
+        free), and each token attends its row's places up to its own, gathered per layer (a chunked
+        feed comes at a decision token, not every step). The rows advance when the block exits
+        without an error."""
         self.collect()
         rows, bs = self._rows, self.block_size
         counts = np.array([len(c) for c in chunks], dtype=np.int64)
@@ -812,11 +835,15 @@ class KVCache(BlockPool):
         def to(array):
             return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
-        out = self._forward(step, to(input_ids), to(position), to(places[real]), int((starts + counts).max()),
-                            written=to(np.flatnonzero(real)), **model_kwargs)
+        with self._inputs(step, to(input_ids), to(position), to(places[real]), int((starts + counts).max()),
+                          written=to(np.flatnonzero(real))) as inputs:
+            yield inputs
         rows.length[handles] += counts
         rows.position[handles] += counts
-        self.forward_passes += 1
-        for owner in self.counted_by:
-            owner.forward_passes += 1
-        return out
+        self._count()
+
+    @torch.inference_mode()
+    def feed(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0, **model_kwargs):
+        """``feeding`` with the pool's model: its output, [n, C] aligned with ``handles`` and the padded chunks."""
+        with self.feeding(handles, chunks, pad_id) as inputs, timed_forward(self.device):
+            return self.model(**inputs, **model_kwargs)

@@ -46,7 +46,7 @@ from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
 from pipeline.decoding.tree import TokenTree
 from pipeline.engines.backends import parse_memory
 from pipeline.engines.kv_cache import KVCache, bound_heap, trim_heap
-from pipeline.engines.rows import RowBatch
+from pipeline.engines.rows import RowBatch, timed_forward
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -255,13 +255,14 @@ class ModelRunner(_Residency):
     @torch.inference_mode()
     def step_kv(self, sessions: list[Session]) -> list[list[int]]:
         """One decoding step of ``sessions``' live rows, which are in the KV cache (``Session.kv``),
-        in one forward pass (KVCache.step): feed each row's pending token, sample its next one,
+        in one forward pass over the blocks (KVCache.stepping): feed each row's pending token, sample its next one,
         record it; rows that hit EOS or the cap leave their session and free their blocks. The
         blocks the step takes must be free (``room``). Per session, the indices of those rows in
         its rows before the step."""
         pending = torch.cat([s.last_token for s in sessions])  # [live]
         handles = [h for s in sessions for h in s.kv]
-        logits = self.kv.step(handles, pending, logits_to_keep=1).logits[:, -1, :]  # [live, V]
+        with self.kv.stepping(handles, pending) as inputs, timed_forward(self.device):
+            logits = self.model(**inputs, logits_to_keep=1).logits[:, -1, :]  # [live, V]
         return self._advance(sessions, logits)
 
     @torch.inference_mode()

@@ -65,7 +65,180 @@ def default_pass_tokens(device: str | torch.device) -> int:
     return BATCH_TOKENS.get(torch.device(device).type, BATCH_TOKENS["cuda"])
 
 
-class RewardScorer:
+class _StreamingSessions:
+    """RewardScorer's streaming sessions (``open`` / ``extend`` / ``close``; see the module
+    docstring): each session's rows keep their reward-side KV in the scorer's block pool (``kv``),
+    a prompt's head once for its samples. It reads the scorer's ``streaming``, ``cache_bytes``,
+    ``device``, ``tokenizer``, ``model`` and counters, and its ``score``, ``encode`` and ``_batches``."""
+
+    @property
+    def kv(self) -> KVCache | None:
+        """The streaming sessions' block pool (pipeline.engines.kv_cache): ``cache_bytes`` of blocks of
+        STREAM_BLOCK_SIZE tokens over the base model, made at the first streamed row; None before,
+        and for a scorer that does not stream or keeps no cache."""
+        if self._kv is None and self.streaming and self.cache_bytes != 0:
+            self._kv = KVCache(self._base_model(), self.device, self.cache_bytes, STREAM_BLOCK_SIZE,
+                               counted_by=(self,), decode=False)
+            self._kv.open_rows(0)  # allocates the pool
+        return self._kv
+
+    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int,
+             columns: list[dict] | None = None) -> None:
+        """Start a session for rows ``prompt index * num_samples + sample`` (the generator's row ids)."""
+        if session in self.sessions:
+            raise ValueError(f"reward session {session} is already open")
+        self.sessions[session] = _StreamSession(prompts=list(prompts), num_samples=num_samples)
+
+    @torch.inference_mode()
+    def extend(self, session: str, rows: list[int], responses: list[str],
+               finished: list[bool] | None = None) -> list[float]:
+        """Scores of (prompt of row, response so far) for each row. Rows of the session not listed
+        here leave its cache. Equal to ``score`` on the same texts, to float tolerance."""
+        state = self._stream(session)
+        if len(rows) != len(responses):
+            raise ValueError(f"{len(rows)} rows but {len(responses)} responses")
+        prompts = [state.prompt_of(r) for r in rows]
+        self._release(state, [r for r in state.handles if r not in set(rows)])  # rejected and finished rows
+        before = self.tokens_read
+        self._calls += 1
+        state.last_call = self._calls
+        try:
+            return self._extend_rows(state, rows, prompts, responses, finished)
+        finally:
+            state.tokens_read += self.tokens_read - before
+
+    def _extend_rows(self, state: _StreamSession, rows: list[int], prompts: list[str],
+                     responses: list[str], finished: list[bool] | None = None) -> list[float]:
+        """The streaming scores of ``rows``. A cached row keeps the longest common prefix of its tokens
+        and the cache's, and reads the rest. An uncached row that goes on (not ``finished``) gets
+        blocks: its prompt's shared head (template + prompt: the common prefix of the prompt's new
+        rows' tokens) is read once and its whole blocks shared by those rows, as the generator's
+        prefill shares a prompt; each row then reads its own tokens. A finished row without a cache
+        is read in full without one (nothing will extend it again), and so is a row past the model's
+        context (cut from the left). Passes hold at most batch_size rows and batch_tokens tokens
+        (``_batches``). Where the pool lacks blocks, the sessions scored least recently give theirs
+        back first (their rows are read in full at their next score), then this call's own rows read
+        without a cache."""
+        kv = self.kv if self.streaming else None
+        if kv is None:
+            return self.score(prompts, responses)
+        token_ids = [self.encode(p, r) for p, r in zip(prompts, responses)]
+        done = set() if finished is None else {r for r, f in zip(rows, finished) if f and r not in state.handles}
+        full = [i for i, ids in enumerate(token_ids) if len(ids) > self.max_length or rows[i] in done]
+        self._release(state, [rows[i] for i in full])
+        full += self._admit(state, [i for i in range(len(rows)) if i not in set(full) and rows[i] not in state.handles],
+                            rows, token_ids)
+        scores: dict[int, float] = {}
+        cached = [i for i in range(len(rows)) if rows[i] in state.handles]
+        for group in self._batches([len(token_ids[i]) - self._kept(state, rows[i], token_ids[i]) for i in cached]):
+            picked = [cached[j] for j in group]
+            keep = [self._kept(state, rows[i], token_ids[i]) for i in picked]
+            handles = [state.handles[rows[i]] for i in picked]
+            chunks = [token_ids[i][k:] for i, k in zip(picked, keep)]
+            if not self._make_room(kv.blocks_to_extend(handles, keep, [len(c) for c in chunks]), state):
+                self._release(state, [rows[i] for i in picked])
+                full += picked
+                continue
+            kv.truncate(handles, keep)
+            with kv.feeding(handles, chunks, int(self.tokenizer.pad_token_id)) as inputs, \
+                    timed_forward(self.device):
+                out = self._base_model()(**inputs)
+            logits = self.model.score(out.last_hidden_state[:, -1])  # [B, 1]
+            self.tokens_read += sum(len(c) for c in chunks)
+            for i, v in zip(picked, logits[:, 0].float().tolist()):
+                state.ids[rows[i]] = token_ids[i]
+                scores[rows[i]] = float(v) if math.isfinite(v) else math.nan
+        if full:
+            full = sorted(set(full))
+            for i, v in zip(full, self.score([prompts[i] for i in full], [responses[i] for i in full])):
+                scores[rows[i]] = v
+            self.scored -= len(full)  # counted once, below
+        self.scored += len(rows)
+        return [scores[r] for r in rows]
+
+    @staticmethod
+    def _kept(state: _StreamSession, row: int, ids: list[int]) -> int:
+        """The cached tokens row ``row`` keeps: its common prefix with ``ids``, less one when nothing
+        is new (the last token is read again, where the score is read)."""
+        common = common_prefix(state.ids[row], ids)
+        return common - 1 if common == len(ids) else common
+
+    def _admit(self, state: _StreamSession, picked: list[int], rows: list[int], token_ids: list[list[int]]) -> list[int]:
+        """Blocks for the new rows ``picked`` (indexes into ``rows``): each prompt's head read once,
+        its whole blocks shared by all its new rows (``shared_heads``), every row left at least one
+        token to read; the heads are read in passes of ``_batches``. Returns the picked rows the
+        pool cannot hold (read in full)."""
+        kv = self.kv
+        prompts = [rows[i] // state.num_samples for i in picked]
+        heads = shared_heads([token_ids[i] for i in picked], prompts)
+        refused: list[int] = []
+        with_head = [p for p in sorted(heads) if heads[p]]
+        for batch_of in self._batches([len(heads[p]) for p in with_head]):
+            order = [with_head[j] for j in sorted(batch_of)]
+            members = [i for i, p in zip(picked, prompts) if p in order]
+            need = kv.blocks_for([len(heads[p]) for p in order], [prompts.count(p) for p in order]) + \
+                math.ceil(WATERMARK * kv.num_blocks)
+            if not self._make_room(need, state):
+                refused += members
+                continue
+            batch, _ = RowBatch.prefill(self._base_model(), [heads[p] for p in order],
+                                        int(self.tokenizer.pad_token_id), self.device, counted_by=(self,))
+            self.tokens_read += sum(len(heads[p]) for p in order)
+            handles = kv.admit(batch, [order.index(rows[i] // state.num_samples) for i in members])
+            if handles is None:  # _make_room counted the watermark; a pool of one block may still refuse
+                refused += members
+                continue
+            for i, handle in zip(members, handles):
+                state.handles[rows[i]], state.ids[rows[i]] = handle, heads[rows[i] // state.num_samples]
+        bare = [i for i, p in zip(picked, prompts) if not heads[p]]
+        for i, handle in zip(bare, kv.open_rows(len(bare))):
+            state.handles[rows[i]], state.ids[rows[i]] = handle, []
+        return refused
+
+    def _make_room(self, need: int, state: _StreamSession) -> bool:
+        """At least ``need`` free blocks, freed where needed from the other sessions' rows, those
+        scored least recently first (each read in full at its next score). False when even that
+        does not make room."""
+        kv = self.kv
+        kv.collect()
+        if need > kv.num_blocks:
+            return False
+        for other in sorted(self.sessions.values(), key=lambda s: s.last_call):
+            if kv.free_blocks >= need:
+                break
+            if other is not state and other.handles:
+                self.dropped_rows += len(other.handles)
+                self._release(other, list(other.handles))
+        return kv.free_blocks >= need
+
+    def _release(self, state: _StreamSession, rows: list[int]) -> None:
+        """Rows of ``state`` leave the pool."""
+        handles = [state.handles.pop(r) for r in rows if r in state.handles]
+        for r in rows:
+            state.ids.pop(r, None)
+        if handles:
+            self.kv.release(handles)
+            self.kv.collect()
+
+    def close(self, session: str) -> dict:
+        state = self.sessions.pop(session, None)
+        if state is not None:
+            self._release(state, list(state.handles))
+        trim_heap()
+        return {"tokens_read": state.tokens_read if state else 0}
+
+    def _stream(self, session: str) -> _StreamSession:
+        try:
+            return self.sessions[session]
+        except KeyError:
+            raise ValueError(f"unknown reward session {session}") from None
+
+    def _base_model(self):
+        """The reward model without its score head: the rows' hidden states are what it returns."""
+        return getattr(self.model, self.model.base_model_prefix)
+
+
+class RewardScorer(_StreamingSessions):
     """Scorer implementation (see pipeline.decoding.domain.Scorer)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", batch_size: int = 32,
@@ -187,173 +360,6 @@ class RewardScorer:
     def cached_bytes(self) -> int:
         """Bytes of reward-side KV the open sessions hold (a prompt's shared blocks once)."""
         return self.kv.held_bytes() if self.kv is not None else 0
-
-    # -- streaming sessions ------------------------------------------------------------------
-
-    @property
-    def kv(self) -> KVCache | None:
-        """The streaming sessions' block pool (pipeline.engines.kv_cache): ``cache_bytes`` of blocks of
-        STREAM_BLOCK_SIZE tokens over the base model, made at the first streamed row; None before,
-        and for a scorer that does not stream or keeps no cache."""
-        if self._kv is None and self.streaming and self.cache_bytes != 0:
-            self._kv = KVCache(self._base_model(), self.device, self.cache_bytes, STREAM_BLOCK_SIZE,
-                               counted_by=(self,), decode=False)
-            self._kv.open_rows(0)  # allocates the pool
-        return self._kv
-
-    def open(self, session: str, prompts: list[str | list[dict]], num_samples: int,
-             columns: list[dict] | None = None) -> None:
-        """Start a session for rows ``prompt index * num_samples + sample`` (the generator's row ids)."""
-        if session in self.sessions:
-            raise ValueError(f"reward session {session} is already open")
-        self.sessions[session] = _StreamSession(prompts=list(prompts), num_samples=num_samples)
-
-    @torch.inference_mode()
-    def extend(self, session: str, rows: list[int], responses: list[str],
-               finished: list[bool] | None = None) -> list[float]:
-        """Scores of (prompt of row, response so far) for each row. Rows of the session not listed
-        here leave its cache. Equal to ``score`` on the same texts, to float tolerance."""
-        state = self._stream(session)
-        if len(rows) != len(responses):
-            raise ValueError(f"{len(rows)} rows but {len(responses)} responses")
-        prompts = [state.prompt_of(r) for r in rows]
-        self._release(state, [r for r in state.handles if r not in set(rows)])  # rejected and finished rows
-        before = self.tokens_read
-        self._calls += 1
-        state.last_call = self._calls
-        try:
-            return self._extend_rows(state, rows, prompts, responses, finished)
-        finally:
-            state.tokens_read += self.tokens_read - before
-
-    def _extend_rows(self, state: _StreamSession, rows: list[int], prompts: list[str],
-                     responses: list[str], finished: list[bool] | None = None) -> list[float]:
-        """The streaming scores of ``rows``. A cached row keeps the longest common prefix of its tokens
-        and the cache's, and reads the rest. An uncached row that goes on (not ``finished``) gets
-        blocks: its prompt's shared head (template + prompt: the common prefix of the prompt's new
-        rows' tokens) is read once and its whole blocks shared by those rows, as the generator's
-        prefill shares a prompt; each row then reads its own tokens. A finished row without a cache
-        is read in full without one (nothing will extend it again), and so is a row past the model's
-        context (cut from the left). Passes hold at most batch_size rows and batch_tokens tokens
-        (``_batches``). Where the pool lacks blocks, the sessions scored least recently give theirs
-        back first (their rows are read in full at their next score), then this call's own rows read
-        without a cache."""
-        kv = self.kv if self.streaming else None
-        if kv is None:
-            return self.score(prompts, responses)
-        token_ids = [self.encode(p, r) for p, r in zip(prompts, responses)]
-        done = set() if finished is None else {r for r, f in zip(rows, finished) if f and r not in state.handles}
-        full = [i for i, ids in enumerate(token_ids) if len(ids) > self.max_length or rows[i] in done]
-        self._release(state, [rows[i] for i in full])
-        full += self._admit(state, [i for i in range(len(rows)) if i not in set(full) and rows[i] not in state.handles],
-                            rows, token_ids)
-        scores: dict[int, float] = {}
-        cached = [i for i in range(len(rows)) if rows[i] in state.handles]
-        for group in self._batches([len(token_ids[i]) - self._kept(state, rows[i], token_ids[i]) for i in cached]):
-            picked = [cached[j] for j in group]
-            keep = [self._kept(state, rows[i], token_ids[i]) for i in picked]
-            handles = [state.handles[rows[i]] for i in picked]
-            chunks = [token_ids[i][k:] for i, k in zip(picked, keep)]
-            if not self._make_room(kv.blocks_to_extend(handles, keep, [len(c) for c in chunks]), state):
-                self._release(state, [rows[i] for i in picked])
-                full += picked
-                continue
-            kv.truncate(handles, keep)
-            out = kv.feed(handles, chunks, int(self.tokenizer.pad_token_id))
-            logits = self.model.score(out.last_hidden_state[:, -1])  # [B, 1]
-            self.tokens_read += sum(len(c) for c in chunks)
-            for i, v in zip(picked, logits[:, 0].float().tolist()):
-                state.ids[rows[i]] = token_ids[i]
-                scores[rows[i]] = float(v) if math.isfinite(v) else math.nan
-        if full:
-            full = sorted(set(full))
-            for i, v in zip(full, self.score([prompts[i] for i in full], [responses[i] for i in full])):
-                scores[rows[i]] = v
-            self.scored -= len(full)  # counted once, below
-        self.scored += len(rows)
-        return [scores[r] for r in rows]
-
-    @staticmethod
-    def _kept(state: _StreamSession, row: int, ids: list[int]) -> int:
-        """The cached tokens row ``row`` keeps: its common prefix with ``ids``, less one when nothing
-        is new (the last token is read again, where the score is read)."""
-        common = common_prefix(state.ids[row], ids)
-        return common - 1 if common == len(ids) else common
-
-    def _admit(self, state: _StreamSession, picked: list[int], rows: list[int], token_ids: list[list[int]]) -> list[int]:
-        """Blocks for the new rows ``picked`` (indexes into ``rows``): each prompt's head read once,
-        its whole blocks shared by all its new rows (``shared_heads``), every row left at least one
-        token to read; the heads are read in passes of ``_batches``. Returns the picked rows the
-        pool cannot hold (read in full)."""
-        kv = self.kv
-        prompts = [rows[i] // state.num_samples for i in picked]
-        heads = shared_heads([token_ids[i] for i in picked], prompts)
-        refused: list[int] = []
-        with_head = [p for p in sorted(heads) if heads[p]]
-        for batch_of in self._batches([len(heads[p]) for p in with_head]):
-            order = [with_head[j] for j in sorted(batch_of)]
-            members = [i for i, p in zip(picked, prompts) if p in order]
-            need = kv.blocks_for([len(heads[p]) for p in order], [prompts.count(p) for p in order]) + \
-                math.ceil(WATERMARK * kv.num_blocks)
-            if not self._make_room(need, state):
-                refused += members
-                continue
-            batch, _ = RowBatch.prefill(self._base_model(), [heads[p] for p in order],
-                                        int(self.tokenizer.pad_token_id), self.device, counted_by=(self,))
-            self.tokens_read += sum(len(heads[p]) for p in order)
-            handles = kv.admit(batch, [order.index(rows[i] // state.num_samples) for i in members])
-            if handles is None:  # _make_room counted the watermark; a pool of one block may still refuse
-                refused += members
-                continue
-            for i, handle in zip(members, handles):
-                state.handles[rows[i]], state.ids[rows[i]] = handle, heads[rows[i] // state.num_samples]
-        bare = [i for i, p in zip(picked, prompts) if not heads[p]]
-        for i, handle in zip(bare, kv.open_rows(len(bare))):
-            state.handles[rows[i]], state.ids[rows[i]] = handle, []
-        return refused
-
-    def _make_room(self, need: int, state: _StreamSession) -> bool:
-        """At least ``need`` free blocks, freed where needed from the other sessions' rows, those
-        scored least recently first (each read in full at its next score). False when even that
-        does not make room."""
-        kv = self.kv
-        kv.collect()
-        if need > kv.num_blocks:
-            return False
-        for other in sorted(self.sessions.values(), key=lambda s: s.last_call):
-            if kv.free_blocks >= need:
-                break
-            if other is not state and other.handles:
-                self.dropped_rows += len(other.handles)
-                self._release(other, list(other.handles))
-        return kv.free_blocks >= need
-
-    def _release(self, state: _StreamSession, rows: list[int]) -> None:
-        """Rows of ``state`` leave the pool."""
-        handles = [state.handles.pop(r) for r in rows if r in state.handles]
-        for r in rows:
-            state.ids.pop(r, None)
-        if handles:
-            self.kv.release(handles)
-            self.kv.collect()
-
-    def close(self, session: str) -> dict:
-        state = self.sessions.pop(session, None)
-        if state is not None:
-            self._release(state, list(state.handles))
-        trim_heap()
-        return {"tokens_read": state.tokens_read if state else 0}
-
-    def _stream(self, session: str) -> _StreamSession:
-        try:
-            return self.sessions[session]
-        except KeyError:
-            raise ValueError(f"unknown reward session {session}") from None
-
-    def _base_model(self):
-        """The reward model without its score head: the rows' hidden states are what it returns."""
-        return getattr(self.model, self.model.base_model_prefix)
-
 
 def streams_exactly(model, tokenizer, device: torch.device) -> bool:
     """Whether ``model`` scores exactly when streamed (RewardScorer.streaming): a decoder whose score
