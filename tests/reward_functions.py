@@ -81,6 +81,16 @@ def none_partial(prompts, completions, partial=None, **columns):
     return _rewards(completions, partial, _none, real_score)
 
 
+def none_partial_high_final(prompts, completions, partial=None, **columns):
+    """None for every partial response, 1 + a real score for a final one (above any real score): a
+    checker that says nothing about prefixes and passes finished responses (issue 49, item 4)."""
+    return _rewards(completions, partial, _none, _high)
+
+
+def _high(text):
+    return 1.0 + real_score(text)
+
+
 def nan_partial(prompts, completions, partial=None, **columns):
     return _rewards(completions, partial, _nan, real_score)
 
@@ -126,8 +136,9 @@ def constant_always(prompts, completions, partial=None, **columns):
     return _rewards(completions, partial, _constant, _constant)
 
 
-FINAL_ALWAYS_FINITE = {"scored", "scored_again", "none_partial", "nan_partial", "inf_partial", "constant_partial",
-                       "none_partial_sometimes", "nan_partial_sometimes", "constant_final", "constant_always"}
+FINAL_ALWAYS_FINITE = {"scored", "scored_again", "none_partial", "none_partial_high_final", "nan_partial",
+                       "inf_partial", "constant_partial", "none_partial_sometimes", "nan_partial_sometimes",
+                       "constant_final", "constant_always"}
 """The functions whose final rewards are always finite: their builds quarantine nothing."""
 FINAL_NEVER_FINITE = {"none_final", "none_always"}
 """The functions whose final rewards are never finite: every finished candidate is quarantined."""

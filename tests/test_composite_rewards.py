@@ -19,11 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import config_from_dict
-from pipeline.decoding.domain import components_of
+from pipeline.decoding.domain import RowState, components_of, ranks_of
+from pipeline.decoding.speculative_rejection import (SpeculativeRejectionParams, _accepted, _record_rewards,
+                                                     rejection_cutoff)
 from pipeline.engines.rewards import CompositeScorer, FunctionScorer, RewardScorer, combine, load_rewards
 from pipeline.errors import ConfigError
 from tests import reward_functions
 from tests.conftest import GOOD_PROMPTS, write_jsonl
+from tests.test_decoding import FakeGenerator
 from tests.test_partial_rewards import function, sbon
 
 
@@ -44,7 +47,9 @@ score = st.one_of(finite, st.just(math.nan))
 def test_combine_sums_what_speaks_and_fails_a_final_with_any_component_missing(data):
     """Per response: finished -> sum_k w_k r_k when every r_k is finite, else NaN. Partial -> the sum
     over the components finite for every partial response of its group (prompt), NaN when none is.
-    A group's sums do not depend on the other groups in the call."""
+    The rank: a finished response's in a group with partial responses sums the same components as
+    theirs (NaN when none, or one it has no score for); every other response's is its score. A
+    group's sums and ranks do not depend on the other groups in the call."""
     n = data.draw(st.integers(1, 8))
     k = data.draw(st.integers(1, 3))
     parts = [data.draw(st.lists(score, min_size=n, max_size=n)) for _ in range(k)]
@@ -52,20 +57,25 @@ def test_combine_sums_what_speaks_and_fails_a_final_with_any_component_missing(d
     finished = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
     groups = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
     got = combine(parts, weights, finished, groups)
+    same = lambda a, b: (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b)  # noqa: E731
     for i in range(n):
+        members = [j for j in range(n) if groups[j] == groups[i] and not finished[j]]
+        speaking = [c for c in range(k) if all(math.isfinite(parts[c][j]) for j in members)]
+        by_speaking = (sum(weights[c] * parts[c][i] for c in speaking)
+                       if speaking and all(math.isfinite(parts[c][i]) for c in speaking) else math.nan)
         if finished[i]:
             ok = all(math.isfinite(p[i]) for p in parts)
             want = sum(w * p[i] for w, p in zip(weights, parts)) if ok else math.nan
+            rank = by_speaking if members else want
         else:
-            members = [j for j in range(n) if groups[j] == groups[i] and not finished[j]]
-            speaking = [c for c in range(k) if all(math.isfinite(parts[c][j]) for j in members)]
-            want = sum(weights[c] * parts[c][i] for c in speaking) if speaking else math.nan
-        assert (math.isnan(got[i]) and math.isnan(want)) or got[i] == pytest.approx(want)
+            want = rank = by_speaking
+        assert same(got[i], want) and same(got.ranks[i], rank)
         # The same response alone with its group gives the same sum.
         mine = [j for j in range(n) if groups[j] == groups[i]]
         alone = combine([[p[j] for j in mine] for p in parts], weights, [finished[j] for j in mine],
                         [groups[j] for j in mine])
         assert alone[mine.index(i)] == got[i] or (math.isnan(alone[mine.index(i)]) and math.isnan(got[i]))
+        assert same(alone.ranks[mine.index(i)], got.ranks[i])
 
 
 def test_two_functions_sum_with_their_weights_stateless_and_in_sessions():
@@ -86,14 +96,34 @@ def test_two_functions_sum_with_their_weights_stateless_and_in_sessions():
 
 def test_the_sum_comes_with_each_rewards_score_nan_where_it_was_left_out_and_survives_pickling():
     """combine's Scores: a partial response's component left out of its group's sum is NaN beside it,
-    a final's components are as given; pickled (as Ray sends it), the components come along."""
-    got = combine([[1.0, math.nan, 2.0], [3.0, 4.0, 5.0]], [1.0, 0.5], [False, False, True], [0, 0, 1])
-    assert list(got) == [1.5, 2.0, 4.5]
+    a final's components are as given; pickled (as Ray sends it), the components and ranks come along."""
+    got = combine([[1.0, math.nan, 2.0, 7.0], [3.0, 4.0, 5.0, 6.0]], [1.0, 0.5], [False, False, True, True],
+                  [0, 0, 1, 0])
+    assert list(got) == [1.5, 2.0, 4.5, 10.0]
+    assert got.ranks == [1.5, 2.0, 4.5, 3.0]  # the last ended beside group 0's partials: ranked on their reward
     back = pickle.loads(pickle.dumps(got))
-    assert list(back) == list(got)
+    assert list(back) == list(got) and back.ranks == got.ranks
     for components in (got.components, back.components):
-        assert [[None if math.isnan(v) else v for v in c] for c in components] == [[None, 3.0], [None, 4.0], [2.0, 5.0]]
+        assert [[None if math.isnan(v) else v for v in c] for c in components] == \
+            [[None, 3.0], [None, 4.0], [2.0, 5.0], [7.0, 6.0]]
     assert components_of([0.25, 1.0]) == [[0.25], [1.0]]  # one reward: its score is its one component
+    assert ranks_of([0.25, 1.0]) == [0.25, 1.0]  # and its rank
+
+
+def test_a_finished_response_is_ranked_on_what_its_groups_partial_responses_are_scored_on():
+    """Like with like (issue 49, item 4): a checker silent on prefixes (None) scores a finished
+    response 1; beside its prompt's partial responses that response ranks on the other reward alone,
+    while its score keeps both. A group with no partial response ranks by score; one whose partial
+    responses have no reward in common gives its finished responses no rank (NaN)."""
+    checker = [math.nan, math.nan, 1.0, 1.0, math.nan, 1.0]
+    model = [0.2, 0.6, 0.3, 0.9, math.nan, 0.5]
+    groups, finished = [0, 0, 0, 1, 2, 2], [False, False, True, True, False, True]
+    got = combine([checker, model], [1.0, 2.0], finished, groups)
+    assert got[:4] == pytest.approx([0.4, 1.2, 1.6, 2.8]) and got[5] == pytest.approx(2.0) and math.isnan(got[4])
+    assert got.ranks[:4] == pytest.approx([0.4, 1.2, 0.6, 2.8])  # row 2 as its group's partials; row 3 alone
+    assert math.isnan(got.ranks[4]) and math.isnan(got.ranks[5])  # group 2: no reward speaks for its partial
+    assert got.components[2] == [1.0, 0.3]  # the output's lists are the full ones
+    assert pickle.loads(pickle.dumps(got)).ranks[:4] == pytest.approx([0.4, 1.2, 0.6, 2.8])
 
 
 def test_load_rewards_gives_one_reward_its_own_scorer_and_several_a_composite():
@@ -129,6 +159,71 @@ def test_a_component_with_no_partial_score_leaves_the_decision_to_the_other(stre
             assert g.score == pytest.approx(w.score if g.stopped_early else 2 * w.score)
             stopped += g.stopped_early
     assert stopped  # rows were stopped: the decision was taken, on the other component
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_rows_that_ended_before_tau_are_ranked_on_the_rewards_the_live_rows_are(streaming):
+    """Issue 49, item 4: a checker silent on prefixes (None) that scores finished responses above
+    any prefix (none_partial_high_final), beside ``scored``; rows end before tau (EOS). At the
+    decision token the rows that ended early rank on ``scored`` alone, as the live rows do, so the
+    same rows stop as under ``scored`` alone (same seeds, same streams), and the finished rows'
+    scores are still the full sums. HEAD ranked the ended rows on their full sums (above 1) beside
+    the live rows' ``scored`` (below 1): they took the top of the quantile, and better live rows
+    were stopped than ``scored`` would stop (here in most prompts)."""
+    n, width, tau, alpha = 8, 8, 6, 0.5
+    def run(scorer):
+        return sbon(scorer, n_prompts=n, num_samples=width, generator=FakeGenerator(eos_rate=0.1), decision_token=tau,
+                    rejection_rate=alpha, streaming_rewards=streaming)
+
+    alone = run(function("scored"))
+    both = run(composite("none_partial_high_final", "scored"))
+    ended = mixed = 0
+    for got, want in zip(both, alone):
+        assert [c.stopped_early for c in got.candidates] == [c.stopped_early for c in want.candidates]
+        assert [c.token_ids for c in got.candidates] == [c.token_ids for c in want.candidates]
+        for c in got.candidates:
+            real = reward_functions.real_score(c.text)
+            if c.stopped_early:  # its partial reward at tau: ``scored``'s, the checker left out
+                assert c.score == pytest.approx(real) and math.isnan(c.components[0])
+            else:
+                assert c.completed and c.score == pytest.approx(1 + 2 * real) and c.components == [1 + real, real]
+        # What the mixed ranking (full sums of the rows that ended, partial sums of the live ones) would
+        # have kept: it differs from what ran in some prompts, so this case is not vacuous.
+        early = {c.sample for c in got.candidates if tau not in c.partials}
+        rank = {c.sample: c.score if c.sample in early else c.partials[tau] for c in got.candidates}
+        r_cut = rejection_cutoff(list(rank.values()), alpha)
+        live = set(rank) - early
+        floor = min(live, key=lambda s: (rank[s], s)) if live else None
+        went_on = {c.sample for c in got.candidates if c.completed} - early
+        mixed += went_on != {s for s in live if rank[s] >= r_cut or s == floor}
+        ended += len(early)
+    assert ended and mixed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_decision_keeps_the_rows_the_speaking_rewards_alone_keep(data):
+    """Over random values, with one reward silent on every partial response (any value, any size, on
+    a finished one): the live rows a composite keeps at a decision token are those the other rewards
+    alone, at the same weights, keep (Eq. 3 and 4, keep_lowest's floor, memory-budget mode)."""
+    n = data.draw(st.integers(1, 10))
+    finished = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    silent = [data.draw(score) if f else math.nan for f in finished]
+    k = data.draw(st.integers(1, 2))
+    speaking = [data.draw(st.lists(score, min_size=n, max_size=n)) for _ in range(k)]
+    weights = data.draw(st.lists(finite, min_size=k + 1, max_size=k + 1))
+    params = SpeculativeRejectionParams(decision_token=6, rejection_rate=data.draw(st.floats(0, 0.99)),
+                                        keep_lowest=data.draw(st.booleans()),
+                                        max_live_candidates=data.draw(st.one_of(st.none(), st.integers(1, n))))
+    rows = [RowState(i, [1] * (3 if f else 6), "", f) for i, f in enumerate(finished)]
+
+    def kept(scores) -> set[int]:
+        candidates = {}
+        by_prompt, rank = _record_rewards(candidates, rows, scores, n, 6)
+        return _accepted(candidates, by_prompt[0], rank, 0, params, {}) - {i for i in range(n) if finished[i]}
+
+    assert kept(combine([silent, *speaking], weights, finished, [0] * n)) == kept(
+        combine(speaking, weights[1:], finished, [0] * n))
 
 
 def test_a_component_missing_for_some_rows_is_left_out_for_their_whole_prompt():

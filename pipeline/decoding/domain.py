@@ -140,20 +140,34 @@ def check_open(open_sessions, session: str, prompts: list[list[int]], num_sample
 class Scores(list):
     """What a scorer of several rewards returns from ``score`` and ``extend``: the scores, a list of
     floats as any scorer returns, with ``components``, per response each reward's score from the same
-    call (pipeline.engines.rewards.CompositeScorer: NaN for a reward its sum left out). It crosses Ray
-    as itself (pickled, with its components). A scorer of one reward returns a plain list."""
+    call (pipeline.engines.rewards.CompositeScorer: NaN for a reward its sum left out), and ``ranks``,
+    per response the value a decision in this call ranks it by: its score, except for a finished
+    response whose prompt also has partial responses in the call, whose rank sums only the rewards
+    those partial responses' scores sum, so that a decision token compares like with like
+    (pipeline.engines.rewards.combine). It crosses Ray as itself (pickled, with its components and
+    ranks). A scorer of one reward returns a plain list."""
 
-    def __init__(self, scores: list[float], components: list[list[float]]):
+    def __init__(self, scores: list[float], components: list[list[float]], ranks: list[float] | None = None):
         super().__init__(scores)
         if len(components) != len(scores):
             raise ValueError(f"{len(components)} component lists for {len(scores)} scores")
+        if ranks is not None and len(ranks) != len(scores):
+            raise ValueError(f"{len(ranks)} ranks for {len(scores)} scores")
         self.components = [list(c) for c in components]
+        self.ranks = list(scores) if ranks is None else list(ranks)
 
 
 def components_of(scores: list[float]) -> list[list[float]]:
     """Per response, the scores ``scores`` sums: a Scores' components, else each score alone (one reward)."""
     components = getattr(scores, "components", None)
     return [list(c) for c in components] if components is not None else [[s] for s in scores]
+
+
+def ranks_of(scores: list[float]) -> list[float]:
+    """Per response, the value a decision in this call ranks it by: a Scores' ranks, else the scores
+    themselves (one reward: a finished response and a partial one are scored alike)."""
+    ranks = getattr(scores, "ranks", None)
+    return list(ranks) if ranks is not None else list(scores)
 
 
 class Scorer(Protocol):

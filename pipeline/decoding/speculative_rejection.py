@@ -32,6 +32,13 @@ memory budget's ranking), and is ranked again at the next decision token, if any
 early therefore always has a finite partial reward. Only a non-finite *final* reward fails a
 candidate (Candidate.failed; the build quarantines it).
 
+Composite rewards compare like with like: R_partial ranks a row that ended before tau on the rewards
+its prompt's partial responses are scored on there, not on its full weighted sum
+(pipeline.engines.rewards.combine, the scorer's Scores.ranks), so s in Eq. 2 to 4 is one function
+for every row of the prompt. A reward that says nothing about prefixes (None) yet scores finished
+responses high would otherwise lift r_cut by a term no live row can have. The row's score, what the
+output records, stays its full sum. With one reward the rank is the score.
+
 Extensions, each from the paper's sections 6.3 and 7:
 - Streaming partial rewards (``streaming_rewards``, on by default): when the scorer has sessions
   (protocols.StreamingScorer), the reward model keeps a KV cache per live row and each decision
@@ -67,7 +74,7 @@ from dataclasses import dataclass
 from pipeline.decoding.best_of_n import assemble, open_session, score_rows
 from pipeline.errors import ConfigError
 from pipeline.decoding.domain import (Candidate, Generator, PromptInput, PromptResult, RowState, Scorer,
-                                      components_of)
+                                      components_of, ranks_of)
 from pipeline.decoding.sampling import SamplingParams
 
 
@@ -195,7 +202,7 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     session = open_session(generator, prompts, width, sampling, seed)
     rewards = None
     candidates: dict[int, Candidate] = {}
-    previous: dict[int, float] = {}  # row -> partial reward at the previous decision token
+    previous: dict[int, float] = {}  # row -> its rank (partial reward) at the previous decision token
     continued: set[int] = set()  # rows that went on past the first decision token
     live = list(range(len(prompts) * width))  # rows still decoding
     try:
@@ -206,11 +213,11 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
             if not live:
                 break
             rows = generator.extend(session, until=tau, keep=live)  # Alg. 1 line 2
-            by_prompt = _record_rewards(candidates, rows, rewards(rows), width, tau)  # Eq. 2
+            by_prompt, rank = _record_rewards(candidates, rows, rewards(rows), width, tau)  # Eq. 2
             live = []
             for members in by_prompt.values():
-                kept = _accepted(candidates, members, point, params, previous)  # Eq. 3 and 4
-                live += _stop_rejected(candidates, members, kept, tau, previous)
+                kept = _accepted(candidates, members, rank, point, params, previous)  # Eq. 3 and 4
+                live += _stop_rejected(candidates, members, kept, tau, rank, previous)
             if point == 0:
                 continued = set(live)
         if live:  # Alg. 1 line 5: finish the accepted sequences
@@ -236,52 +243,60 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
 
 
 def _record_rewards(candidates: dict[int, Candidate], rows: list[RowState], scores: list[float], width: int,
-                    tau: int | None) -> dict[int, list[int]]:
+                    tau: int | None) -> tuple[dict[int, list[int]], dict[int, float]]:
     """Each row as its Candidate, with its reward and its rewards' scores (``components_of``): at
     decision token ``tau`` the partial reward s(Y_k^{<=tau_k}) (Eq. 2), kept in its partials unless the
     row finished; with ``tau`` None the final reward s(Y_k) of a finished row (Alg. 1 line 5; a row
     with no decision point before max_new_tokens has no partials: it is plain Best-of-N). Returns
-    the rows by prompt."""
+    the rows by prompt, and each row's rank at this call (``ranks_of``), what the decision compares:
+    its reward, except that a composite ranks a row that finished before ``tau`` on the rewards its
+    prompt's partial rewards sum (like with like; see the module docstring)."""
     by_prompt: dict[int, list[int]] = {}
-    for r, s, parts in zip(rows, scores, components_of(scores)):
+    rank: dict[int, float] = {}
+    for r, s, parts, ranked in zip(rows, scores, components_of(scores), ranks_of(scores)):
         partials = candidates[r.row].partials if r.row in candidates else {}
         if tau is not None and not r.finished:
             partials = {**partials, tau: s}
         candidates[r.row] = Candidate(sample=r.row % width, token_ids=r.token_ids, text=r.text, score=s,
                                       completed=True if tau is None else r.finished, partials=partials,
                                       components=parts)
+        rank[r.row] = ranked
         by_prompt.setdefault(r.row // width, []).append(r.row)
-    return by_prompt
+    return by_prompt, rank
 
 
-def _accepted(candidates: dict[int, Candidate], members: list[int], point: int,
+def _accepted(candidates: dict[int, Candidate], members: list[int], rank: dict[int, float], point: int,
               params: SpeculativeRejectionParams, previous: dict[int, float]) -> set[int]:
     """The rows of one prompt that go on past decision point ``point``: I_accepted (Eq. 4, with r_cut
     from Eq. 3, or from the adaptive fit after the first point), keep_lowest's floor and the rows
     with no signal at tau; at the first point in memory-budget mode, ``_budget_rows`` (section 6.3).
-    Non-finite partials (no signal) are left out of every cutoff by the helpers."""
-    partial = [candidates[m].score for m in members]
-    floor = _lowest_live(candidates, members) if params.keep_lowest else None
+    R_partial is the members' ``rank`` (a live row's partial reward; a row that ended before tau, on
+    the same rewards as the live ones: see ``_record_rewards``). Non-finite ranks (no signal) are left
+    out of every cutoff by the helpers."""
+    partial = [rank[m] for m in members]
+    floor = _lowest_live(candidates, members, rank) if params.keep_lowest else None
     if point == 0 and params.max_live_candidates is not None:  # section 6.3
-        return _budget_rows(candidates, members, params.max_live_candidates, floor)
+        return _budget_rows(candidates, members, rank, params.max_live_candidates, floor)
     r_cut = None
     if point > 0 and params.adaptive_rejection is not None:
         r_cut = adaptive_cutoff([previous.get(m, math.nan) for m in members], partial, params.adaptive_rejection)
     if r_cut is None:
         r_cut = rejection_cutoff(partial, params.rejection_rate)  # Eq. 3
     # Eq. 4, the rejected side's supply, and the rows with no signal at tau
-    return {m for m in members if candidates[m].score >= r_cut or m == floor or not _signalled(candidates[m])}
+    return {m for m in members if rank[m] >= r_cut or m == floor or not _signalled(rank[m])}
 
 
 def _stop_rejected(candidates: dict[int, Candidate], members: list[int], kept: set[int], tau: int,
-                   previous: dict[int, float]) -> list[int]:
+                   rank: dict[int, float], previous: dict[int, float]) -> list[int]:
     """One prompt's rows after decision token ``tau``: those not ``kept`` stop there, the kept ones
     that are still decoding go on (returned); a row that ended before tau is kept unchanged (a
-    non-finite final reward fails it). Each row's reward at tau goes to ``previous``."""
+    non-finite final reward fails it). Each row's rank at tau goes to ``previous``."""
     live = []
     for m in members:
         c = candidates[m]
-        previous[m] = c.score
+        # The rank, what the adaptive fit compares at the next point. For a live row it is its partial
+        # reward; a finished row's is never read again (it is no member of a later decision).
+        previous[m] = rank[m]
         if c.completed:
             continue
         if m in kept:
@@ -308,7 +323,8 @@ def _width(generator: Generator, prompts: list[PromptInput], params: Speculative
     return params.initial_candidates or num_samples
 
 
-def _budget_rows(candidates: dict[int, Candidate], members: list[int], budget: int, floor: int | None) -> set[int]:
+def _budget_rows(candidates: dict[int, Candidate], members: list[int], rank: dict[int, float], budget: int,
+                 floor: int | None) -> set[int]:
     """Memory-budget mode's survivors of the first decision token: ``budget`` live rows (or every
     live row when fewer), the best by partial reward (ties: lowest row). With keep_lowest (``floor``
     given) and a budget of two or more, the lowest-ranked live row takes the last slot, so the budget
@@ -322,8 +338,8 @@ def _budget_rows(candidates: dict[int, Candidate], members: list[int], budget: i
     paired, and with a budget under num_samples it would be returned with no reward at all), so the
     budget is exceeded at this decision token, by unscored rows only."""
     live = [m for m in members if not candidates[m].completed]
-    unscored = sorted(m for m in live if not _signalled(candidates[m]))
-    scored = sorted((m for m in live if _signalled(candidates[m])), key=lambda m: (-candidates[m].score, m))
+    unscored = sorted(m for m in live if not _signalled(rank[m]))
+    scored = sorted((m for m in live if _signalled(rank[m])), key=lambda m: (-rank[m], m))
     room = max(budget - len(unscored), 0)
     kept = scored[:room]
     if floor is not None and room >= 2 and floor not in kept:
@@ -331,17 +347,17 @@ def _budget_rows(candidates: dict[int, Candidate], members: list[int], budget: i
     return set(unscored) | set(kept)
 
 
-def _signalled(c: Candidate) -> bool:
-    """Whether a live row has a partial reward at its latest decision token (None, NaN and inf are
-    "no signal here", never a failure: see the module docstring)."""
-    return math.isfinite(c.score)
+def _signalled(rank: float) -> bool:
+    """Whether a live row's rank (its partial reward at this decision token) is a signal: None, NaN
+    and inf are "no signal here", never a failure (see the module docstring)."""
+    return math.isfinite(rank)
 
 
-def _lowest_live(candidates: dict[int, Candidate], members: list[int]) -> int | None:
-    """The live (not completed) row with the lowest finite partial reward; ties: lowest row. Rows
-    with no signal are left out: they go on anyway, and cannot be ranked lowest."""
-    live = [m for m in members if not candidates[m].completed and _signalled(candidates[m])]
-    return min(live, key=lambda m: (candidates[m].score, m)) if live else None
+def _lowest_live(candidates: dict[int, Candidate], members: list[int], rank: dict[int, float]) -> int | None:
+    """The live (not completed) row with the lowest finite partial reward (``rank``); ties: lowest
+    row. Rows with no signal are left out: they go on anyway, and cannot be ranked lowest."""
+    live = [m for m in members if not candidates[m].completed and _signalled(rank[m])]
+    return min(live, key=lambda m: (rank[m], m)) if live else None
 
 
 def _screen(prompts: list[PromptInput], num_samples: int, width: int, candidates: dict[int, Candidate],

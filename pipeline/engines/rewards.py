@@ -541,6 +541,12 @@ class CompositeScorer:
     says nothing about prefixes leaves the decision to the others, and a tie in one reward (IFEval's
     checker scores every prefix that has broken nothing alike) is broken by the others.
 
+    Like with like (``combine``'s ranks): a response that ended before a decision token is ranked
+    there beside its prompt's partial responses, on the rewards their sums use, not on its full sum;
+    else a reward silent on prefixes but high on finished responses would lift the cutoff (Eq. 3) by
+    a term no partial response can have, and the rows stopped would not be those its scoring rewards
+    rank lowest. Its score stays the full sum, which the output records.
+
     Sessions open one session per component, so a streaming reward model keeps its KV cache behind
     the composite as it does alone. ``score`` and ``extend`` return Scores: with each response's
     score, each reward's own from the same call (``combine``), which the candidates carry to the
@@ -613,9 +619,19 @@ def combine(parts: list[list[float]], weights: list[float], finished: list[bool]
     """The composite score of each response from its components' ``parts`` (one list per component):
     sum_k weights[k] * parts[k][i]. A finished response (``finished`` None: all are) needs every
     component finite (else NaN); partial responses of one group (a prompt) sum the components finite
-    for all of them (none: NaN). See CompositeScorer. Each response's components come with its score
-    (Scores): a final response's as its rewards gave them, a partial one's with NaN for each component
-    its group's sum left out, so a score is the weighted sum of its finite components."""
+    for all of them, the group's speaking components (none: NaN). See CompositeScorer. Each response's
+    components come with its score (Scores): a final response's as its rewards gave them, a partial
+    one's with NaN for each component its group's sum left out, so a score is the weighted sum of its
+    finite components.
+
+    Each response also gets its rank in this call (Scores.ranks), the value a decision compares: its score,
+    except for a finished response of a group that also has partial responses here, whose rank is
+    the weighted sum over that group's speaking components only (NaN when none speaks, or when one of
+    them has no score for it). Speculative rejection ranks a prompt's rows that ended before the
+    decision token beside its partial ones (the quantile r_cut, Eq. 3); a finished row's full sum
+    counts components the partial sums leave out (a checker silent on prefixes), which would set the
+    cutoff on a different scale from the rows it stops. Its score, the full sum, is what the output
+    records."""
     n = len(groups)
     finished = [True] * n if finished is None else finished
     if any(len(p) != n for p in parts) or len(finished) != n:
@@ -627,13 +643,23 @@ def combine(parts: list[list[float]], weights: list[float], finished: list[bool]
             partial.setdefault(groups[i], []).append(i)
         elif all(math.isfinite(p[i]) for p in parts):
             summed[i] = list(range(len(parts)))
-    for members in partial.values():
-        speaking = [k for k, p in enumerate(parts) if all(math.isfinite(p[i]) for i in members)]
+    speaks: dict[object, list[int]] = {}  # per group with partial responses, its speaking components
+    for group, members in partial.items():
+        speaks[group] = [k for k, p in enumerate(parts) if all(math.isfinite(p[i]) for i in members)]
         for i in members:
-            summed[i] = speaking
-    scores = [sum(weights[k] * parts[k][i] for k in ks) if ks else math.nan for i, ks in enumerate(summed)]
+            summed[i] = speaks[group]
+
+    def weighted(i: int, ks: list[int]) -> float:
+        return sum(weights[k] * parts[k][i] for k in ks) if ks else math.nan
+
+    scores = [weighted(i, ks) for i, ks in enumerate(summed)]
+    ranks = list(scores)
+    for i in range(n):
+        if finished[i] and groups[i] in speaks:  # like with like: the group's partial sums' components
+            ks = speaks[groups[i]]
+            ranks[i] = weighted(i, ks) if all(math.isfinite(parts[k][i]) for k in ks) else math.nan
     return Scores(scores, [[p[i] if finished[i] or k in summed[i] else math.nan for k, p in enumerate(parts)]
-                           for i in range(n)])
+                           for i in range(n)], ranks)
 
 
 def load_rewards(specs: list[str], weights: list[float] | None, load_model: Callable[[str], Any]):
