@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--layers", type=int, default=30,
+                        help="layers a KVCache.take copies (SmolLM2-135M: 30): the copy out of the pool that "
+                             "speculative decoding's rows make, timed against one step's attention over as many layers")
     parser.add_argument("--pool-blocks", type=int, default=0,
                         help="blocks in the pool (0: the rows' blocks plus 64); a build's pool is sized by its budget")
     parser.add_argument("--json", default=None)
@@ -79,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
                         attn_mask=valid, enable_gqa=True)
 
         results[f"gather {bs}-token blocks, then sdpa"] = _time(gathered_step, args.repeats)
+
+        def take(keys=keys, values=values, step=step):  # KVCache.take: every layer's keys and values, copied out
+            places, _ = step.places()
+            for _ in range(args.layers):
+                for tensor in (keys, values):
+                    tensor[0].index_select(1, places.reshape(-1)).view(hkv, n, -1, d).transpose(0, 1).contiguous()
+
+        results[f"KVCache.take of the rows, {args.layers} layers, {bs}-token blocks (once per speculative "
+                f"session)"] = _time(take, max(1, args.repeats // 2))
         kv_cache._static(keys, 2), kv_cache._static(values, 2)
         kv_cache.warm_up(keys, values, hq, bs)  # the engine's compiles: the pool static, the row count dynamic
         name = f"flex_attention compiled as the engine does (pool static, rows dynamic), {bs}-token blocks"
@@ -93,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results[f"{name} in place (max diff {error:.1e})"] = _time(paged, args.repeats)
     base = results["sdpa, contiguous K/V"]
+    take = [ms for name, ms in results.items() if name.startswith("KVCache.take")]
+    flex = [ms for name, ms in results.items() if name.startswith("flex_attention") and ms is not None]
+    if take and flex:
+        print(f"KVCache.take costs {take[-1] / (flex[-1] * args.layers):.1f} decode steps' attention "
+              f"({args.layers} layers of flex_attention)")
     print(f"{n} rows x {length} tokens, {hq}/{hkv} heads, dim {d}, {args.threads} thread(s), {device}")
     for name, ms in results.items():
         print(f"{name:<100} " + (f"{ms:>8.2f} ms  {ms / base:>5.2f}x" if ms is not None else "not built"))

@@ -19,6 +19,16 @@ from jobs.make_tiny_models import make_tiny_models
 setup_logging("INFO")
 # The weights-hash cache (pipeline.provenance.weights_cache_file) of this test run, not the user's.
 os.environ.setdefault("BON_CACHE_DIR", tempfile.mkdtemp(prefix="bon-cache-"))
+# The paged KV cache gathers its blocks for SDPA (pipeline.engines.kv_cache.KERNEL_ENV) in this run and
+# its Ray workers: each new pool shape would compile flex_attention three times (40 s for the first,
+# cold, on this CPU). The kernel's own tests turn it back on (``flex_kernel``).
+os.environ.setdefault("BON_KV_KERNEL", "gather")
+
+
+@pytest.fixture
+def flex_kernel(monkeypatch):
+    """The paged KV cache's steps through compiled flex_attention, as in a build."""
+    monkeypatch.delenv("BON_KV_KERNEL", raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -311,7 +311,7 @@ def test_models_cpu_prepack_reaches_every_actor(tiny_models, tmp_path):
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("block_size", [4, 16, 128])
-def test_kv_cache_steps_match_each_rows_own_batch(engine, monkeypatch, attention, block_size):
+def test_kv_cache_steps_match_each_rows_own_batch(engine, monkeypatch, attention, block_size, flex_kernel):
     """KVCache (issue 48): rows of different lengths admitted from two batches (one prompt's blocks
     shared by two samples), one released, the others stepped in any order across block edges: each
     row's logits are those of its own unpadded RowBatch, whatever the model's own attention

@@ -18,6 +18,12 @@ from pipeline.config import config_from_dict
 from pipeline.errors import ConfigError, KVBudgetError
 from pipeline.engines.rows import RowBatch
 
+@pytest.fixture(autouse=True)
+def _compiled_kernel(flex_kernel):
+    """Every test here steps its pools as a build does: compiled flex_attention (conftest turns it off
+    for the rest of the suite)."""
+
+
 TEXTS = ["Hi", "Describe how the blender works", "Tell me if the camera is good, and why, in two lines",
          "Write a review of the lamp " * 3]
 
@@ -302,19 +308,61 @@ def test_at_a_fixed_budget_memory_budget_sbon_starts_three_times_the_rows_best_o
 
 
 def test_where_flex_attention_cannot_compile_a_step_gathers_the_blocks_with_the_same_logits(engine, monkeypatch):
-    """The fallback (no compiler, or none for a dtype): each row's blocks gathered for SDPA; the
-    logits equal the compiled kernel's, the pool zeroed nowhere it was not before."""
+    """The fallback (no compiler, none for a pool's shape, or BON_KV_KERNEL=gather): each row's blocks
+    gathered for SDPA; the logits equal the compiled kernel's, the pool zeroed nowhere it was not
+    before."""
     prompts = [ids(engine, TEXTS[2]), ids(engine, "Hi")]
     batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
     out = {}
+    monkeypatch.setitem(kv_cache._kernel, "broken", set())
     for broken in (False, True):
-        monkeypatch.setitem(kv_cache._kernel, "broken", {(torch.float32, "cpu")} if broken else set())
+        if broken:
+            monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")
         kv = KVCache(engine.model, engine.device, memory=8 << 20, block_size=8)
         handles = kv.admit(batch, [0, 0, 1])
         for token in range(3, 12):
             logits = kv.step(handles, torch.full((3,), token), logits_to_keep=1).logits[:, -1]
         out[broken] = logits
     torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
+
+
+def test_a_pool_shape_that_fails_to_compile_gathers_alone(engine, monkeypatch, caplog):
+    """Inductor's CPU template builds some pool shapes and not others. A pool whose kernel fails to
+    build gathers its blocks (one warning naming its shape), and a pool of another shape in the same
+    process still runs the compiled kernel; the logits agree."""
+    prompts = [ids(engine, TEXTS[2]), ids(engine, "Hi")]
+    batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
+    monkeypatch.setitem(kv_cache._kernel, "broken", set())
+    torch._dynamo.reset()  # as a fresh process: what the file compiled before changes what inductor builds
+    compiled = kv_cache._flex()
+    calls = {"flex": 0}
+
+    def length(memory):  # a pool's length in tokens at this budget, read from one that compiles nothing
+        probe = KVCache(engine.model, engine.device, memory=memory, block_size=8, decode=False)
+        probe._allocate_for_model()
+        return probe.keys[0].shape[2]
+
+    failing = length(8 << 20)
+
+    def flaky(query, key, value, **kwargs):  # the first pool's shape fails to build, as a C++ compile error would
+        if key.shape[2] == failing:
+            raise RuntimeError("C++ compile error (simulated)")
+        calls["flex"] += 1
+        return compiled(query, key, value, **kwargs)
+
+    monkeypatch.setattr(kv_cache, "_flex", lambda: flaky)
+    shapes, out = [], []
+    for memory in (8 << 20, 6 << 20):
+        kv = KVCache(engine.model, engine.device, memory=memory, block_size=8)
+        handles = kv.admit(batch, [0, 0, 1])
+        shapes.append(kv.keys[0].shape[2])
+        for token in range(3, 12):
+            logits = kv.step(handles, torch.full((3,), token), logits_to_keep=1).logits[:, -1]
+        out.append(logits)
+    assert shapes[0] != shapes[1] and calls["flex"] > 0
+    assert len(kv_cache._kernel["broken"]) == 1
+    assert caplog.text.count("could not be compiled for a pool of") == 1
+    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-5)
 
 
 def test_past_the_recompile_limit_a_new_pool_gathers_its_blocks_with_the_same_logits(engine, monkeypatch, caplog):

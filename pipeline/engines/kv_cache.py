@@ -162,6 +162,16 @@ def trim_heap() -> bool:
 
 # -- attention over the blocks -------------------------------------------------------------------
 
+KERNEL_ENV = "BON_KV_KERNEL"
+"""Set to ``gather`` to make every pool gather its rows' blocks for SDPA rather than compile
+flex_attention (a diagnostic switch; the test suite sets it, and the tests of the kernel unset it:
+each new pool shape costs three compiles, seconds each on a CPU)."""
+
+
+def _gathers() -> bool:
+    return os.environ.get(KERNEL_ENV, "").strip().lower() == "gather"
+
+
 PAGED_ATTENTION = "bon_paged"
 """The attention implementation a step runs under (registered with transformers' AttentionInterface;
 no mask function, so transformers builds no mask and the step passes its BlockMask)."""
@@ -230,11 +240,14 @@ class StepAttention:
 
 def _attend(query, key, value, step: StepAttention, scale):
     """Compiled flex_attention over the blocks in place; for a chunked feed, or where it cannot be
-    compiled for this dtype and device (a warning says so, once), each row's blocks gathered, then
-    SDPA (a copy per layer)."""
-    kind = (query.dtype, query.device.type)
+    compiled for this pool's shape (a warning says so, once per shape), each row's blocks gathered,
+    then SDPA (a copy per layer)."""
+    # The pool's shape: inductor's CPU template builds some and not others (a C++ compile error for
+    # 64 blocks of 128 tokens of the tiny test model, none for 977 of SmolLM2's), so one shape that
+    # fails leaves the others compiled.
+    kind = (query.dtype, query.device.type, tuple(key.shape), step.block_size, query.shape[1])
     if step.queries is None and kind not in _kernel.setdefault("broken", set()) \
-            and not getattr(key, "bon_gather", False):
+            and not getattr(key, "bon_gather", False) and not _gathers():
         try:
             return _flex()(query, key, value, block_mask=step.mask, scale=scale, enable_gqa=True)
         except FailOnRecompileLimitHit:  # _flex() has dynamo raise it rather than run the kernel eagerly
@@ -245,8 +258,9 @@ def _attend(query, key, value, step: StepAttention, scale):
                             "process); a new pool's steps gather its blocks for SDPA instead (slower)")
         except Exception as exc:  # noqa: BLE001 - no compiler, or none for this dtype or device
             _kernel["broken"].add(kind)
-            log.warning("KV cache: flex_attention could not be compiled for %s on %s (%s); gathering each row's "
-                        "blocks for SDPA instead (slower)", query.dtype, query.device.type,
+            log.warning("KV cache: flex_attention could not be compiled for a pool of %d blocks of %d tokens "
+                        "(%s on %s: %s); gathering its rows' blocks for SDPA instead (slower)",
+                        key.shape[2] // step.block_size, step.block_size, query.dtype, query.device.type,
                         str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
     places, valid = step.places()
     keys = key[0][:, places].transpose(0, 1)  # [n, H, W, D]
@@ -432,7 +446,7 @@ class BlockPool:
         for tensor in self.keys + self.values:
             _static(tensor, 2)
         config = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
-        if self.decode:
+        if self.decode and not _gathers():
             warm_up(self.keys[0], self.values[0], config.num_attention_heads, bs)
         self.refs = np.zeros(self.num_blocks, dtype=np.int32)
         self._free = list(range(self.num_blocks))
