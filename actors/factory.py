@@ -131,8 +131,9 @@ class GeneratorHandle(_Handle):
     """A generator slot as the coordinator holds it (the Generator protocol)."""
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-             sampling: SamplingParams) -> None:
-        return self._work("open", session, prompts, num_samples, seeds, sampling)
+             sampling: SamplingParams, rewards: bool = False) -> None:
+        asked = {"rewards": True} if rewards else {}  # only when asked: see Generator.open
+        return self._work("open", session, prompts, num_samples, seeds, sampling, **asked)
 
     def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
         return self._work("extend", session, until=until, keep=keep)

@@ -71,9 +71,10 @@ class GeneratorActor:
                                       open_wait="waiting_for_rewards")
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-             sampling: SamplingParams, timing: CallTiming | None = None) -> None:
+             sampling: SamplingParams, timing: CallTiming | None = None, rewards: bool = False) -> None:
+        asked = {"rewards": True} if rewards else {}  # only when asked: see Generator.open
         with self._one_at_a_time, self.timeline.call(timing):
-            self.engine.open(session, prompts, num_samples, seeds, sampling)
+            self.engine.open(session, prompts, num_samples, seeds, sampling, **asked)
 
     def extend(self, session: str, until: int, keep: list[int] | None = None,
                timing: CallTiming | None = None) -> list[RowState]:

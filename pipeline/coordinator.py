@@ -107,10 +107,11 @@ class _CountedRows:
         self._sessions[session] = rows
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-             sampling: SamplingParams) -> None:
+             sampling: SamplingParams, rewards: bool = False) -> None:
         self._set(None, 0)
         self._set(session, len(seeds))
-        return self._generator.open(session, prompts, num_samples, seeds, sampling)
+        asked = {"rewards": True} if rewards else {}  # only when asked: see Generator.open
+        return self._generator.open(session, prompts, num_samples, seeds, sampling, **asked)
 
     def extend(self, session: str, until: int, keep: list[int] | None = None) -> list:
         if keep is not None:

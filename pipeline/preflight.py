@@ -34,6 +34,12 @@ class _ModelFiles:
     """The model-file readers the strategy registry's plan-time checks take (pipeline.strategies.ModelFiles)."""
 
     @staticmethod
+    def has_reward_channel(path: str) -> bool:
+        from pipeline.engines.reward_transformer import has_reward_channel
+
+        return has_reward_channel(path)
+
+    @staticmethod
     def has_trained_channel(path: str) -> bool:
         from pipeline.engines.reward_transformer import has_trained_channel
 

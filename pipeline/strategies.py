@@ -23,6 +23,7 @@ Which backends serve a strategy follows from what each backend declares it serve
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -31,10 +32,15 @@ from pipeline.decoding.model_side import model_side_strategy
 from pipeline.engines.backends import BACKENDS, SEARCH, SESSIONS
 from pipeline.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 
 class ModelFiles(Protocol):
     """What the plan-time checks read from model files, given by the caller (pipeline.preflight.MODEL_FILES):
     the registry itself imports no engine."""
+
+    def has_reward_channel(self, path: str) -> bool:
+        """A Reward Transformer directory (a reward channel, trained or not)."""
 
     def has_trained_channel(self, path: str) -> bool:
         """A Reward Transformer directory with a trained reward channel."""
@@ -91,6 +97,22 @@ def check_trained_channel(params: Any, models: Any, files: ModelFiles) -> None:
                           f"(python -m jobs.train_reward_transformer)")
 
 
+def check_partial_reward(params: Any, models: Any, files: ModelFiles) -> None:
+    """sbon's ``partial_reward: generator`` reads the generator's reward channel (self-speculative
+    rejection): refuse a generator without one, and warn when it is untrained (its partial rewards
+    then rank rows at random). The backend is checked with the params (``check_backend``)."""
+    path = models.generator
+    if params.partial_reward != "generator" or "://" in path:
+        return
+    if not files.has_reward_channel(path):
+        raise ConfigError(f"strategy.partial_reward: generator reads the generator's reward channel, but "
+                          f"models.generator {path!r} is no Reward Transformer; use partial_reward: scorer, or "
+                          f"train one with python -m jobs.train_reward_transformer")
+    if not files.has_trained_channel(path):
+        log.warning("strategy.partial_reward: generator: the reward channel of %r is untrained, so its partial "
+                    "rewards carry no signal; train it with python -m jobs.train_reward_transformer", path)
+
+
 def check_trigram_file(params: Any, models: Any, files: ModelFiles) -> None:
     """``strategy.trigram`` (aded, and dsbd without a draft model) must be a saved tri-gram matrix."""
     if params.trigram and "://" not in params.trigram:
@@ -105,7 +127,8 @@ STRATEGIES: dict[str, Strategy] = {m.name: m for m in (
            run=best_of_n.best_of_n),
     Strategy("sbon", speculative_rejection.SpeculativeRejectionParams,
            "speculative rejection: stop the lowest partial rewards at decision tokens",
-           run=speculative_rejection.speculative_rejection, aliases=("speculative_rejection",)),
+           run=speculative_rejection.speculative_rejection, aliases=("speculative_rejection",),
+           check_models=check_partial_reward),
     Strategy("ults", ults.ULTSParams, "uncertainty-guided likelihood-tree search (the num_samples best leaves)",
            search=ults.search),
     Strategy("aded", aded.ADEDParams, "Best-of-N sampling sped up by ADED drafts (distribution unchanged)",

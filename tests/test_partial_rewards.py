@@ -247,3 +247,180 @@ def test_issue_36_none_for_partials_builds_what_best_of_n_builds(tiny_models, tm
     assert sbon_manifest["generated_tokens"] == bon_manifest["generated_tokens"]
     assert sbon_manifest["bon_equivalent_tokens"] == bon_manifest["generated_tokens"]
     assert sbon_manifest["tokens_saved"] == 0
+
+
+# -- issue 49, item 3: self-speculative rejection (partial_reward: generator) ----------------------
+
+
+@pytest.fixture(scope="module")
+def rt_dir(tiny_models, tmp_path_factory):
+    """The tiny generator as a Reward Transformer with an untrained channel whose head is drawn at
+    random (seeded), so that its rewards spread and rank the rows."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from pipeline.engines.reward_transformer import RewardTransformer
+
+    rt = RewardTransformer.from_pretrained(str(tiny_models["generator"]), hidden_size=16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        rt.channel.head.weight.normal_()
+    path = tmp_path_factory.mktemp("rt") / "generator"
+    rt.save_pretrained(str(path), AutoTokenizer.from_pretrained(str(tiny_models["generator"])))
+    return path
+
+
+class CountingScorer:
+    """A reward model seen through ``score`` only, counting the rows it reads; its streaming session
+    methods fail the test if called (partials from the generator need none)."""
+
+    def __init__(self, inner):
+        self.inner, self.rows, self.finished = inner, 0, []
+
+    def score(self, prompts, responses, finished=None, columns=None):
+        self.rows += len(responses)
+        self.finished += list(finished if finished is not None else [True] * len(responses))
+        return self.inner.score(prompts, responses, finished=finished, columns=columns)
+
+    def open(self, *args, **kwargs):
+        raise AssertionError("a streaming reward session was opened")
+
+    extend = close = open
+
+
+class RecordingGenerator:
+    """An engine whose extends' rows and keeps are kept, in call order."""
+
+    def __init__(self, engine):
+        self.engine, self.extends = engine, []
+
+    def open(self, session, prompts, num_samples, seeds, sampling, rewards=False):
+        self.engine.open(session, prompts, num_samples, seeds, sampling, rewards=rewards)
+
+    def extend(self, session, until, keep=None):
+        rows = self.engine.extend(session, until, keep)
+        self.extends.append((until, keep, rows))
+        return rows
+
+    def close(self, session):
+        return self.engine.close(session)
+
+
+def channel_reward(rt, prompt: list[int], row) -> float:
+    """R' computed apart from the engine: the Reward Transformer over the prompt and the part of the
+    response the engine has read (all of it after EOS; all but the newest token otherwise)."""
+    import torch
+
+    read = row.token_ids if row.finished and len(row.token_ids) < T else row.token_ids[:-1]
+    ids = torch.tensor([prompt + read])
+    with torch.no_grad():
+        return float(rt.token_rewards(ids, torch.ones_like(ids))[0, -1])
+
+
+def test_generator_partials_rank_by_the_reward_channel_and_score_only_finished_rows(rt_dir, scorer):
+    """sbon with partial_reward: generator on a tiny Reward Transformer: the rows that go on past tau
+    are those the channel's rewards, computed apart, keep (Eq. 3-4 with keep_lowest); the reward model
+    reads only finished rows (those that ended by tau, then the final ones), never a streaming session;
+    every prompt ends with a chosen and a rejected complete response."""
+    from pipeline.decoding.domain import PromptInput
+    from pipeline.engines.hf import HFEngine
+    from pipeline.engines.reward_transformer import RewardTransformer
+
+    engine = HFEngine.from_pretrained(str(rt_dir))
+    rt = RewardTransformer.from_pretrained(str(rt_dir)).eval()
+    texts = GOOD_PROMPTS[:3]
+    inputs = [PromptInput(f"p{i}", t, t, engine.tokenizer(t).input_ids) for i, t in enumerate(texts)]
+    generator, counting = RecordingGenerator(engine), CountingScorer(scorer)
+    params = SpeculativeRejectionParams(decision_token=4, rejection_rate=0.5, partial_reward="generator")
+    n = 4
+    results = speculative_rejection(inputs, generator, counting, params, SAMPLING, n, seed=0)
+
+    (tau, _, at_tau), (_, keep, final) = generator.extends
+    assert tau == 4 and all(r.reward is not None for r in at_tau)
+    ranks = {}
+    for r in at_tau:
+        ranks[r.row] = channel_reward(rt, inputs[r.row // n].token_ids, r)
+        assert r.reward == pytest.approx(ranks[r.row], abs=1e-4)
+    expected = []
+    for i in range(len(inputs)):
+        members = [r for r in at_tau if r.row // n == i]
+        r_cut = rejection_cutoff([ranks[r.row] for r in members], 0.5)
+        live = [r.row for r in members if not r.finished]
+        lowest = min(live, key=lambda m: ranks[m]) if live else None
+        expected += [m for m in live if ranks[m] >= r_cut or m == lowest]
+    assert sorted(keep) == sorted(expected)
+    assert 0 < len(keep) < sum(not r.finished for r in at_tau)  # something was stopped
+    assert counting.rows == sum(r.finished for r in at_tau) + len(final)
+    assert all(counting.finished)
+    for result in results:
+        assert len(result.candidates) == n
+        assert sum(c.completed and not c.failed for c in result.candidates) >= 2
+        for c in result.candidates:
+            assert c.stopped_early == (c.stopped_at == tau)
+            if c.stopped_early:  # its score is the channel's partial reward; no reward model read it
+                assert c.components == [] and c.score == pytest.approx(c.partials[tau])
+
+
+def test_rewards_are_read_by_every_decoding_path_only_when_asked(rt_dir, engine):
+    """The prefill, the paged step and the RowBatch step each record R' at the last token read;
+    a session that did not ask reports None, and a model without a channel refuses to be asked."""
+    import torch
+
+    from pipeline.engines.hf import HFEngine
+    from pipeline.engines.reward_transformer import RewardTransformer
+
+    hf = HFEngine.from_pretrained(str(rt_dir))
+    rt = RewardTransformer.from_pretrained(str(rt_dir)).eval()
+    prompt = hf.tokenizer(GOOD_PROMPTS[0]).input_ids
+    sampling = SamplingParams(max_new_tokens=T)
+    hf.open("asked", [prompt], 3, [1, 2, 3], sampling, rewards=True)
+    hf.open("not", [prompt], 3, [1, 2, 3], sampling)
+    for until in (1, 5, T):  # 1: the prefill's rewards; then paged steps
+        rows = hf.extend("asked", until)
+        assert [r.reward for r in hf.extend("not", until)] == [None] * 3
+        for r in rows:
+            assert r.reward == pytest.approx(channel_reward(rt, prompt, r), abs=1e-4)
+    hf.close("asked"), hf.close("not")
+
+    runner = hf.runner  # the RowBatch path (model-side searches' sessions)
+    with torch.inference_mode():
+        state = runner.prefill([prompt], 3, [4, 5, 6], sampling, rewards=True)
+        runner.unpool(state)
+        state.until = 6
+        while not state.extended():
+            width = len(state.batch.next_position)
+            finished = set(runner.step(state.batch, [state], list(range(width)))[0])
+            state.batch.select([i for i in range(width) if i not in finished])
+    for r in runner.report(state, list(state.tokens)):
+        assert r.reward == pytest.approx(channel_reward(rt, prompt, r), abs=1e-4)
+    runner.release(state)
+
+    with pytest.raises(ValueError, match="no reward channel"):
+        engine.open("refused", [prompt], 1, [0], sampling, rewards=True)
+
+
+def test_partial_reward_generator_is_checked_at_plan_time(tiny_models, rt_dir, tmp_path, caplog):
+    """A bad value, a backend that reads no channel and a generator without one are refused, one
+    line naming strategy.partial_reward; an untrained channel is warned about."""
+    from pipeline.config import ConfigError, config_from_dict
+    from pipeline.preflight import check_models
+
+    def config(generator, **extra):
+        return config_from_dict({
+            "models": {"generator": str(generator), "reward": "tests.reward_functions:scored",
+                       **extra.pop("models", {})},
+            "strategy": {"name": "sbon", "decision_token": 4, **extra},
+            "data": {"prompts": str(tmp_path / "p.jsonl"), "output": str(tmp_path / "out")},
+        })
+
+    with pytest.raises(ConfigError, match=r"^strategy\.partial_reward: expected one of") as bad:
+        config(rt_dir, partial_reward="reward")
+    assert "\n" not in str(bad.value)
+    with pytest.raises(ConfigError, match=r"^strategy\.partial_reward: generator .* backend vllm"):
+        config(rt_dir, partial_reward="generator", models={"backend": "vllm"})
+    with pytest.raises(ConfigError, match=r"^strategy\.partial_reward: generator .* no Reward Transformer"):
+        check_models(config(tiny_models["generator"], partial_reward="generator"))
+    check_models(config(tiny_models["generator"]))  # the default reads models.reward: nothing to check
+    with caplog.at_level("WARNING"):
+        check_models(config(rt_dir, partial_reward="generator"))
+    assert "untrained" in caplog.text

@@ -20,10 +20,13 @@ class BestOfNParams:
 
 
 def open_session(generator: Generator, prompts: list[PromptInput], num_samples: int,
-                 sampling: SamplingParams, seed: int) -> str:
+                 sampling: SamplingParams, seed: int, rewards: bool = False) -> str:
+    """A new generator session over ``prompts``, one seed per row; ``rewards``: the rows come back
+    with the generator's own rewards (Generator.open), asked only when true."""
     session = uuid.uuid4().hex
     seeds = [row_seed(seed, p.prompt_id, s) for p in prompts for s in range(num_samples)]
-    generator.open(session, [p.token_ids for p in prompts], num_samples, seeds, sampling)
+    asked = {"rewards": True} if rewards else {}
+    generator.open(session, [p.token_ids for p in prompts], num_samples, seeds, sampling, **asked)
     return session
 
 

@@ -22,6 +22,12 @@ class RowState:
     """The decoded response so far, special tokens removed."""
     finished: bool
     """True once the row emitted EOS or reached max_new_tokens."""
+    reward: float | None = None
+    """The generator's own reward for the row so far, from a session opened with ``rewards=True``
+    on a Reward Transformer (SLA's reward channel, R'(x_{<=t}), read in the decoding pass): R' at
+    the last token the model has read, which is the prompt plus every response token but the newest
+    (the newest is sampled from that pass and read by the next). A row that ended with EOS has been
+    read whole, so its reward is R' of its full response. None: the session did not ask for it."""
 
 
 @dataclass
@@ -100,8 +106,11 @@ class Generator(Protocol):
     """A stateful batched decoder: a session holds the KV cache of its rows between calls."""
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-             sampling: SamplingParams) -> None:
-        """Prefill each prompt once and fan it out to num_samples rows, one seed per row."""
+             sampling: SamplingParams, rewards: bool = False) -> None:
+        """Prefill each prompt once and fan it out to num_samples rows, one seed per row.
+        ``rewards``: report each row's RowState.reward, the generator's own reward channel read in
+        the same forward passes; an engine whose model has no channel refuses it (ValueError).
+        Callers pass it only when true, so generators without the keyword serve everything else."""
 
     def extend(self, session: str, until: int, keep: list[int] | None = None) -> list[RowState]:
         """Drop rows not in ``keep`` (from the batch and the KV cache), then decode the rest until

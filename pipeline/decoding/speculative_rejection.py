@@ -39,6 +39,20 @@ for every row of the prompt. A reward that says nothing about prefixes (None) ye
 responses high would otherwise lift r_cut by a term no live row can have. The row's score, what the
 output records, stays its full sum. With one reward the rank is the score.
 
+Self-speculative rejection (``partial_reward: generator``): when the generator is a Reward Transformer
+("Streaming Looking Ahead with Token-level Self-reward", Zhang et al., 2025, section 4.2, Eq. 13-16),
+its reward channel predicts the final reward R'(x_{<=t}) at every token, in the decoding pass itself.
+Then s in Eq. 2 to 4 is that channel: a row's partial reward r(Y^{<=tau}) at a decision token is the
+generator's RowState.reward, R' at the last token the generator has read (the prompt plus the row's
+response but its newest token, sampled from that same pass; Alg. 1's Y^{<=tau} less one token), and
+a row that ended before tau ranks on R' of its whole response (the engine has read it whole), so the
+cutoff compares one function across the prompt's rows. No live row reaches the reward model before
+the end: models.reward scores only the rows that finished by a decision token (their score, what the
+output records) and the final responses, by stateless ``score`` calls (no streaming session). A row
+stopped at tau has the channel's reward as its score and no reward-model components. The generator
+must be a Reward Transformer on a backend that reads its channel (pipeline.strategies checks both at
+plan time).
+
 Extensions, each from the paper's sections 6.3 and 7:
 - Streaming partial rewards (``streaming_rewards``, on by default): when the scorer has sessions
   (protocols.StreamingScorer), the reward model keeps a KV cache per live row and each decision
@@ -74,8 +88,12 @@ from dataclasses import dataclass
 from pipeline.decoding.best_of_n import assemble, open_session, score_rows
 from pipeline.errors import ConfigError
 from pipeline.decoding.domain import (Candidate, Generator, PromptInput, PromptResult, RowState, Scorer,
-                                      components_of, ranks_of)
+                                      Scores, components_of, ranks_of)
 from pipeline.decoding.sampling import SamplingParams
+
+
+PARTIAL_REWARDS = ("scorer", "generator")
+"""``partial_reward``'s values: the reward model (models.reward), or the generator's reward channel."""
 
 
 @dataclass
@@ -94,6 +112,10 @@ class SpeculativeRejectionParams:
     """z > 0 turns on prompt-dependent stopping from the second decision token on (see above)."""
     streaming_rewards: bool = True
     """Score partial responses through the scorer's streaming sessions when it has them."""
+    partial_reward: str = "scorer"
+    """Where the partial rewards at decision tokens come from: ``scorer``, models.reward (Eq. 2 as
+    written); ``generator``, the generator's own reward channel, read in the decoding passes (a
+    Reward Transformer, see above): the reward model then scores only finished rows."""
     keep_lowest: bool = True
     """Also finish each prompt's lowest-ranked live candidate at every decision token, so that a
     complete low-reward response exists for the pair's rejected side (data.rejected: complete):
@@ -119,6 +141,9 @@ class SpeculativeRejectionParams:
                 and self.max_live_candidates > self.initial_candidates):
             raise ConfigError(f"strategy.max_live_candidates: {self.max_live_candidates} is more than "
                               f"initial_candidates {self.initial_candidates}")
+        if self.partial_reward not in PARTIAL_REWARDS:
+            raise ConfigError(f"strategy.partial_reward: expected one of {list(PARTIAL_REWARDS)}, "
+                              f"got {self.partial_reward!r}")
         if self.adaptive_rejection is not None and not self.adaptive_rejection > 0:
             raise ConfigError(f"strategy.adaptive_rejection: expected z > 0, got {self.adaptive_rejection}")
 
@@ -134,6 +159,9 @@ class SpeculativeRejectionParams:
         if self.initial_candidates == "auto" and not backend.kv_capacity:
             raise ConfigError(f"strategy.initial_candidates: auto sizes the first batch by the generator's KV "
                               f"blocks; backend {backend.name} has none to read, so give a number")
+        if self.partial_reward == "generator" and not backend.reward_channel:
+            raise ConfigError(f"strategy.partial_reward: generator reads the generator's reward channel while "
+                              f"decoding; backend {backend.name} reads none, so use models.backend: hf")
 
     @property
     def decision_tokens(self) -> list[int]:
@@ -169,12 +197,17 @@ def adaptive_cutoff(previous: list[float], current: list[float], z: float) -> fl
 
 class _Rewards:
     """Partial and final rewards for one batch: through a streaming session when the scorer has
-    one (only new tokens are read), else by full re-scoring."""
+    one (only new tokens are read), else by full re-scoring. With ``from_generator`` (``partial_reward:
+    generator``) the partial rewards are the generator's own (``partial``) and the scorer, stateless,
+    scores finished rows only."""
 
-    def __init__(self, scorer: Scorer, prompts: list[PromptInput], rows_per_prompt: int, streaming: bool):
+    def __init__(self, scorer: Scorer, prompts: list[PromptInput], rows_per_prompt: int, streaming: bool,
+                 from_generator: bool = False):
         self.scorer, self.prompts, self.rows_per_prompt = scorer, prompts, rows_per_prompt
+        self.from_generator = from_generator
         self.session = None
-        if streaming and all(callable(getattr(scorer, m, None)) for m in ("open", "extend", "close")):
+        sessions = all(callable(getattr(scorer, m, None)) for m in ("open", "extend", "close"))
+        if streaming and sessions and not from_generator:  # the generator's partials need no session
             self.session = f"reward-{uuid.uuid4().hex}"
             scorer.open(self.session, [p.reward_input for p in prompts], rows_per_prompt,
                         columns=[p.columns for p in prompts])
@@ -184,6 +217,24 @@ class _Rewards:
             return score_rows(self.scorer, self.prompts, self.rows_per_prompt, rows)
         return self.scorer.extend(self.session, [r.row for r in rows], [r.text for r in rows],
                                   finished=[r.finished for r in rows])
+
+    def partial(self, rows: list[RowState]) -> list[float]:
+        """The rewards at a decision token. From the scorer: as ``__call__``. From the generator: a
+        live row's score and rank are its RowState.reward (R' of its prefix), and its components are
+        empty (no reward model read it); a finished row's score and components are the scorer's and
+        its rank is its RowState.reward (the channel compares the prompt's rows on one function)."""
+        if not self.from_generator:
+            return self(rows)
+        missing = [r.row for r in rows if r.reward is None]
+        if missing:
+            raise ValueError(f"partial_reward generator: the generator reported no reward for rows {missing[:5]} "
+                             "(it needs a Reward Transformer on the HF backend)")
+        done = [r for r in rows if r.finished]
+        scored = self(done)
+        final = {r.row: (s, c) for r, s, c in zip(done, scored, components_of(scored))}
+        scores = [final[r.row][0] if r.finished else r.reward for r in rows]
+        components = [final[r.row][1] if r.finished else [] for r in rows]
+        return Scores(scores, components, ranks=[r.reward for r in rows])
 
     def close(self) -> None:
         if self.session is not None:
@@ -199,7 +250,8 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     width = _width(generator, prompts, params, num_samples, points)  # rows started per prompt
     if width < num_samples:
         raise ValueError(f"initial_candidates ({width}) must be at least num_samples ({num_samples})")
-    session = open_session(generator, prompts, width, sampling, seed)
+    from_generator = params.partial_reward == "generator" and bool(points)
+    session = open_session(generator, prompts, width, sampling, seed, rewards=from_generator)
     rewards = None
     candidates: dict[int, Candidate] = {}
     previous: dict[int, float] = {}  # row -> its rank (partial reward) at the previous decision token
@@ -208,12 +260,12 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     try:
         # Inside the try: a reward session that fails to open (its actor died) must not leak the
         # generator's prefilled batch.
-        rewards = _Rewards(scorer, prompts, width, params.streaming_rewards)
+        rewards = _Rewards(scorer, prompts, width, params.streaming_rewards, from_generator)
         for point, tau in enumerate(points):
             if not live:
                 break
             rows = generator.extend(session, until=tau, keep=live)  # Alg. 1 line 2
-            by_prompt, rank = _record_rewards(candidates, rows, rewards(rows), width, tau)  # Eq. 2
+            by_prompt, rank = _record_rewards(candidates, rows, rewards.partial(rows), width, tau)  # Eq. 2
             live = []
             for members in by_prompt.values():
                 kept = _accepted(candidates, members, rank, point, params, previous)  # Eq. 3 and 4

@@ -132,6 +132,10 @@ class Backend:
     kv_capacity: bool = False
     """Its generator engine answers Generator.capacity (the rows its paged KV pool holds), which
     memory-budget speculative rejection's ``initial_candidates: auto`` reads."""
+    reward_channel: bool = False
+    """Its generator engine reads a Reward Transformer generator's reward channel in its decoding
+    passes (Generator.open ``rewards``; RowState.reward), which speculative rejection's
+    ``partial_reward: generator`` ranks by."""
     spans_gpus: bool = False
     """Its engine may span several GPUs inside one actor (tensor/pipeline parallel), so the actor asks
     Ray for as many (actors.factory.actor_resources)."""
@@ -175,7 +179,7 @@ def _vllm_engine_keys() -> set[str] | None:
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("hf", "Hugging Face transformers: every strategy, KV rows of the step loop",
             frozenset({SESSIONS, SEARCH}), "pipeline.engines.hf:HFEngine", "pipeline.engines.rewards:RewardScorer",
-            sliding_window=False, kv_capacity=True),
+            sliding_window=False, kv_capacity=True, reward_channel=True),
     Backend("vllm", "vLLM: continuous batching and paged attention; coordinator-side strategies",
             frozenset({SESSIONS}), "pipeline.engines.vllm_engine:VLLMEngine",
             "pipeline.engines.vllm_reward:VLLMRewardScorer", settings="vllm", engine_keys=_vllm_engine_keys,

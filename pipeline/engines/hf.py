@@ -191,10 +191,12 @@ class HFEngine:
     # -- Generator protocol ----------------------------------------------------------------
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-             sampling: SamplingParams) -> None:
+             sampling: SamplingParams, rewards: bool = False) -> None:
+        """See Generator.open; ``rewards`` (a Reward Transformer only): every pass over the session's
+        rows also reads the reward channel (ModelRunner.prefill)."""
         with self._lock:
             check_open(self.sessions, session, prompts, num_samples, seeds)
-        state = self.loop.between_steps(lambda: self.runner.prefill(prompts, num_samples, seeds, sampling))
+        state = self.loop.between_steps(lambda: self.runner.prefill(prompts, num_samples, seeds, sampling, rewards))
         with self._lock:
             check_open(self.sessions, session, prompts, num_samples, seeds)  # a concurrent open of the same id
             self.sessions[session] = state

@@ -46,6 +46,7 @@ from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
 from pipeline.decoding.tree import TokenTree
 from pipeline.engines.backends import parse_memory
 from pipeline.engines.kv_cache import KVCache, bound_heap, trim_heap
+from pipeline.engines.reward_transformer import RewardTransformer
 from pipeline.engines.rows import RowBatch, timed_forward
 
 
@@ -89,6 +90,11 @@ class Session:
     whose KV each live row starts from, aligned with ``rows``; the admission writes each prompt's
     whole blocks once and shares them (``KVCache.admit``), so the fanned-out copy is never made.
     None: ``batch`` holds one row per live row."""
+    rewards: dict[int, float] | None = None
+    """Row id -> the model's reward channel at the last token it read for the row (RowState.reward),
+    kept by every pass that reads the rows (prefill, steps; a speculative step clears it, see
+    ``speculative_step``); None: the session did not ask (``prefill``'s ``rewards``), and no pass
+    computes it."""
     preempted: bool = False
     """The rows' blocks were taken back for others (``ModelRunner.preempt``); their KV is recomputed
     from their tokens when they are admitted again."""
@@ -213,20 +219,30 @@ class ModelRunner(_Residency):
         """The sessions' KV from their admission (pipeline.engines.kv_cache)."""
         self.resident: list[Session] = []
         """Sessions holding blocks, in admission order (the newest is preempted first)."""
+        self.reads_rewards = isinstance(self.model, RewardTransformer)
+        """The model has a reward channel that a session may ask its passes to read (``prefill``)."""
 
     # -- a session's rows --------------------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], num_samples: int, seeds: list[int],
-                sampling: SamplingParams) -> Session:
+                sampling: SamplingParams, rewards: bool = False) -> Session:
         """A new session: each prompt prefilled once, its rows' first tokens sampled; each prompt's
-        KV is written into the KV cache when the rows are admitted, shared by its samples."""
+        KV is written into the KV cache when the rows are admitted, shared by its samples.
+        ``rewards``: the session's passes also read the Reward Transformer's channel
+        (``Session.rewards``); ValueError when the model has none."""
+        if rewards and not self.reads_rewards:
+            raise ValueError(f"HF engine: rewards asked of {type(self.model).__name__}, which has no reward "
+                             "channel (a Reward Transformer generator has one)")
         batch, out = RowBatch.prefill(self.model, prompts, self.pad_id, self.device, counted_by=(self,),
-                                      logits_to_keep=1)  # once per prompt
+                                      logits_to_keep=1, **_with_rewards(rewards))  # once per prompt
         state = Session(sampling=sampling, batch=batch, rows=list(range(len(seeds))),
                         streams=RowStreams.seeded(seeds, self.device),
                         tokens={r: [] for r in range(len(seeds))}, forward_passes=1, prompts=prompts,
-                        num_samples=num_samples, fan=[r // num_samples for r in range(len(seeds))])
+                        num_samples=num_samples, fan=[r // num_samples for r in range(len(seeds))],
+                        rewards={} if rewards else None)
+        if rewards:  # R' at each prompt's last token, shared by its samples
+            _keep_rewards([state], out.rewards[:, -1].repeat_interleave(num_samples, 0))
         finished = self._sample(state, out.logits[:, -1, :].repeat_interleave(num_samples, 0))  # [R, V]
         if finished:
             self._select(state, _without(len(state.rows), finished))
@@ -247,8 +263,9 @@ class ModelRunner(_Residency):
 
     def report(self, state: Session, reported: list[int]) -> list[RowState]:
         decode = self.tokenizer.batch_decode([state.tokens[r] for r in reported], skip_special_tokens=True)
-        return [RowState(row=r, token_ids=list(state.tokens[r]), text=text, finished=r in state.finished)
-                for r, text in zip(reported, decode)]
+        rewards = state.rewards if state.rewards is not None else {}
+        return [RowState(row=r, token_ids=list(state.tokens[r]), text=text, finished=r in state.finished,
+                         reward=rewards.get(r)) for r, text in zip(reported, decode)]
 
     # -- decoding ----------------------------------------------------------------------------
 
@@ -261,9 +278,11 @@ class ModelRunner(_Residency):
         its rows before the step."""
         pending = torch.cat([s.last_token for s in sessions])  # [live]
         handles = [h for s in sessions for h in s.kv]
+        asked = any(s.rewards is not None for s in sessions)
         with self.kv.stepping(handles, pending) as inputs, timed_forward(self.device):
-            logits = self.model(**inputs, logits_to_keep=1).logits[:, -1, :]  # [live, V]
-        return self._advance(sessions, logits)
+            out = self.model(**inputs, logits_to_keep=1, **_with_rewards(asked))
+        _keep_rewards(sessions, out.rewards[:, -1] if asked else None)  # [live]
+        return self._advance(sessions, out.logits[:, -1, :])  # logits [live, V]
 
     @torch.inference_mode()
     def step(self, batch: RowBatch, sessions: list[Session], live: list[int]) -> list[list[int]]:
@@ -281,9 +300,12 @@ class ModelRunner(_Residency):
         else:
             index = torch.tensor(live, dtype=torch.long, device=pending.device)
             tokens = torch.zeros(width, dtype=pending.dtype, device=pending.device).index_copy_(0, index, pending)
-        logits = batch.feed(tokens[:, None], logits_to_keep=1).logits[:, -1, :]  # [width, V]
+        asked = any(s.rewards is not None for s in sessions)
+        out = batch.feed(tokens[:, None], logits_to_keep=1, **_with_rewards(asked))
+        logits, rewards = out.logits[:, -1, :], out.rewards[:, -1] if asked else None  # [width, V], [width]
         if len(live) < width:
-            logits = logits[index]  # [live, V]
+            logits, rewards = logits[index], None if rewards is None else rewards[index]  # [live, V], [live]
+        _keep_rewards(sessions, rewards)
         return self._advance(sessions, logits)
 
     def _advance(self, sessions: list[Session], logits: torch.Tensor) -> list[list[int]]:
@@ -357,6 +379,8 @@ class ModelRunner(_Residency):
             kept.append(len(accepted) + 1)  # the root (the old pending token) and the accepted drafts
             last.append(token)
         state.streams.advance(draws)
+        if state.rewards is not None:  # the verification pass reads no channel: no reward is current
+            state.rewards.clear()
         state.batch.commit_prefixes(kept)
         state.last_token = torch.tensor(last, dtype=state.last_token.dtype, device=state.last_token.device)
         if done:
@@ -421,3 +445,22 @@ def _without(count: int, dropped: list[int]) -> list[int]:
     """The positions 0 .. count - 1 not in ``dropped``."""
     gone = set(dropped)
     return [i for i in range(count) if i not in gone]
+
+
+def _with_rewards(asked: bool) -> dict:
+    """The model keywords of a pass that reads the reward channel when ``asked``; none otherwise,
+    so a pass no session asked of costs what a bare model's does."""
+    return {"with_rewards": True} if asked else {}
+
+
+def _keep_rewards(sessions: list[Session], rewards: torch.Tensor | None) -> None:
+    """Record rewards [live] (the sessions' live rows one after another, before the pass's tokens are
+    sampled) as each asking session's rows' latest reward; one read from the device."""
+    if rewards is None:
+        return
+    values = rewards.float().tolist()
+    offset = 0
+    for state in sessions:
+        if state.rewards is not None:
+            state.rewards.update(zip(state.rows, values[offset:offset + len(state.rows)]))
+        offset += len(state.rows)

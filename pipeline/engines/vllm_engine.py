@@ -183,7 +183,11 @@ class VLLMEngine:
         return cls(llm, tokenizer, eos, VLLMSamplingParams)
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-             sampling: SamplingParams) -> None:
+             sampling: SamplingParams, rewards: bool = False) -> None:
+        """See Generator.open. ``rewards`` is refused: vLLM reads no reward channel (the plan refuses
+        ``strategy.partial_reward: generator`` on this backend first)."""
+        if rewards:
+            raise ValueError("vLLM engine: no reward channel to read (Generator.open rewards=True)")
         check_open(self.sessions, session, prompts, num_samples, seeds)
         rows = {r: _Row(prompt=list(prompts[r // num_samples]), seed=s) for r, s in enumerate(seeds)}
         self.sessions[session] = _Session(sampling=sampling, rows=rows, live=set(rows), num_samples=num_samples)
@@ -292,10 +296,10 @@ class ContinuousVLLMEngine(VLLMEngine):
         self._thread: threading.Thread | None = None
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
-             sampling: SamplingParams) -> None:
+             sampling: SamplingParams, rewards: bool = False) -> None:
         with self._cond:
             self._check_running()
-            super().open(session, prompts, num_samples, seeds, sampling)
+            super().open(session, prompts, num_samples, seeds, sampling, rewards)
             state = self.sessions[session]
             with self._engine_lock:
                 for r, row in state.rows.items():
