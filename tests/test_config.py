@@ -15,7 +15,8 @@ def test_demo_config_loads_with_overrides():
     flat = cfg.to_dict()
     assert flat["strategy"] == {"name": "sbon", "decision_token": 16, "rejection_rate": 0.7,
                                 "initial_candidates": None, "max_live_candidates": None,
-                                "adaptive_rejection": None, "streaming_rewards": True, "keep_lowest": True}
+                                "adaptive_rejection": None, "streaming_rewards": True, "keep_lowest": True,
+                                "partial_reward": "scorer"}
 
 
 @pytest.mark.parametrize("raw, key", [
