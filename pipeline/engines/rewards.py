@@ -8,18 +8,20 @@ as failed; for a partial one it is no signal at that decision token.
 
 Two ways to score:
 - ``score(prompts, responses)``: stateless, every call reads prompt and response in full.
-- Streaming sessions, mirroring the generator's (``open`` / ``extend`` / ``close``): a session
-  holds a reward-side KV cache per candidate row, and ``extend`` feeds only the tokens that are
-  new since the row was last scored, so a partial reward at a decision token costs one chunk,
-  not a re-read (the paper's "multiple decision tokens" direction, section 7: decoder reward
-  models can keep a KV cache). Rows not passed to ``extend`` leave the cache at once.
+- Streaming sessions, mirroring the generator's (``open`` / ``extend`` / ``close``): a session's
+  rows keep their reward-side KV in the scorer's block pool (pipeline.engines.kv_cache, blocks of
+  STREAM_BLOCK_SIZE tokens, runtime.reward_cache_mb; a prompt's head read once and its whole blocks
+  shared by its samples), and ``extend`` feeds only the tokens that are new since the row was last
+  scored, so a partial reward at a decision token costs one chunk, not a re-read (the paper's
+  "multiple decision tokens" direction, section 7: decoder reward models can keep a KV cache).
+  Rows not passed to ``extend`` give their blocks back at once.
   Encoder reward models (and any model whose incremental scores do not match full re-scoring,
   checked once at load) fall back to full re-scoring inside the same API.
 
 How a row stays exact: the row's formatted text (template head + response + template tail) is
 tokenized in full at every call; the longest common prefix with the tokens already cached is
-kept, the cached positions after it are masked out (a BPE merge across the old boundary, or the
-template tail of the previous call), and only the rest is fed, at its true position ids. The
+kept, the cached tokens after it are cut off (``KVCache.truncate``: a BPE merge across the old
+boundary, or the template tail of the previous call), and only the rest is fed, at its true position ids. The
 score is read at the last token, as full re-scoring reads it, so the two agree to float
 tolerance (tests/test_rewards.py).
 
