@@ -132,9 +132,10 @@ class _StreamingSessions:
                             rows, token_ids)
         scores: dict[int, float] = {}
         cached = [i for i in range(len(rows)) if rows[i] in state.handles]
-        for group in self._batches([len(token_ids[i]) - self._kept(state, rows[i], token_ids[i]) for i in cached]):
+        kept = {i: self._kept(state, rows[i], token_ids[i]) for i in cached}  # the tokens each row's blocks keep
+        for group in self._batches([len(token_ids[i]) - kept[i] for i in cached]):
             picked = [cached[j] for j in group]
-            keep = [self._kept(state, rows[i], token_ids[i]) for i in picked]
+            keep = [kept[i] for i in picked]
             handles = [state.handles[rows[i]] for i in picked]
             chunks = [token_ids[i][k:] for i, k in zip(picked, keep)]
             if not self._make_room(kv.blocks_to_extend(handles, keep, [len(c) for c in chunks]), state):
