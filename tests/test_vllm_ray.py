@@ -122,6 +122,13 @@ def test_a_vllm_build_through_ray_actors_equals_the_in_process_build(cluster, ti
             [[r[k] for k in REJECT_COLUMNS] for r in expected["rejects"]]
         if strategy == "best_of_n":
             assert manifest["generated_tokens"] == expected["manifest"]["generated_tokens"]
-    # Speculative rejection stopped rows early, so it decoded fewer tokens than Best-of-N.
-    assert remote["sbon"]["manifest"]["generated_tokens"] < remote["best_of_n"]["manifest"]["generated_tokens"]
+    # Speculative rejection stopped rows early, and a stopped row is a prefix of Best-of-N's request
+    # for it, so no prompt cost more tokens than under Best-of-N. How many fewer depends on how far
+    # the rows ran while the reward actor scored them: with 16 tokens a row can finish first (the
+    # last CI run decoded 369 tokens under both). tests/test_vllm_engine.py asserts the strict
+    # saving on a stand-in engine whose steps take a known time.
     assert any(p["stopped_early"] for p in remote["sbon"]["pairs"])
+    bon_tokens = {p["source_row"]: p["generated_tokens"] for p in remote["best_of_n"]["pairs"]}
+    for p in remote["sbon"]["pairs"]:
+        assert p["generated_tokens"] <= bon_tokens.get(p["source_row"], 4 * 16), p["source_row"]
+    assert remote["sbon"]["manifest"]["generated_tokens"] <= remote["best_of_n"]["manifest"]["generated_tokens"]
