@@ -2,7 +2,7 @@
 
     python -m benchmarks.hf_throughput --generator DIR [--rows 128] [--max-new-tokens 128] [--repeats 3] [--threads 2]
     python -m benchmarks.hf_throughput --generator DIR --compare-prepack [--repeats 3]
-    python -m benchmarks.hf_throughput --generator DIR --compare-attention [--device cuda --dtype bfloat16]
+    python -m benchmarks.hf_throughput --generator DIR --compare-attention [--paths sdpa,sdpa+gather] [--device cuda --dtype bfloat16]
     python -m benchmarks.hf_throughput --generator DIR --compare-dtype [--repeats 3]
 
 Each repeat opens one session of --rows rows (a fixed set of chat prompts, chat template applied,
@@ -22,7 +22,10 @@ off / on.
 ``--compare-attention``: the same measurement under each attention path (ATTENTION: sdpa as
 PyTorch dispatches it, eager, and sdpa with its kernel pinned to math, flash, efficient or cuDNN),
 one engine per implementation in one process, repeats alternating; a kernel the device lacks is
-reported, not measured. This is how the attention default was chosen (docs/benchmarks.md,
+reported, not measured. The paths change the prefills; every decoding step reads the KV cache's
+blocks with its own kernel, and ``sdpa+gather`` measures the other decode kernel (each row's blocks
+gathered, then SDPA: the fallback, ``BON_KV_KERNEL=gather``) against the default (compiled
+flex_attention over the blocks in place). This is how the defaults were chosen (docs/benchmarks.md,
 "Attention").
 
 ``--compare-dtype``: the same measurement in float32 (prepacked, the engine's CPU default) and in
@@ -32,7 +35,9 @@ bfloat16, one engine each in one process, repeats alternating: what ``jobs.fetch
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import statistics
 import sys
 import time
@@ -43,6 +48,7 @@ import transformers
 from benchmarks import bench_parser, model_dirs, parse, write_json
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
+from pipeline.engines.kv_cache import KERNEL_ENV
 
 PROMPTS = [
     "Write a short birthday message for a coworker.",
@@ -165,24 +171,45 @@ def compare_dtype(model_dir: str, rows: int, tokens: int, repeats: int, threads:
                 for dtype in dtypes}}
 
 
-ATTENTION = ("sdpa", "eager", "sdpa:math", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn")
+ATTENTION = ("sdpa", "sdpa+gather", "eager", "sdpa:math", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn")
 """The attention paths ``--compare-attention`` measures: transformers' sdpa with PyTorch's own
-choice of kernel, eager, and sdpa with its kernel pinned (``torch.nn.attention.sdpa_kernel``); a
-kernel this device or these shapes lack is reported as an error, not measured."""
+choice of kernel, the same with the decode steps gathering the blocks (``+gather``), eager, and
+sdpa with its kernel pinned (``torch.nn.attention.sdpa_kernel``); a kernel this device or these
+shapes lack is reported as an error, not measured."""
+
+
+@contextlib.contextmanager
+def decode_kernel(gather: bool):
+    """The KV cache's decode kernel for the block: the blocks gathered for SDPA (``gather``), or
+    the default (compiled flex_attention in place). pipeline.engines.kv_cache reads KERNEL_ENV at
+    every layer's call."""
+    before = os.environ.get(KERNEL_ENV)
+    if gather:
+        os.environ[KERNEL_ENV] = "gather"
+    else:
+        os.environ.pop(KERNEL_ENV, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(KERNEL_ENV, None)
+        else:
+            os.environ[KERNEL_ENV] = before
 
 
 def compare_attention(model_dir: str, rows: int, tokens: int, repeats: int, threads: int,
                       device: str = "cpu", dtype: str = "float32", paths: tuple[str, ...] = ATTENTION) -> dict:
     """The engine's decoding throughput under each attention path, in one process, repeats
     alternating. Since the paged KV cache (pipeline.engines.kv_cache) every decoding step reads its
-    blocks with compiled flex_attention whatever the model's implementation, so the paths differ in
-    the prefills only; benchmarks.paged_attention compares the decode kernels themselves."""
+    blocks with its own kernel whatever the model's implementation, so the paths differ in the
+    prefills, except ``+gather``, the other decode kernel; benchmarks.paged_attention compares the
+    decode kernels alone, one layer's call."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.set_num_threads(threads)
     engines = {name: HFEngine.from_pretrained(model_dir, device=device, dtype=dtype,
                                               load={"attn_implementation": name})
-               for name in sorted({p.split(":")[0] for p in paths})}
+               for name in sorted({p.split(":")[0].split("+")[0] for p in paths})}
     prompts = chat_prompts(next(iter(engines.values())).tokenizer, rows)
     result = {"model": model_dir, "transformers": transformers.__version__, "torch": torch.__version__,
               "device": device, "dtype": dtype, "rows": rows, "tokens": tokens, "threads": threads}
@@ -190,11 +217,13 @@ def compare_attention(model_dir: str, rows: int, tokens: int, repeats: int, thre
     errors: dict[str, str] = {}
 
     def rate(path: str, length: int = tokens) -> float:
+        path, gather, _ = path.partition("+gather")
         base, _, kernel = path.partition(":")
         engine = engines[base]
         if not kernel:
-            return _rate(engine, prompts, rows, length)
-        with sdpa_kernel([getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+            with decode_kernel(bool(gather)):
+                return _rate(engine, prompts, rows, length)
+        with decode_kernel(False), sdpa_kernel([getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                                                "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[kernel])]):
             return _rate(engine, prompts, rows, length)
 
@@ -224,16 +253,22 @@ def main(argv=None) -> int:
                         help="the engine's throughput under eager, sdpa and sdpa with each kernel pinned")
     parser.add_argument("--compare-dtype", action="store_true",
                         help="float32 (prepacked) and bfloat16 on CPU side by side")
+    parser.add_argument("--paths", default=",".join(ATTENTION),
+                        help="--compare-attention's paths, comma-separated (default: all of them)")
     parser.add_argument("--device", default="cpu", help="--compare-attention's device (cpu, cuda)")
     parser.add_argument("--dtype", default="float32", help="--compare-attention's dtype")
     args = parse(parser, argv)
     model = model_dirs(args.models, ("generator",), generator=args.generator)["generator"]
     if args.compare_attention:
+        paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+        unknown = sorted(set(paths) - set(ATTENTION))
+        if unknown:
+            parser.error(f"--paths: unknown {', '.join(unknown)} (known: {', '.join(ATTENTION)})")
         result = compare_attention(model, args.rows, args.max_new_tokens, args.repeats, args.threads,
-                                   args.device, args.dtype)
-        best = max((p for p in ATTENTION if "median_tokens_per_s" in result[p]),
+                                   args.device, args.dtype, paths)
+        best = max((p for p in paths if "median_tokens_per_s" in result[p]),
                    key=lambda p: result[p]["median_tokens_per_s"])
-        for path in ATTENTION:
+        for path in paths:
             r = result[path]
             line = (f"{r['median_tokens_per_s']:.1f} tokens/s {r['tokens_per_s']}, "
                     f"{r['median_tokens_per_s'] / result[best]['median_tokens_per_s']:.2f}x the fastest"

@@ -274,3 +274,23 @@ def test_the_dtype_benchmark_decodes_with_one_engine_per_dtype(tiny_models, caps
     result = hf_throughput.compare_dtype(str(tiny_models["generator"]), 2, 4, 1, 1)
     bf16 = result["bfloat16"]["median_tokens_per_s"] / result["float32"]["median_tokens_per_s"]
     assert result["throughput_ratio_over_float32"] == {"float32": 1.0, "bfloat16": pytest.approx(bf16, abs=5e-3)}
+
+
+def test_the_attention_benchmark_measures_the_gather_decode_kernel_beside_the_default(tiny_models, monkeypatch):
+    """benchmarks.hf_throughput --compare-attention: ``sdpa+gather`` decodes on the sdpa engine with
+    the KV cache's blocks gathered (BON_KV_KERNEL=gather), every other path with the default kernel;
+    the setting the caller had is back afterwards."""
+    from benchmarks import hf_throughput
+    from pipeline.engines import kv_cache
+
+    monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")  # as the test suite runs; the default path must unset it
+    seen = []
+    monkeypatch.setattr(hf_throughput, "_rate", lambda engine, *a: seen.append(
+        (engine.model.config._attn_implementation, kv_cache._gathers())) or 1.0)
+    result = hf_throughput.compare_attention(str(tiny_models["generator"]), 2, 4, 1, 1,
+                                             paths=("sdpa", "sdpa+gather", "eager"))
+    assert seen == [("sdpa", False), ("sdpa", True), ("eager", False)] * 2  # warm-up, then one repeat
+    assert all(result[p]["median_tokens_per_s"] == 1.0 for p in ("sdpa", "sdpa+gather", "eager"))
+    assert kv_cache._gathers()
+    with hf_throughput.decode_kernel(False):
+        assert not kv_cache._gathers()
