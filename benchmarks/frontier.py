@@ -3,12 +3,14 @@ completions (issue 49): the paper's own comparison (reward reached against compu
 same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(L - tau)).
 
     python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [--sizes 8,16,32] \
-        [--taus 16,32,64] [--alphas 0.5,0.75,0.9] [--level instruction] [--json OUT.json] [--plot OUT.png]
+        [--taus 16,32,64] [--alphas 0.5,0.75,0.9] [--level instruction] [--weights 0,1] [--json OUT.json] [--plot OUT.png]
 
 The input is jobs.counterfactual's JSON (``bon-counterfactual ... --output DIR``): per prompt, N_max
 completions with their lengths, the combined reward at each decision token and at the end, and the
 judge's verdicts (IFEval strict, per instruction). Nothing is sampled here; every point is replayed on
-those same completions:
+those same completions (--weights: under another combination of the collection's rewards, e.g. the
+reward model alone, whose choices IFEval judges without circularity when the other reward is IFEval's
+own checker):
 
 - Best-of-K for K = 1..N_max, as an exact expectation over the K-subsets: the completion ranked r-th
   by final reward (ties: the lower index, as pair selection breaks them) is Best-of-K's choice in
@@ -67,17 +69,35 @@ class Point:
     final: np.ndarray
 
 
-def load(path: str) -> tuple[list[Prompt], dict]:
-    """The prompts of a counterfactual JSON that the judge saw; one line and exit 2 otherwise."""
+def load(path: str, weights: list[float] | None = None) -> tuple[list[Prompt], dict]:
+    """The prompts of a counterfactual JSON that the judge saw; one line and exit 2 otherwise.
+    ``weights``: one per reward of the collection, its rewards combined anew as a build combines
+    them (jobs.counterfactual.Collected.rewards); None: the collection's own combination."""
     try:
         data = json.loads(Path(path).read_text())
-        prompts = [Prompt(PromptRewards(c["lengths"], c["final"], {int(t): v for t, v in c["partial"].items()}),
-                          c["judged"]) for c in data["completions"] if c.get("judged")]
+        specs = data["reward"] if isinstance(data.get("reward"), list) else [data.get("reward")]
+        if weights is not None and len(weights) != len(specs):
+            fail(f"{path}: --weights has {len(weights)} weights for its {len(specs)} rewards ({', '.join(map(str, specs))})")
+        prompts = [Prompt(_rewards(c, specs, weights), c["judged"]) for c in data["completions"] if c.get("judged")]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         fail(f"{path}: not a counterfactual JSON with completions ({type(exc).__name__}: {exc})")
     if not prompts:
         fail(f"{path}: no prompt has the judge's verdicts (the prompts need IFEval's columns)")
     return prompts, data
+
+
+def _rewards(completions: dict, specs: list, weights: list[float] | None) -> PromptRewards:
+    """One prompt's rewards: as collected (``weights`` None), or each reward's own values combined by ``weights``."""
+    if weights is None:
+        return PromptRewards(completions["lengths"], completions["final"],
+                             {int(t): v for t, v in completions["partial"].items()})
+    from jobs.counterfactual import Collected
+
+    per = [completions["rewards"][spec] for spec in specs]
+    taus = [int(t) for t in per[0]["partial"]]
+    return Collected(lengths=completions["lengths"], final=[r["final"] for r in per],
+                     partial={t: [r["partial"][str(t)] for r in per] for t in taus},
+                     ended={t: completions["ended"][str(t)] for t in taus}).rewards(weights)
 
 
 def _order(rewards: PromptRewards) -> list[int]:
@@ -220,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reward-cost", type=float, default=1.0, help="seconds (or units) per reward token read")
     parser.add_argument("--subsets", type=int, default=200, help="random N-subsets per prompt below N_max")
     parser.add_argument("--bootstrap", type=int, default=1000, help="resamples of the prompts for the intervals")
+    parser.add_argument("--weights", default="",
+                        help="one weight per reward of the collection, W,W,...: its rewards combined anew (e.g. 0,1: "
+                             "the second reward alone); default: the collection's --reward-weights")
     args = parse(parser, argv)
-    prompts, data = load(args.counterfactual)
+    prompts, data = load(args.counterfactual, _floats(args.weights) or None)
     n_max = min(len(p.rewards.final) for p in prompts)
     taus = [int(t) for t in _floats(args.taus)] or data.get("taus") or sorted(prompts[0].rewards.partial)
     missing = [t for t in taus if any(t not in p.rewards.partial for p in prompts)]
@@ -231,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                       _floats(args.alphas) or data.get("alphas") or [0.75], args.level,
                       (args.generator_cost, args.reward_cost), args.subsets, args.bootstrap, args.seed)
     report(result, args.level)
-    write_json(args.json, {"counterfactual": args.counterfactual, **result}, args)
+    write_json(args.json, {"counterfactual": args.counterfactual,
+                           "reward_weights": _floats(args.weights) or data.get("reward_weights"), **result}, args)
     write_png(args.plot, draw(result, args.level))
     return 0
 

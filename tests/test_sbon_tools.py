@@ -331,3 +331,38 @@ def test_frontier_cli_writes_json_and_png_and_refuses_bad_input(tmp_path, capsys
     with pytest.raises(SystemExit) as exit_:
         main(["--counterfactual", str(path), "--taus", "32"])
     assert exit_.value.code == 2 and "no partial rewards at tau [32]" in capsys.readouterr().err
+
+
+def test_frontier_weights_recombine_the_collections_own_rewards(tmp_path, capsys):
+    """--weights 0,1 replays the second reward alone: the same frontier as a collection whose
+    combined rewards were that reward's; a weight count that does not match refuses in one line."""
+    from benchmarks.frontier import main
+
+    first, second = _frontier_prompts(3, n=6), _frontier_prompts(4, n=6)
+    taus = sorted(first[0].rewards.partial)
+
+    def entry(p, q, combined):
+        return {"lengths": p.rewards.lengths, "final": combined.rewards.final,
+                "partial": {str(t): v for t, v in combined.rewards.partial.items()}, "judged": p.judged,
+                "ended": {str(t): [False] * 6 for t in taus},
+                "rewards": {spec: {"final": r.rewards.final, "partial": {str(t): v for t, v in r.rewards.partial.items()}}
+                            for spec, r in (("a", p), ("b", q))}}
+
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"reward": ["a", "b"], "reward_weights": [1, 1], "taus": taus, "alphas": [0.5],
+                                "completions": [entry(p, q, p) for p, q in zip(first, second)]}))
+    alone = tmp_path / "alone.json"
+    alone.write_text(json.dumps({"reward": ["a", "b"], "taus": taus, "alphas": [0.5],
+                                 "completions": [entry(p, q, q) for p, q in zip(first, second)]}))
+    for name, argv in (("weighted", [str(both), "--weights", "0,1"]), ("alone", [str(alone)]),
+                       ("collected", [str(both)])):
+        assert main(["--counterfactual", *argv, "--bootstrap", "10", "--json", str(tmp_path / f"{name}.json")]) == 0
+    result = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("weighted", "alone", "collected")}
+    for key in ("best_of_k", "sbon"):
+        assert result["weighted"][key] == result["alone"][key]
+    assert result["weighted"]["reward_weights"] == [0.0, 1.0]
+    assert result["weighted"]["best_of_k"] != result["collected"]["best_of_k"]  # the first reward's own frontier differs
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--counterfactual", str(both), "--weights", "1"])
+    assert exit_.value.code == 2 and "--weights has 1 weights for its 2 rewards (a, b)" in capsys.readouterr().err
