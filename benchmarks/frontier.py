@@ -2,7 +2,7 @@
 completions (issue 49): the paper's own comparison (reward reached against compute spent), not the
 same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(L - tau)).
 
-    python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [--sizes 8,16,32] \
+    python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [DIR2/counterfactual.json ...] [--sizes 8,16,32] \
         [--taus 16,32,64] [--alphas 0.5,0.75,0.9] [--level instruction] [--weights 0,1] [--json OUT.json] [--plot OUT.png]
 
 The input is jobs.counterfactual's JSON (``bon-counterfactual ... --output DIR``): per prompt, N_max
@@ -84,6 +84,23 @@ def load(path: str, weights: list[float] | None = None) -> tuple[list[Prompt], d
     if not prompts:
         fail(f"{path}: no prompt has the judge's verdicts (the prompts need IFEval's columns)")
     return prompts, data
+
+
+SAME = ("generator", "reward", "reward_weights", "taus", "max_new_tokens", "num_samples")
+"""What the collections replayed together must share."""
+
+
+def load_all(paths: list[str], weights: list[float] | None = None) -> tuple[list[Prompt], dict]:
+    """``load`` of each path, the prompts concatenated; the first's settings, which the others must share
+    (SAME; one line and exit 2 otherwise)."""
+    prompts, first = load(paths[0], weights)
+    for path in paths[1:]:
+        more, data = load(path, weights)
+        differ = [key for key in SAME if data.get(key) != first.get(key)]
+        if differ:
+            fail(f"{path}: not collected as {paths[0]} was ({', '.join(differ)} differ)")
+        prompts += more
+    return prompts, first
 
 
 def _rewards(completions: dict, specs: list, weights: list[float] | None) -> PromptRewards:
@@ -230,7 +247,9 @@ def _floats(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__name__, __doc__, json=None, plot=None, seed=0)
-    parser.add_argument("--counterfactual", required=True, help="jobs.counterfactual's counterfactual.json")
+    parser.add_argument("--counterfactual", required=True, nargs="+",
+                        help="jobs.counterfactual's counterfactual.json; several: their prompts replayed as one set "
+                             "(collections of the same generator, rewards, taus and cap, e.g. a prompt file's two halves)")
     parser.add_argument("--sizes", default="", help="sbon's N values (default: N_max)")
     parser.add_argument("--taus", default="", help="decision tokens (default: the counterfactual's)")
     parser.add_argument("--alphas", default="", help="rejection rates (default: the counterfactual's)")
@@ -244,12 +263,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="one weight per reward of the collection, W,W,...: its rewards combined anew (e.g. 0,1: "
                              "the second reward alone); default: the collection's --reward-weights")
     args = parse(parser, argv)
-    prompts, data = load(args.counterfactual, _floats(args.weights) or None)
+    prompts, data = load_all(args.counterfactual, _floats(args.weights) or None)
     n_max = min(len(p.rewards.final) for p in prompts)
     taus = [int(t) for t in _floats(args.taus)] or data.get("taus") or sorted(prompts[0].rewards.partial)
     missing = [t for t in taus if any(t not in p.rewards.partial for p in prompts)]
     if missing:
-        fail(f"{args.counterfactual}: no partial rewards at tau {missing} (it has {sorted(prompts[0].rewards.partial)})")
+        fail(f"{', '.join(args.counterfactual)}: no partial rewards at tau {missing} (it has {sorted(prompts[0].rewards.partial)})")
     result = frontier(prompts, [int(s) for s in _floats(args.sizes)] or [n_max], taus,
                       _floats(args.alphas) or data.get("alphas") or [0.75], args.level,
                       (args.generator_cost, args.reward_cost), args.subsets, args.bootstrap, args.seed)

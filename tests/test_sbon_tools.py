@@ -352,12 +352,12 @@ def test_frontier_weights_recombine_the_collections_own_rewards(tmp_path, capsys
     both.write_text(json.dumps({"reward": ["a", "b"], "reward_weights": [1, 1], "taus": taus, "alphas": [0.5],
                                 "completions": [entry(p, q, p) for p, q in zip(first, second)]}))
     alone = tmp_path / "alone.json"
-    alone.write_text(json.dumps({"reward": ["a", "b"], "taus": taus, "alphas": [0.5],
+    alone.write_text(json.dumps({"reward": ["a", "b"], "reward_weights": [1, 1], "taus": taus, "alphas": [0.5],
                                  "completions": [entry(p, q, q) for p, q in zip(first, second)]}))
     for name, argv in (("weighted", [str(both), "--weights", "0,1"]), ("alone", [str(alone)]),
                        ("collected", [str(both)])):
-        assert main(["--counterfactual", *argv, "--bootstrap", "10", "--json", str(tmp_path / f"{name}.json")]) == 0
-    result = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("weighted", "alone", "collected")}
+        assert main(["--counterfactual", *argv, "--bootstrap", "10", "--json", str(tmp_path / f"{name}-out.json")]) == 0
+    result = {n: json.loads((tmp_path / f"{n}-out.json").read_text()) for n in ("weighted", "alone", "collected")}
     for key in ("best_of_k", "sbon"):
         assert result["weighted"][key] == result["alone"][key]
     assert result["weighted"]["reward_weights"] == [0.0, 1.0]
@@ -366,3 +366,11 @@ def test_frontier_weights_recombine_the_collections_own_rewards(tmp_path, capsys
     with pytest.raises(SystemExit) as exit_:
         main(["--counterfactual", str(both), "--weights", "1"])
     assert exit_.value.code == 2 and "--weights has 1 weights for its 2 rewards (a, b)" in capsys.readouterr().err
+    # Two collections replay as one set of prompts; collections made differently refuse in one line.
+    assert main(["--counterfactual", str(both), str(alone), "--bootstrap", "10", "--json", str(tmp_path / "two.json")]) == 0
+    assert json.loads((tmp_path / "two.json").read_text())["prompts"] == 6
+    other = json.loads(both.read_text()) | {"taus": [8]}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--counterfactual", str(both), str(tmp_path / "other.json")])
+    assert exit_.value.code == 2 and "other.json: not collected as" in capsys.readouterr().err
