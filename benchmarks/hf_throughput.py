@@ -35,9 +35,7 @@ bfloat16, one engine each in one process, repeats alternating: what ``jobs.fetch
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import statistics
 import sys
 import time
@@ -49,6 +47,7 @@ from benchmarks import bench_parser, model_dirs, parse, write_json
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.kv_cache import KERNEL_ENV
+from pipeline.engines.vllm_engine import _environment
 
 PROMPTS = [
     "Write a short birthday message for a coworker.",
@@ -178,23 +177,11 @@ sdpa with its kernel pinned (``torch.nn.attention.sdpa_kernel``); a kernel this 
 shapes lack is reported as an error, not measured."""
 
 
-@contextlib.contextmanager
 def decode_kernel(gather: bool):
-    """The KV cache's decode kernel for the block: the blocks gathered for SDPA (``gather``), or
-    the default (compiled flex_attention in place). pipeline.engines.kv_cache reads KERNEL_ENV at
-    every layer's call."""
-    before = os.environ.get(KERNEL_ENV)
-    if gather:
-        os.environ[KERNEL_ENV] = "gather"
-    else:
-        os.environ.pop(KERNEL_ENV, None)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(KERNEL_ENV, None)
-        else:
-            os.environ[KERNEL_ENV] = before
+    """The KV cache's decode kernel inside the block: the blocks gathered for SDPA (``gather``), or
+    the default (compiled flex_attention in place); pipeline.engines.kv_cache reads KERNEL_ENV at
+    every layer's call, and the caller's setting is back after the block."""
+    return _environment({KERNEL_ENV: "gather" if gather else ""})
 
 
 def compare_attention(model_dir: str, rows: int, tokens: int, repeats: int, threads: int,
