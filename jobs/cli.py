@@ -82,6 +82,26 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
                         help="torch dtype of both models (auto: the checkpoints' own)")
 
 
+def add_channel_objective_flags(parser: argparse.ArgumentParser) -> None:
+    """--objective, --mc-weight and --td-weight: the Reward Transformer channel's training loss
+    (pipeline.training.reward_channel.channel_loss). The choices are reward_channel.OBJECTIVES,
+    spelt out so that --help does not load torch (tests/test_reward_transformer.py holds them equal)."""
+    parser.add_argument("--objective", choices=("sla", "tcrm"), default="sla",
+                        help="sla: Eq. 17, the mean token reward's Bradley-Terry; tcrm: Bradley-Terry at the last token "
+                             "plus TCRM's terms, every token's reward regressed on the final and on the next one's")
+    for name, term in (("mc", "Monte Carlo"), ("td", "temporal-difference")):
+        parser.add_argument(f"--{name}-weight", type=float, default=1.0, metavar="W",
+                            help=f"with --objective tcrm: the {term} term's weight (>= 0)")
+
+
+def channel_objective_error(args: argparse.Namespace) -> str | None:
+    """The one-line complaint about add_channel_objective_flags' values, or None."""
+    for flag in ("mc_weight", "td_weight"):
+        if getattr(args, flag) < 0:
+            return f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}"
+    return None
+
+
 def strategies_text() -> str:
     """The strategies of the method registry, one per line: name, aliases, backends, summary."""
     from pipeline.strategies import STRATEGIES

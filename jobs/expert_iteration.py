@@ -47,7 +47,7 @@ import os
 import sys
 from pathlib import Path
 
-from jobs.cli import add_help_config, bars, job_parser, setup_logging, strategies_text
+from jobs.cli import add_channel_objective_flags, add_help_config, bars, channel_objective_error, job_parser, setup_logging, strategies_text
 from pipeline.config import ConfigError, load_config
 from pipeline.errors import InputError
 from pipeline.errors import IncompleteBuild, OutputConflict
@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="pairs per training step")
     parser.add_argument("--learning-rate", type=float, default=5e-5, help="reward channel LR")
     parser.add_argument("--hidden-size", type=int, default=256, help="reward channel width")
+    add_channel_objective_flags(parser)
     parser.add_argument("--dpo-steps", type=int, default=10, help="with --dpo: DPOTrainer steps per round")
     parser.add_argument("--dpo-learning-rate", type=float, default=5e-6, help="with --dpo: the policy's LR")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -211,7 +212,7 @@ def train(args, pairs: Path, generator: str, model: Path, r: int) -> dict:
         load_pairs(str(pairs), token_ids=True), generator, str(model), dpo=args.dpo, hidden_size=args.hidden_size,
         epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
         dpo_steps=args.dpo_steps, dpo_learning_rate=args.dpo_learning_rate, seed=r,
-        progress=bars(args))
+        progress=bars(args), objective=args.objective, mc_weight=args.mc_weight, td_weight=args.td_weight)
     (model / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
@@ -294,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.rounds < 1:
             raise ConfigError(f"--rounds: must be >= 1, got {args.rounds}")
+        if channel_objective_error(args):
+            raise ConfigError(channel_objective_error(args))
         generator = load_config(args.config, [o for o in args.overrides if not o.startswith("strategy.")]
                                 ).models.generator
         first = round_config(args, 0, generator, out / "pairs")

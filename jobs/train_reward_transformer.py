@@ -27,7 +27,7 @@ import logging
 import sys
 from pathlib import Path
 
-from jobs.cli import bars, job_parser, setup_logging
+from jobs.cli import add_channel_objective_flags, bars, channel_objective_error, job_parser, setup_logging
 from pipeline.errors import InputError
 from pipeline.errors import IncompleteBuild
 
@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="pairs per step")
     parser.add_argument("--learning-rate", type=float, default=5e-5, help="reward channel LR (the paper: 5e-5)")
     parser.add_argument("--hidden-size", type=int, default=256, help="reward channel width (the paper: 256)")
+    add_channel_objective_flags(parser)
     parser.add_argument("--eval-fraction", type=float, default=0.2, help="held-out share for accuracy and AuTRC")
     parser.add_argument("--max-length", type=int, default=512, help="tokens per prompt + response")
     parser.add_argument("--dpo-steps", type=int, default=10, help="with --dpo: DPOTrainer steps")
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    if channel_objective_error(args):
+        log.error("%s", channel_objective_error(args))
+        return 2
     storage_options = {}
     for item in args.storage_options:
         key, sep, value = item.partition("=")
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size, learning_rate=args.learning_rate, max_steps=args.max_steps,
             eval_fraction=args.eval_fraction, max_length=args.max_length, dpo_steps=args.dpo_steps,
             dpo_learning_rate=args.dpo_learning_rate, beta=args.beta, seed=args.seed, device=args.device,
-            progress=bars(args))
+            progress=bars(args), objective=args.objective, mc_weight=args.mc_weight, td_weight=args.td_weight)
     except InputError as exc:
         log.error("%s: %s", args.pairs, exc)
         return 2

@@ -323,6 +323,13 @@ def test_a_committed_reward_model_stands_in_for_training_only_when_it_fits(tiny_
         "error: the committed reward model does not fit (settings differ from the committed reward model's: seed)")
     assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only", "--epochs", "1"]) == 2
     assert "settings differ from the committed reward model's: epochs" in capsys.readouterr().err
+    # A setting added after an artifact was made counts at its default, the behaviour it was made with.
+    older = {**saved, "settings": {k: v for k, v in saved["settings"].items() if k not in ("mc_weight", "td_weight")}}
+    artifact.write_text(json.dumps(older))
+    assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only"]) == 0
+    assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only", "--mc-weight", "1"]) == 2
+    assert "settings differ from the committed reward model's: mc_weight" in capsys.readouterr().err
+    artifact.write_text(json.dumps(saved))
     weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
     assert fetch_models.main(fresh + ["--artifact", str(artifact), "--committed-only"]) == 2
     assert "its sha256 is not the one" in capsys.readouterr().err

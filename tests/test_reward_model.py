@@ -157,6 +157,49 @@ def test_rank_distillation_pairs_every_two_cut_samples_and_targets_the_final_ord
     assert scores.grad[0] == 0 and scores.grad[1] == 0  # the final rewards are the target, not trained here
 
 
+def test_value_consistency_regresses_each_cut_on_the_final_and_on_the_next_cut():
+    """TCRM's terms: sample 0 has cuts at 8 and 16, sample 1 one cut, sample 2 none (no chain)."""
+    texts = [rm.RewardText(0, 0, [1]), rm.RewardText(1, 0, [1]), rm.RewardText(2, 0, [1]),
+             rm.RewardText(0, 16, [1]), rm.RewardText(0, 8, [1]), rm.RewardText(1, 8, [1])]
+    chains = rm.value_chains(rm.PromptTexts("p", [], texts))
+    assert chains == [[4, 3, 0], [5, 1]]
+    scores = torch.tensor([3.0, -1.0, 0.0, 2.0, 0.0, 1.0], requires_grad=True)
+    mc = ((2.0 - 3.0) ** 2 + (0.0 - 3.0) ** 2 + (1.0 + 1.0) ** 2) / 3
+    td = ((0.0 - 2.0) ** 2 + (2.0 - 3.0) ** 2 + (1.0 + 1.0) ** 2) / 3
+    loss = rm.value_consistency_loss(scores, chains, mc_weight=0.5, td_weight=2.0)
+    torch.testing.assert_close(loss, torch.tensor(0.5 * mc + 2.0 * td))
+    loss.backward()
+    assert scores.grad[0] == 0 and scores.grad[1] == 0 and scores.grad[2] == 0  # finals are targets only
+    assert scores.grad[4] < 0 and scores.grad[3] < 0 and scores.grad[5] > 0  # cuts move toward what follows
+    assert rm.value_consistency_loss(scores, [], 1.0, 1.0).item() == 0.0
+
+
+def test_value_consistency_training_brings_partial_rewards_to_the_final_ones(tiny_models, tokenizer):
+    """On the same data and seeds, TCRM's terms leave every cut's reward nearer its final reward
+    than Bradley-Terry alone does, and the judge's final pairs are still ordered."""
+    good = ["the lamp works great and I would keep it", "the battery lasts long and I would buy it"]
+    bad = ["no no it is bad no and the lamp is bad", "no the lamp no it broke and I sent it back"]
+    prompts = [f"{p} ({k})" for k in range(4) for p in PROMPTS]
+    responses = {p: [good[k % 2], bad[k % 2], good[(k + 1) % 2], bad[(k + 1) % 2]] for k, p in enumerate(prompts)}
+    samples = _samples(tokenizer, responses)
+    fractions = [1.0 if "no" not in s.text.split() else 0.0 for s in samples]
+    gaps = {}
+    for weight in (0.0, 1.0):
+        model = surgery.split_reward_model(tiny_models["generator"], top_layers=1, rank=4, alpha=8.0, seed=0)
+        groups = rm.reward_texts(tokenizer, samples, [2, 4])
+        rm.bottom_states(model, groups, tokenizer.pad_token_id)
+        rm.train_reward_model(model, groups[:10], groups[10:], samples, fractions, rm.TrainingSettings(
+            epochs=3, learning_rate=1e-2, prompts_per_step=2, mc_weight=weight, td_weight=weight), progress=False)
+        with torch.no_grad():
+            scores = [rm.top_scores(model, g) for g in groups]
+        gaps[weight] = torch.cat([(s[c[:-1]] - s[c[-1]]).abs() for g, s in zip(groups, scores)
+                                  for c in rm.value_chains(g)]).mean().item()
+        final = [(s[g.texts.index(next(t for t in g.texts if t.sample == i and t.tau == 0))], fractions[i])
+                 for g, s in zip(groups[10:], scores[10:]) for i in {t.sample for t in g.texts}]
+        assert min(v for v, f in final if f == 1.0) > max(v for v, f in final if f == 0.0)
+    assert gaps[1.0] < 0.5 * gaps[0.0], gaps
+
+
 # top_layers 2: both of the tiny generator's layers, a full fine-tune with no frozen layer
 @pytest.mark.parametrize("rank, learning_rate, top_layers", [(4, 1e-2, 1), (0, 1e-3, 1), (0, 1e-3, 2)])
 def test_bradley_terry_training_learns_what_the_judge_sees(tiny_models, tokenizer, rank, learning_rate, top_layers):

@@ -3,6 +3,7 @@ Done-when path: our own build's pairs -> BT and DPO training -> `sla` as a build
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pyarrow.parquet as pq
@@ -11,11 +12,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jobs.build_dataset import main as build_main
+from jobs.cli import add_channel_objective_flags
 from jobs.train_reward_transformer import main as train_main
 from pipeline.engines.hf import HFEngine, load_tokenizer
 from pipeline.engines.reward_transformer import RewardTransformer, has_reward_channel, has_trained_channel
-from pipeline.training.reward_channel import (EncodedPair, bradley_terry_loss, evaluate_channel,
-                                              train_reward_channel)
+from pipeline.errors import InputError
+from pipeline.training.reward_channel import (OBJECTIVES, EncodedPair, bradley_terry_loss, evaluate_channel,
+                                              response_rewards, tcrm_loss, train_reward_channel)
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 
@@ -129,6 +132,58 @@ def test_bradley_terry_loss_is_eq17():
     rejected = [torch.tensor([0.0, 0.0, 3.0]), torch.tensor([2.0])]
     margins = torch.tensor([2.0 - 1.0, 0.0 - 2.0])
     torch.testing.assert_close(bradley_terry_loss(chosen, rejected), -torch.nn.functional.logsigmoid(margins).mean())
+
+
+def test_tcrm_loss_is_bradley_terry_at_the_end_plus_value_regressions():
+    chosen = [torch.tensor([1.0, 3.0], requires_grad=True), torch.tensor([0.0], requires_grad=True)]
+    rejected = [torch.tensor([0.0, 0.0, 3.0], requires_grad=True), torch.tensor([2.0], requires_grad=True)]
+    bt = -torch.nn.functional.logsigmoid(torch.tensor([3.0 - 3.0, 0.0 - 2.0])).mean()
+    mc = ((1.0 - 3.0) ** 2 + (0.0 - 3.0) ** 2 + (0.0 - 3.0) ** 2) / 3  # one-token responses have no earlier token
+    td = ((1.0 - 3.0) ** 2 + (0.0 - 0.0) ** 2 + (0.0 - 3.0) ** 2) / 3
+    loss = tcrm_loss(chosen, rejected, mc_weight=0.5, td_weight=2.0)
+    torch.testing.assert_close(loss, bt + 0.5 * mc + 2.0 * td)
+    loss.backward()
+    assert chosen[0].grad[0] < 0 and rejected[0].grad[0] < 0 and rejected[0].grad[1] < 0  # toward what follows
+    assert chosen[0].grad[1] < 0 < rejected[0].grad[2]  # the last token: Bradley-Terry's gradient only
+    # The jobs' --objective choices (spelt out there to keep --help fast) are the objectives.
+    parser = argparse.ArgumentParser()
+    add_channel_objective_flags(parser)
+    assert tuple(next(a for a in parser._actions if a.dest == "objective").choices) == OBJECTIVES
+
+
+def test_tcrm_brings_every_prefix_reward_to_the_final_one(tiny_models):
+    """Responses that differ from their first token: after TCRM training the channel's reward
+    after each prefix is nearer the final reward than after Eq. 17's training, and both order
+    every pair at the end."""
+    tok = load_tokenizer(str(tiny_models["generator"]))
+    subjects = ["the lamp", "the battery", "the app", "the camera"]
+    pairs = []
+    for i in range(16):
+        s = subjects[i % 4]
+        prompt = tok(f"<s><|user|>Write a review of {s}.\n<|assistant|>", add_special_tokens=False).input_ids
+        pairs.append(EncodedPair(prompt, tok(f"great, {s} works", add_special_tokens=False).input_ids,
+                                 tok(f"badly, {s} works", add_special_tokens=False).input_ids))
+    gaps = {}
+    for objective in OBJECTIVES:
+        rt = RewardTransformer.from_pretrained(str(tiny_models["generator"]), hidden_size=32)
+        train_reward_channel(rt, pairs, tok.pad_token_id, epochs=15, batch_size=8, learning_rate=3e-3,
+                             progress=False, objective=objective)
+        with torch.no_grad():
+            chosen, rejected = response_rewards(rt, pairs, tok.pad_token_id)
+        assert all(c[-1] > r[-1] for c, r in zip(chosen, rejected)), objective
+        gaps[objective] = torch.cat([(row[:-1] - row[-1]).abs() for row in chosen + rejected]).mean().item()
+    assert gaps["tcrm"] < 0.5 * gaps["sla"], gaps
+
+
+def test_the_channel_objective_is_checked(tiny_models, tmp_path, capsys):
+    tok = load_tokenizer(str(tiny_models["generator"]))
+    rt = RewardTransformer.from_pretrained(str(tiny_models["generator"]), hidden_size=8)
+    with pytest.raises(InputError, match="objective: unknown reward channel objective 'value'"):
+        train_reward_channel(rt, synthetic_pairs(tok, 2), tok.pad_token_id, max_steps=1, progress=False,
+                             objective="value")
+    assert train_main(["--pairs", str(tmp_path / "none"), "--generator", str(tiny_models["generator"]),
+                       "--output", str(tmp_path / "rt"), "--objective", "tcrm", "--td-weight", "-1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--td-weight must be >= 0, got -1.0")
 
 
 def build(tiny_models, prompts, output, generator, *extra):

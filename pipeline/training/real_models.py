@@ -88,7 +88,8 @@ def artifact_mismatch(artifact: Path, gguf_sha256: str, settings: RewardSettings
     if committed["gguf_sha256"] != gguf_sha256:
         return (f"the GGUF's sha256 is {gguf_sha256[:16]}..., the reward model was trained on "
                 f"{committed['gguf_sha256'][:16]}...")
-    changed = sorted(k for k, v in asdict(settings).items() if committed["settings"].get(k) != v)
+    recorded = _recorded(committed["settings"])
+    changed = sorted(k for k, v in asdict(settings).items() if recorded.get(k) != v)
     if changed:
         return f"settings differ from the committed reward model's: {', '.join(changed)}"
     weights = artifact_weights(artifact)
@@ -97,6 +98,12 @@ def artifact_mismatch(artifact: Path, gguf_sha256: str, settings: RewardSettings
     if sha256_file(weights) != committed["weights_sha256"]:
         return f"{weights}: its sha256 is not the one {artifact} records"
     return None
+
+
+def _recorded(settings: dict) -> dict:
+    """Settings as an artifact or report recorded them, with any setting added since at its
+    default (a new setting's default keeps the behaviour the record was made with)."""
+    return {**asdict(RewardSettings()), **settings}
 
 
 def assemble_reward_model(generator: Path, output: Path, artifact: Path, settings: RewardSettings) -> dict:
@@ -113,7 +120,7 @@ def assemble_reward_model(generator: Path, output: Path, artifact: Path, setting
     if (reward / "report.json").exists():
         report = json.loads((reward / "report.json").read_text())
         if (report.get("weights_sha256", committed["weights_sha256"]) == committed["weights_sha256"]
-                and report.get("settings") == asdict(settings)):
+                and _recorded(report.get("settings") or {}) == asdict(settings)):
             skip(reward)
             return report
     tmp = reward.with_name(f"{reward.name}.building")

@@ -78,6 +78,12 @@ class RewardSettings:
     distill_weight: float = field(default=1.0, metadata={
         "help": "weight of the loss teaching partial rewards to rank as final ones"})
     """Weight of the partial-ranks-as-final loss (pipeline.training.reward_model.rank_distillation_loss)."""
+    mc_weight: float = field(default=0.0, metadata={
+        "help": "weight of TCRM's Monte Carlo term: each cut's reward regressed on the final reward"})
+    """Weight of TCRM's Monte Carlo term (pipeline.training.reward_model.value_consistency_loss)."""
+    td_weight: float = field(default=0.0, metadata={
+        "help": "weight of TCRM's temporal-difference term: each cut's reward regressed on the next cut's"})
+    """Weight of TCRM's temporal-difference term (pipeline.training.reward_model.value_consistency_loss)."""
     bf16: bool = field(default=True, metadata={
         "help": "train under bfloat16 autocast (fast on CPUs with AVX512-BF16)"})
     """Training passes under bfloat16 autocast (pipeline.training.reward_model.TrainingSettings.bf16):
@@ -102,8 +108,11 @@ class RewardSettings:
             raise FetchError(f"lora_rank must be >= 0 (0: full rank), got {self.lora_rank}")
         if self.validation_every < 2:
             raise FetchError(f"validation_every must be >= 2, got {self.validation_every}")
-        if self.prefix_weight < 0 or self.learning_rate <= 0:
-            raise FetchError("prefix_weight must be >= 0 and learning_rate > 0")
+        for name in ("prefix_weight", "distill_weight", "mc_weight", "td_weight"):
+            if getattr(self, name) < 0:
+                raise FetchError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise FetchError(f"learning_rate must be > 0, got {self.learning_rate}")
 
 
 
@@ -340,7 +349,8 @@ def _train(generator: Path, data: Path, train: list, fractions: list[float], set
     fit = [g for k, g in enumerate(groups) if k % settings.validation_every != settings.validation_every - 1]
     training = train_reward_model(model, fit, val, train, fractions, TrainingSettings(
         epochs=settings.epochs, learning_rate=settings.learning_rate, prefix_weight=settings.prefix_weight,
-        distill_weight=settings.distill_weight, bf16=settings.bf16,
+        distill_weight=settings.distill_weight, mc_weight=settings.mc_weight, td_weight=settings.td_weight,
+        bf16=settings.bf16,
         prompts_per_step=settings.prompts_per_step, head_l2=settings.head_l2, seed=settings.seed), progress)
     seconds["train"] = training.pop("seconds")
     return model, groups, fit, val, training

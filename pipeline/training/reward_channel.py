@@ -12,6 +12,10 @@ the paper: only the channel learns); setting 2 first runs DPO on the policy with
 (pipeline.training.dpo) and then trains the channel on the updated policy. Adam with a cosine
 schedule, as in section 5 (the paper: 3 epochs at 5e-5).
 
+With ``objective="tcrm"`` the loss is TCRM's instead (tcrm_loss): Bradley-Terry on the last
+token's R', and every earlier R' regressed on the last one's (Monte Carlo) and on the next
+token's (temporal difference), so the channel's reward after a prefix estimates the final reward.
+
 Metrics on a held-out split:
 - pairwise accuracy: the fraction of pairs whose chosen response gets the higher sequence score
   (the mean token reward of Eq. 17);
@@ -117,6 +121,39 @@ def bradley_terry_loss(chosen: list[torch.Tensor], rejected: list[torch.Tensor])
     return -F.logsigmoid(margin).mean()
 
 
+OBJECTIVES = ("sla", "tcrm")
+"""The channel's training objectives: "sla", Eq. 17 (bradley_terry_loss); "tcrm", tcrm_loss."""
+
+
+def tcrm_loss(chosen: list[torch.Tensor], rejected: list[torch.Tensor], mc_weight: float = 1.0,
+              td_weight: float = 1.0) -> torch.Tensor:
+    """TCRM ("Reward Models Are Secretly Value Functions: Temporally Coherent Reward Modeling",
+    Nikulkov 2026, arXiv 2604.22981) on the channel: Bradley-Terry on the last token's R', plus
+
+        mc_weight * mean_t (R'_t - sg R'_T)^2 + td_weight * mean_t (R'_t - sg R'_t+1)^2
+
+    over every response token t < T of both responses (sg: stop-gradient), so that R' after any
+    prefix estimates the final reward: what speculative rejection's cut at tau reads."""
+    margin = torch.stack([c[-1] for c in chosen]) - torch.stack([r[-1] for r in rejected])
+    rows = [row for row in chosen + rejected if len(row) > 1]
+    loss = -F.logsigmoid(margin).mean()
+    if rows and mc_weight:
+        loss = loss + mc_weight * torch.cat([(row[:-1] - row[-1].detach()).pow(2) for row in rows]).mean()
+    if rows and td_weight:
+        loss = loss + td_weight * torch.cat([(row[:-1] - row[1:].detach()).pow(2) for row in rows]).mean()
+    return loss
+
+
+def channel_loss(chosen: list[torch.Tensor], rejected: list[torch.Tensor], objective: str = "sla",
+                 mc_weight: float = 1.0, td_weight: float = 1.0) -> torch.Tensor:
+    """The training loss of ``objective`` (OBJECTIVES)."""
+    if objective == "tcrm":
+        return tcrm_loss(chosen, rejected, mc_weight, td_weight)
+    if objective == "sla":
+        return bradley_terry_loss(chosen, rejected)
+    raise InputError(f"objective: unknown reward channel objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
+
+
 @torch.no_grad()
 def evaluate_channel(model: RewardTransformer, pairs: list[EncodedPair], pad_id: int, batch_size: int = 8,
                      points: int = AUTRC_POINTS) -> dict:
@@ -149,11 +186,14 @@ def split_pairs(pairs: list, eval_fraction: float, seed: int) -> tuple[list, lis
 
 def train_reward_channel(model: RewardTransformer, train: list[EncodedPair], pad_id: int, *, epochs: int = 3,
                          batch_size: int = 8, learning_rate: float = 5e-5, max_steps: int | None = None,
-                         train_policy: bool = False, seed: int = 0, progress: bool = True) -> dict:
-    """Eq. 17 with Adam and a cosine schedule; only the channel learns unless ``train_policy``.
+                         train_policy: bool = False, seed: int = 0, progress: bool = True, objective: str = "sla",
+                         mc_weight: float = 1.0, td_weight: float = 1.0) -> dict:
+    """``objective``'s loss (channel_loss: Eq. 17 by default) with Adam and a cosine schedule;
+    only the channel learns unless ``train_policy``.
     Returns train_loss (mean over the last epoch), first_loss and steps; marks the channel trained."""
     if not train:
         raise ValueError("no training pairs")
+    channel_loss([torch.zeros(1)], [torch.zeros(1)], objective)  # an unknown objective fails before any step
     torch.manual_seed(seed)
     for p in model.policy.parameters():
         p.requires_grad_(train_policy)
@@ -164,7 +204,7 @@ def train_reward_channel(model: RewardTransformer, train: list[EncodedPair], pad
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     rng = random.Random(seed)
     step, losses, first = 0, [], None
-    bar = tqdm(total=total, desc="reward channel (Bradley-Terry)", unit="step", disable=not progress)
+    bar = tqdm(total=total, desc=f"reward channel ({objective})", unit="step", disable=not progress)
     model.train()
     while step < total:
         order = list(range(len(train)))
@@ -175,7 +215,7 @@ def train_reward_channel(model: RewardTransformer, train: list[EncodedPair], pad
                 break
             chunk = [train[i] for i in order[start:start + batch_size]]
             chosen, rejected = response_rewards(model, chunk, pad_id, train_policy=train_policy)
-            loss = bradley_terry_loss(chosen, rejected)
+            loss = channel_loss(chosen, rejected, objective, mc_weight, td_weight)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -195,7 +235,8 @@ def train_reward_transformer(pairs, model: str, output: str, *, dpo: bool = Fals
                              kind: str = "channel", epochs: int = 3, batch_size: int = 8, learning_rate: float = 5e-5,
                              max_steps: int | None = None, eval_fraction: float = 0.2, max_length: int = 512,
                              dpo_steps: int = 10, dpo_learning_rate: float = 5e-6, beta: float = 0.1, seed: int = 0,
-                             device: str = "cpu", progress: bool = True) -> dict:
+                             device: str = "cpu", progress: bool = True, objective: str = "sla",
+                             mc_weight: float = 1.0, td_weight: float = 1.0) -> dict:
     """The whole recipe: `pairs` (a Dataset with prompt/chosen/rejected) and a starting model (an
     HF causal LM or a Reward Transformer directory) in, a trained Reward Transformer directory at
     `output` out. With `dpo`, TRL's DPOTrainer first updates the policy on the training split
@@ -226,7 +267,8 @@ def train_reward_transformer(pairs, model: str, output: str, *, dpo: bool = Fals
         rt = RewardTransformer.wrap(rt.policy, hidden_size=hidden_size, kind=kind, seed=seed)
     metrics.update(train_reward_channel(rt, train, tokenizer.pad_token_id, epochs=epochs, batch_size=batch_size,
                                         learning_rate=learning_rate, max_steps=max_steps, seed=seed,
-                                        progress=progress))
+                                        progress=progress, objective=objective, mc_weight=mc_weight,
+                                        td_weight=td_weight))
     metrics.update(evaluate_channel(rt, held_out, tokenizer.pad_token_id, batch_size))
     rt.save_pretrained(output, tokenizer)
     return metrics

@@ -19,6 +19,9 @@ final ones will, which is what speculative rejection needs of them ("Acceleratin
 Speculative Rejection", section 4: rank at the decision token tau by the partial reward). An
 optional third term (``distill_weight``, rank_distillation_loss) teaches every two cut responses
 to rank as the model's own final rewards rank them, judge tie or not.
+TCRM's two regularizers (``mc_weight``, ``td_weight``; value_consistency_loss) regress every
+cut's score on the final score and on the next cut's, so that a partial reward estimates the
+final reward to come rather than only its order.
 
 Cost on CPU: the frozen bottom layers run once per training text (``bottom_states``), and only the
 top K layers run per epoch. Every text of a prompt (its final responses and their prefixes,
@@ -35,6 +38,7 @@ Evaluation on prompts the model never saw: pipeline.training.reward_evaluation.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -268,6 +272,10 @@ class TrainingSettings:
     """Weight of the prefix pairs' loss (mean over taus) against the final pairs' loss."""
     distill_weight: float = 0.0
     """Weight of rank_distillation_loss (partial rewards taught to rank as the final ones do)."""
+    mc_weight: float = 0.0
+    """Weight of TCRM's Monte Carlo term (value_consistency_loss): cut scores toward the final score."""
+    td_weight: float = 0.0
+    """Weight of TCRM's temporal-difference term (value_consistency_loss): each cut toward the next."""
     prompts_per_step: int = 4
     """Prompts whose losses make one optimizer step."""
     head_l2: float = 1e-2
@@ -323,6 +331,41 @@ def rank_distillation_loss(scores: torch.Tensor, pairs: list[tuple[int, int, int
     ci, cj, fi, fj = (torch.tensor(v) for v in zip(*pairs))
     target = torch.sigmoid(scores[fi] - scores[fj]).detach()
     return F.binary_cross_entropy_with_logits(scores[ci] - scores[cj], target)
+
+
+def value_chains(group: PromptTexts) -> list[list[int]]:
+    """Per sample with at least one cut: its text indices in order of length, the cuts by tau and
+    its final text last (the prefixes that TCRM's terms tie together)."""
+    chains: dict[int, list[tuple[int, int]]] = {}
+    for k, t in enumerate(group.texts):
+        chains.setdefault(t.sample, []).append((t.tau or math.inf, k))
+    return [[k for _, k in sorted(c)] for c in chains.values() if len(c) > 1]
+
+
+def value_consistency_loss(scores: torch.Tensor, chains: list[list[int]], mc_weight: float,
+                           td_weight: float) -> torch.Tensor:
+    """TCRM's two regularizers ("Reward Models Are Secretly Value Functions: Temporally Coherent
+    Reward Modeling", Nikulkov 2026, arXiv 2604.22981; the issue's item 2), at the cuts we score
+    instead of at every token:
+
+        mc_weight * mean_cuts (r(y[:tau]) - sg r(y))^2                 (Monte Carlo: toward the final)
+      + td_weight * mean_cuts (r(y[:tau_k]) - sg r(y[:tau_k+1]))^2     (temporal difference: toward the next cut,
+                                                                        the final text after the last one)
+
+    sg is stop-gradient: the final score is learnt from the Bradley-Terry term only, and each
+    prefix regresses to the value after it, so the partial reward becomes the expected final
+    reward given the prefix. ``chains``: value_chains."""
+    loss = scores.new_zeros(())
+    if not chains:
+        return loss
+    cut = torch.tensor([k for c in chains for k in c[:-1]])
+    if mc_weight:
+        final = torch.tensor([c[-1] for c in chains for _ in c[:-1]])
+        loss = loss + mc_weight * (scores[cut] - scores[final].detach()).pow(2).mean()
+    if td_weight:
+        following = torch.tensor([k for c in chains for k in c[1:]])
+        loss = loss + td_weight * (scores[cut] - scores[following].detach()).pow(2).mean()
+    return loss
 
 
 def bradley_terry_loss(scores: torch.Tensor, pairs: dict[int, list[tuple[int, int]]], prefix_weight: float):
@@ -417,6 +460,9 @@ def train_reward_model(model: SplitRewardModel, train: list[PromptTexts], val: l
                 cuts = cut_pairs(g)
                 if settings.distill_weight and cuts:
                     loss = loss + settings.distill_weight * rank_distillation_loss(scores, cuts)
+                if settings.mc_weight or settings.td_weight:
+                    loss = loss + value_consistency_loss(scores, value_chains(g), settings.mc_weight,
+                                                         settings.td_weight)
                 loss = loss / len(chunk)
                 loss.backward()
                 total += loss.item()
