@@ -1,8 +1,8 @@
 """Reward models side by side on one set of judged held-out responses.
 
     python -m benchmarks.reward_heldout --data out/rm8/reward-data --reward .cache/real-models/reward
-        [OTHER_REWARD_DIR ...] [--checker [--composite-weight W [W ...]]] [--taus 16 32 64 128] [--tokenizer DIR]
-        [--json FILE]
+        [OTHER_REWARD_DIR ...] [--channel RT_DIR ...] [--checker [--composite-weight W [W ...]]]
+        [--taus 16 32 64 128] [--tokenizer DIR] [--json FILE]
 
 ``--data`` is a reward-model build's DIR/reward-data (``python -m jobs.fetch_models``, steps 4-5):
 its samples-eval.jsonl (responses sampled for the held-out prompts) and judged-eval.jsonl (IFEval's
@@ -17,6 +17,11 @@ prints, with pipeline.training.reward_evaluation's functions (the ones a build's
 - prefix agreement at each tau: the share of the judge's pairs, both responses longer than tau,
   that the partial reward at tau already orders as the judge's final verdict does. This is what a
   speculative-rejection cut at tau needs.
+
+``--channel`` scores the same responses with Reward Transformers' reward channels
+(bon-train-reward-transformer): the final reward is R' at a response's last token and the partial
+reward at tau is R' after its first tau tokens, read on the prompt token ids the responses were
+sampled after, as a decoding pass reads it (what ``strategy.partial_reward: generator`` cuts on).
 
 ``--checker`` adds IFEval's checkers as a reward (pipeline.judge:ifeval_reward; a prefix scores 1
 minus the share of its instructions already broken). The held-out prompt file named in DATA's
@@ -37,17 +42,13 @@ from benchmarks import bench_parser, fail, parse, write_json
 
 def held_out(data: Path):
     """The held-out samples of a reward-data directory and their instruction-level judge fractions."""
-    from pipeline.training.judged_samples import Sample
+    from pipeline.errors import InputError
+    from pipeline.training.judged_samples import read_judged
 
-    files = [data / "samples-eval.jsonl", data / "judged-eval.jsonl"]
-    for f in files:
-        if not f.exists():
-            fail(f"{f}: no such file (--data is a reward model build's DIR/reward-data)")
-    samples = [Sample(**json.loads(line)) for line in files[0].read_text().splitlines()]
-    judged = [json.loads(line) for line in files[1].read_text().splitlines()]
-    if [(s.prompt_id, s.sample) for s in samples] != [(j["prompt_id"], j["sample"]) for j in judged]:
-        fail(f"{files[1]}: its rows are not the verdicts on {files[0]}'s samples, in order")
-    return samples, [sum(j["followed"]) / len(j["followed"]) for j in judged]
+    try:
+        return read_judged(data, "eval")
+    except InputError as exc:
+        fail(str(exc))
 
 
 def figures(samples: list, fractions: list[float], final: list[float], partial: dict[int, dict[int, float]]) -> dict:
@@ -83,10 +84,36 @@ def checker_rewards(samples: list, instructions: dict, taus: list[int], tokenize
     return final, partial
 
 
+def channel_rewards(path: str, data: Path, samples: list, taus: list[int]):
+    """A Reward Transformer's channel as a reward of the held-out samples (module docstring):
+    final scores and {tau: {sample index: partial score}}."""
+    from pipeline.engines.hf import load_tokenizer
+    from pipeline.engines.reward_transformer import RewardTransformer, has_trained_channel
+    from pipeline.errors import FetchError, InputError
+    from pipeline.training.cached_steps import prompt_token_ids
+    from pipeline.training.reward_channel import channel_scores
+
+    if not has_trained_channel(path):
+        fail(f"--channel: {path} has no trained reward channel (bon-train-reward-transformer makes one)")
+    tokenizer = load_tokenizer(path)
+    try:
+        prompts = prompt_token_ids(data, "eval", tokenizer)
+    except (FetchError, InputError) as exc:
+        fail(str(exc).splitlines()[0])
+    missing = {s.prompt_id for s in samples} - set(prompts)
+    if missing:
+        fail(f"{data / 'settings.json'}: its eval prompt file lacks {len(missing)} sampled prompts")
+    model = RewardTransformer.from_pretrained(path)
+    return channel_scores(model, [(prompts[s.prompt_id], list(s.token_ids)) for s in samples], taus,
+                          int(tokenizer.pad_token_id))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__name__, __doc__, json=None)
     parser.add_argument("--data", required=True, help="a reward model build's DIR/reward-data (held-out samples, judged)")
     parser.add_argument("--reward", nargs="*", default=[], help="reward model directories to compare")
+    parser.add_argument("--channel", nargs="*", default=[],
+                        help="Reward Transformer directories whose trained reward channel to compare")
     parser.add_argument("--checker", action="store_true", help="also IFEval's checkers as a reward")
     parser.add_argument("--composite-weight", type=float, nargs="+", default=None,
                         help="with --checker: also the checker + W x each reward model, summed raw (one W for "
@@ -95,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None,
                         help="the generator's tokenizer, to cut responses for --checker (default: the first --reward)")
     args = parse(parser, argv)
-    if not args.reward and not args.checker:
-        fail("nothing to compare: give --reward DIR ... and/or --checker")
+    if not args.reward and not args.checker and not args.channel:
+        fail("nothing to compare: give --reward DIR ..., --channel DIR ... and/or --checker")
     if args.composite_weight is not None and not (args.checker and args.reward):
         fail("--composite-weight needs --checker and --reward DIR")
     if args.composite_weight is not None and len(args.composite_weight) not in (1, len(args.reward)):
@@ -116,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         final = scorer.score([s.prompt for s in samples], [s.text for s in samples])
         scores[path] = final, partial_rewards(scorer, samples, args.taus, scorer.tokenizer)
         results[path] = figures(samples, fractions, *scores[path])
+    for path in args.channel:
+        results[f"channel {path}"] = figures(samples, fractions, *channel_rewards(path, data, samples, args.taus))
     if args.checker:
         from pipeline.engines.hf import load_tokenizer
         from pipeline.errors import FetchError, InputError
         from pipeline.training.cached_steps import load_instructions
 
-        source = args.tokenizer or (args.reward[0] if args.reward else None)
+        source = args.tokenizer or (args.reward + args.channel or [None])[0]
         if source is None:
             fail("--checker needs --tokenizer DIR (the generator's) when no --reward is given")
         settings = data / "settings.json"

@@ -1,13 +1,15 @@
-"""Train a Reward Transformer on the build job's pairs (Bradley-Terry, Eq. 17; optionally DPO).
+"""Train a Reward Transformer on the build job's pairs (Bradley-Terry, Eq. 17, or TCRM; optionally DPO).
 
     bon-train-reward-transformer --pairs URI [--allow-partial] --generator DIR --output DIR [--dpo]
         [--epochs E] [--max-steps N] [--batch-size B] [--learning-rate LR] [--hidden-size H]
+        [--objective sla|tcrm [--mc-weight W] [--td-weight W]]
         [--eval-fraction F] [--dpo-steps N] [--dpo-learning-rate LR] [--beta B] [--seed S]
         [--device cpu|cuda] [--storage-option key=value ...]
     (or python -m jobs.train_reward_transformer ...)
 
 --pairs is a directory or prefix of train-*.parquet (a build) or part-*.parquet (local or s3://), one
-Parquet file, or a glob.
+Parquet file, or a glob; or a reward model build's DIR/reward-data (jobs.fetch_models --retrain): the
+judge's pairs of the generator's own training samples, with the token ids it sampled.
 A build_dataset output is read through its commit markers: committed shards only, and only once
 the build finished (_SUCCESS); --allow-partial reads an unfinished build's committed shards and
 prints one line saying how many shards and pairs it read.
@@ -28,7 +30,7 @@ import sys
 from pathlib import Path
 
 from jobs.cli import add_channel_objective_flags, bars, channel_objective_error, job_parser, setup_logging
-from pipeline.errors import InputError
+from pipeline.errors import FetchError, InputError
 from pipeline.errors import IncompleteBuild
 
 log = logging.getLogger(__name__)
@@ -77,20 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         storage_options[key] = value
 
     # Imported late so --help and input errors stay fast (torch/transformers/trl load slowly).
-    from pipeline.training.dpo import load_pairs
     from pipeline.training.reward_channel import train_reward_transformer
 
-    try:
-        pairs = load_pairs(args.pairs, storage_options, token_ids=True, allow_partial=args.allow_partial)
-    except (InputError, IncompleteBuild) as exc:
-        log.error("%s", exc)
-        return 2
     try:
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(args.generator)
     except (OSError, ValueError) as exc:
         log.error("--generator: cannot load %r (%s)", args.generator, str(exc).splitlines()[0])
+        return 2
+    try:
+        pairs = _pairs(args, storage_options)
+    except (InputError, IncompleteBuild, FetchError) as exc:
+        log.error("%s", exc)
         return 2
     try:
         metrics = train_reward_transformer(
@@ -110,6 +111,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     print(f"output: {args.output}")
     return 0
+
+
+def _pairs(args: argparse.Namespace, storage_options: dict):
+    """--pairs as a Dataset: a reward model build's DIR/reward-data gives the judge's pairs of its
+    training samples (pipeline.training.reward_channel.judged_pair_rows); anything else is Parquet
+    pairs (pipeline.training.dpo.load_pairs)."""
+    from pipeline.training.dpo import load_pairs
+
+    if "://" not in args.pairs and (Path(args.pairs) / "judged-train.jsonl").exists():
+        import datasets
+
+        from pipeline.engines.hf import load_tokenizer
+        from pipeline.training.reward_channel import judged_pair_rows
+
+        rows = judged_pair_rows(Path(args.pairs), "train", load_tokenizer(args.generator))
+        if not rows:
+            raise InputError(f"{args.pairs}: the judge tells no two training samples of a prompt apart")
+        return datasets.Dataset.from_list(rows)
+    return load_pairs(args.pairs, storage_options, token_ids=True, allow_partial=args.allow_partial)
 
 
 if __name__ == "__main__":

@@ -524,5 +524,5 @@ def test_reward_heldout_compares_rewards_on_a_builds_judged_held_out_samples(tin
     with pytest.raises(SystemExit) as exit_:
         reward_heldout.main(["--data", str(tmp_path / "none"), "--checker"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path / 'none' / 'samples-eval.jsonl'}: no "
-                                                            "such file (--data is a reward model build's DIR/reward-data)"]
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {tmp_path / 'none' / 'samples-eval.jsonl'}: no such file (a reward model build's DIR/reward-data has it)"]

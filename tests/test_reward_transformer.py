@@ -17,8 +17,9 @@ from jobs.train_reward_transformer import main as train_main
 from pipeline.engines.hf import HFEngine, load_tokenizer
 from pipeline.engines.reward_transformer import RewardTransformer, has_reward_channel, has_trained_channel
 from pipeline.errors import InputError
-from pipeline.training.reward_channel import (OBJECTIVES, EncodedPair, bradley_terry_loss, evaluate_channel,
-                                              response_rewards, tcrm_loss, train_reward_channel)
+from pipeline.training.reward_channel import (OBJECTIVES, EncodedPair, bradley_terry_loss, channel_scores,
+                                              encode_pairs, evaluate_channel, response_rewards, tcrm_loss,
+                                              train_reward_channel)
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 
@@ -184,6 +185,71 @@ def test_the_channel_objective_is_checked(tiny_models, tmp_path, capsys):
     assert train_main(["--pairs", str(tmp_path / "none"), "--generator", str(tiny_models["generator"]),
                        "--output", str(tmp_path / "rt"), "--objective", "tcrm", "--td-weight", "-1"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--td-weight must be >= 0, got -1.0")
+
+
+def test_a_channel_trains_on_reward_data_and_is_scored_held_out(tiny_models, tmp_path, capsys):
+    """--pairs DIR/reward-data trains on the judge's pairs of the generator's own samples, with the
+    token ids it sampled after the formatted prompt; benchmarks.reward_heldout --channel then reads
+    R' on the held-out samples exactly as channel_scores does."""
+    from benchmarks import reward_heldout
+    from pipeline.training.cached_steps import load_prompts
+    from pipeline.training.reward_channel import judged_pair_rows
+
+    tok = load_tokenizer(str(tiny_models["generator"]))
+    data = tmp_path / "reward-data"
+    data.mkdir()
+    texts = ["the lamp works great and I keep it on", "no no it is bad", "the lamp is good", "no the lamp no"]
+    for split in ("train", "eval"):
+        file = write_jsonl(tmp_path / f"{split}.jsonl", [{"prompt": f"Review the {t} ({split})."}
+                                                          for t in ("lamp", "battery", "camera")])
+        prompts = load_prompts(str(file), tok, 16)
+        samples, judged = [], []
+        for p in prompts:
+            for k, t in enumerate(texts):
+                ids = tok(t, add_special_tokens=False).input_ids
+                samples.append({"prompt": p.reward_input, "prompt_id": p.prompt_id, "sample": k, "eos": True,
+                                "token_ids": ids, "text": tok.decode(ids, skip_special_tokens=True)})
+                judged.append({"prompt_id": p.prompt_id, "sample": k, "followed": ["no" not in t.split(), True]})
+        write_jsonl(data / f"samples-{split}.jsonl", samples)
+        write_jsonl(data / f"judged-{split}.jsonl", judged)
+    (data / "settings.json").write_text(json.dumps({"prompts": str(tmp_path / "train.jsonl"), "max_new_tokens": 16,
+                                                    "eval_prompts": str(tmp_path / "eval.jsonl"),
+                                                    "eval_max_new_tokens": 16}))
+    rows = judged_pair_rows(data, "train", tok)
+    assert len(rows) == 3 * 4 and all("no" in r["rejected"].split() for r in rows)
+    encoded = encode_pairs(rows, tok)
+    first = load_prompts(str(tmp_path / "train.jsonl"), tok, 16)[0]
+    assert encoded[0].prompt == list(first.token_ids) and encoded[0].chosen == rows[0]["chosen_token_ids"]
+
+    out = tmp_path / "rt"
+    assert train_main(["--pairs", str(data), "--generator", str(tiny_models["generator"]), "--output", str(out),
+                       "--objective", "tcrm", "--hidden-size", "8", "--max-steps", "3", "--batch-size", "4",
+                       "--no-progress"]) == 0
+    assert "train_pairs: 10" in capsys.readouterr().out  # 12 pairs, 0.2 of them held out of training
+    figures_file = tmp_path / "figures.json"
+    assert reward_heldout.main(["--data", str(data), "--channel", str(out), "--taus", "2", "3",
+                                "--json", str(figures_file)]) == 0
+    got = json.loads(figures_file.read_text())["rewards"][f"channel {out}"]
+    samples = [json.loads(line) for line in (data / "samples-eval.jsonl").read_text().splitlines()]
+    ids = {p.prompt_id: list(p.token_ids) for p in load_prompts(str(tmp_path / "eval.jsonl"), tok, 16)}
+    rt = RewardTransformer.from_pretrained(str(out))
+    final, partial = channel_scores(rt, [(ids[s["prompt_id"]], s["token_ids"]) for s in samples], [2, 3],
+                                    tok.pad_token_id)
+    with torch.no_grad():  # one response alone, unpadded: R' after its second token and at its end
+        one = rt.token_rewards(torch.tensor([ids[samples[1]["prompt_id"]] + samples[1]["token_ids"]]),
+                               torch.ones(1, len(ids[samples[1]["prompt_id"]]) + len(samples[1]["token_ids"]),
+                                          dtype=torch.long))[0]
+    prompt_len = len(ids[samples[1]["prompt_id"]])
+    assert partial[2][1] == pytest.approx(one[prompt_len + 1].item(), abs=1e-5)
+    assert final[1] == pytest.approx(one[-1].item(), abs=1e-5)
+    pairs = [(c, r) for c in range(12) for r in range(12) if c // 4 == r // 4 and "no" not in texts[c % 4].split()
+             and "no" in texts[r % 4].split()]
+    agree = sum(1.0 if final[c] > final[r] else 0.5 if final[c] == final[r] else 0.0 for c, r in pairs) / len(pairs)
+    assert got["pairs"] == len(pairs) == 12 and got["agreement"] == pytest.approx(agree, abs=1e-4)
+    assert got["prefix_agreement"]["2"]["pairs"] == 12  # every response is longer than 2 tokens
+    with pytest.raises(SystemExit):
+        reward_heldout.main(["--data", str(data), "--channel", str(tiny_models["generator"])])
+    assert "has no trained reward channel" in capsys.readouterr().err
 
 
 def build(tiny_models, prompts, output, generator, *extra):

@@ -33,6 +33,18 @@ def load_prompts(path: str, tokenizer, max_new_tokens: int):
     return [formatter.prepare(row)[0] for row in rows]
 
 
+def prompt_token_ids(data: Path, split: str, tokenizer) -> dict[str, list[int]]:
+    """prompt_id -> the token ids the generator sampled ``split``'s responses after (the prompt
+    file that DIR/reward-data/settings.json names, formatted as the sampling formatted it)."""
+    settings = data / "settings.json"
+    if not settings.exists():
+        raise FetchError(f"{settings}: no such file (it names the prompt files)")
+    recorded = json.loads(settings.read_text())
+    key = "prompts" if split == "train" else "eval_prompts"
+    cap = recorded["max_new_tokens" if split == "train" else "eval_max_new_tokens"]
+    return {p.prompt_id: list(p.token_ids) for p in load_prompts(recorded[key], tokenizer, cap)}
+
+
 def load_instructions(path: str) -> dict[str, tuple[list[str], list[dict]]]:
     """prompt_id -> (instruction_id_list, kwargs) of a JSONL prompt file with IFEval's columns; a
     row without them, or with an instruction the judge does not check, is a FetchError naming the

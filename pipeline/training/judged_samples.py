@@ -3,9 +3,12 @@ each (Judgement: IFEval's checkers, pipeline.judge), and the preference pairs th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.decoding.sampling import SamplingParams, row_seed
+from pipeline.errors import InputError
 
 
 @dataclass
@@ -87,3 +90,18 @@ def preference_pairs(groups: list[str], scores: list[float], margin: float) -> l
                 if gap > 0 and gap >= margin:
                     pairs.append((i, j) if scores[i] > scores[j] else (j, i))
     return pairs
+
+
+def read_judged(data: Path, split: str) -> tuple[list[Sample], list[float]]:
+    """A reward model build's DIR/reward-data samples of ``split`` ("train" or "eval") and the
+    judge's instruction-level fraction for each; InputError naming the file when one is missing or
+    the verdicts are not on those samples."""
+    files = [data / f"samples-{split}.jsonl", data / f"judged-{split}.jsonl"]
+    for f in files:
+        if not f.exists():
+            raise InputError(f"{f}: no such file (a reward model build's DIR/reward-data has it)")
+    samples = [Sample(**json.loads(line)) for line in files[0].read_text().splitlines()]
+    judged = [json.loads(line) for line in files[1].read_text().splitlines()]
+    if [(s.prompt_id, s.sample) for s in samples] != [(j["prompt_id"], j["sample"]) for j in judged]:
+        raise InputError(f"{files[1]}: its rows are not the verdicts on {files[0]}'s samples, in order")
+    return samples, [sum(j["followed"]) / len(j["followed"]) for j in judged]

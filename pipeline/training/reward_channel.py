@@ -176,6 +176,56 @@ def evaluate_channel(model: RewardTransformer, pairs: list[EncodedPair], pad_id:
             "autrc": sum(curve) / points, "autrc_curve": curve, "autrc_fractions": fractions}
 
 
+@torch.no_grad()
+def channel_scores(model: RewardTransformer, responses: list[tuple[list[int], list[int]]], taus: list[int],
+                   pad_id: int, batch_size: int = 16) -> tuple[list[float], dict[int, dict[int, float]]]:
+    """The channel as a reward of (prompt ids, response ids) pairs, what a decoding pass reads:
+    the final reward R' at each response's last token, and tau -> {index: R' after the response's
+    first tau tokens} for every response longer than tau (pipeline.training.reward_evaluation's
+    partial_rewards shape, so the same figures apply)."""
+    model.eval()
+    device = next(model.parameters()).device
+    final: list[float] = []
+    partial: dict[int, dict[int, float]] = {tau: {} for tau in taus}
+    for start in range(0, len(responses), batch_size):
+        chunk = responses[start:start + batch_size]
+        width = max(len(p) + len(r) for p, r in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, (p, r) in enumerate(chunk):
+            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+            mask[i, :len(p) + len(r)] = 1
+        rewards = model.token_rewards(ids.to(device), mask.to(device)).float().cpu()  # [B, T]
+        for i, (p, r) in enumerate(chunk):
+            final.append(rewards[i, len(p) + len(r) - 1].item())
+            for tau in taus:
+                if len(r) > tau:
+                    partial[tau][start + i] = rewards[i, len(p) + tau - 1].item()
+    return final, partial
+
+
+def judged_pair_rows(data: Path, split: str, tokenizer) -> list[dict]:
+    """The judge's preference pairs of ``split``'s samples (preference_pairs, margin 0) as pair rows
+    with the generator's own token ids, the columns pipeline.training.reward_channel.encode_pairs
+    reads: prompt (the formatted text), chosen, rejected, prompt_token_ids, chosen_token_ids,
+    rejected_token_ids."""
+    from pipeline.training.cached_steps import prompt_token_ids
+    from pipeline.training.judged_samples import preference_pairs, read_judged
+
+    samples, fractions = read_judged(data, split)
+    prompts = prompt_token_ids(data, split, tokenizer)
+    missing = {s.prompt_id for s in samples} - set(prompts)
+    if missing:
+        raise InputError(f"{data / 'settings.json'}: its {split} prompt file lacks {len(missing)} sampled prompts")
+    rows = []
+    for c, r in preference_pairs([s.prompt_id for s in samples], fractions, 0.0):
+        ids = prompts[samples[c].prompt_id]
+        rows.append({"prompt": tokenizer.decode(ids), "chosen": samples[c].text, "rejected": samples[r].text,
+                     "prompt_token_ids": ids, "chosen_token_ids": samples[c].token_ids,
+                     "rejected_token_ids": samples[r].token_ids})
+    return rows
+
+
 def split_pairs(pairs: list, eval_fraction: float, seed: int) -> tuple[list, list]:
     """(train, held-out): a seeded shuffle; at least one item on each side when there are two."""
     order = list(range(len(pairs)))
