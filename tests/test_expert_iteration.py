@@ -139,7 +139,8 @@ def test_user_errors_are_one_line(tiny_models, tmp_path, capsys):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": GOOD_PROMPTS[0]}])
     cases = [(["--strategy-after", "nosuch"], "error: strategy.name: unknown strategy 'nosuch'"),
              (["--set", f"models.draft={tmp_path / 'nope'}", "--strategy-after", "dsbd"], "error: models.draft: cannot load"),
-             (["--prompts", str(tmp_path / "none.jsonl")], "error: data.prompts:")]
+             (["--prompts", str(tmp_path / "none.jsonl")], "error: data.prompts:"),
+             (["--objective", "tcrm", "--mc-weight", "-0.5"], "error: --mc-weight must be >= 0, got -0.5")]
     for extra, message in cases:
         assert main(args(tiny_models, prompts, tmp_path / "ei", *extra)) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
