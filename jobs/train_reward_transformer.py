@@ -82,16 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.training.reward_channel import train_reward_transformer
 
     try:
+        pairs = _pairs(args, storage_options)
+    except (InputError, IncompleteBuild, FetchError) as exc:
+        log.error("%s", exc)
+        return 2
+    try:
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(args.generator)
     except (OSError, ValueError) as exc:
         log.error("--generator: cannot load %r (%s)", args.generator, str(exc).splitlines()[0])
-        return 2
-    try:
-        pairs = _pairs(args, storage_options)
-    except (InputError, IncompleteBuild, FetchError) as exc:
-        log.error("%s", exc)
         return 2
     try:
         metrics = train_reward_transformer(
@@ -125,7 +125,11 @@ def _pairs(args: argparse.Namespace, storage_options: dict):
         from pipeline.engines.hf import load_tokenizer
         from pipeline.training.reward_channel import judged_pair_rows
 
-        rows = judged_pair_rows(Path(args.pairs), "train", load_tokenizer(args.generator))
+        try:
+            tokenizer = load_tokenizer(args.generator)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"--generator: cannot load {args.generator!r} ({str(exc).splitlines()[0]})") from None
+        rows = judged_pair_rows(Path(args.pairs), "train", tokenizer)
         if not rows:
             raise InputError(f"{args.pairs}: the judge tells no two training samples of a prompt apart")
         return datasets.Dataset.from_list(rows)
