@@ -97,12 +97,9 @@ def channel_rewards(path: str, data: Path, samples: list, taus: list[int]):
         fail(f"--channel: {path} has no trained reward channel (bon-train-reward-transformer makes one)")
     tokenizer = load_tokenizer(path)
     try:
-        prompts = prompt_token_ids(data, "eval", tokenizer)
+        prompts = prompt_token_ids(data, "eval", tokenizer, {s.prompt_id for s in samples})
     except (FetchError, InputError) as exc:
         fail(str(exc).splitlines()[0])
-    missing = {s.prompt_id for s in samples} - set(prompts)
-    if missing:
-        fail(f"{data / 'settings.json'}: its eval prompt file lacks {len(missing)} sampled prompts")
     model = RewardTransformer.from_pretrained(path)
     return channel_scores(model, [(prompts[s.prompt_id], list(s.token_ids)) for s in samples], taus,
                           int(tokenizer.pad_token_id))

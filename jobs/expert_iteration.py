@@ -47,7 +47,8 @@ import os
 import sys
 from pathlib import Path
 
-from jobs.cli import add_channel_objective_flags, add_help_config, bars, channel_objective_error, job_parser, setup_logging, strategies_text
+from jobs.cli import (add_channel_objective_flags, add_help_config, bars, channel_objective_error, job_parser,
+                      setup_logging, strategies_text)
 from pipeline.config import ConfigError, load_config
 from pipeline.errors import InputError
 from pipeline.errors import IncompleteBuild, OutputConflict
@@ -295,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.rounds < 1:
             raise ConfigError(f"--rounds: must be >= 1, got {args.rounds}")
-        if channel_objective_error(args):
-            raise ConfigError(channel_objective_error(args))
+        error = channel_objective_error(args)
+        if error:
+            raise ConfigError(error)
         generator = load_config(args.config, [o for o in args.overrides if not o.startswith("strategy.")]
                                 ).models.generator
         first = round_config(args, 0, generator, out / "pairs")

@@ -67,8 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
-    if channel_objective_error(args):
-        log.error("%s", channel_objective_error(args))
+    error = channel_objective_error(args)
+    if error:
+        log.error("%s", error)
         return 2
     storage_options = {}
     for item in args.storage_options:

@@ -33,16 +33,21 @@ def load_prompts(path: str, tokenizer, max_new_tokens: int):
     return [formatter.prepare(row)[0] for row in rows]
 
 
-def prompt_token_ids(data: Path, split: str, tokenizer) -> dict[str, list[int]]:
+def prompt_token_ids(data: Path, split: str, tokenizer, sampled: set[str]) -> dict[str, list[int]]:
     """prompt_id -> the token ids the generator sampled ``split``'s responses after (the prompt
-    file that DIR/reward-data/settings.json names, formatted as the sampling formatted it)."""
+    file that DIR/reward-data/settings.json names, formatted as the sampling formatted it); a
+    FetchError when that file lacks any of the ``sampled`` prompt ids."""
     settings = data / "settings.json"
     if not settings.exists():
         raise FetchError(f"{settings}: no such file (it names the prompt files)")
     recorded = json.loads(settings.read_text())
     key = "prompts" if split == "train" else "eval_prompts"
     cap = recorded["max_new_tokens" if split == "train" else "eval_max_new_tokens"]
-    return {p.prompt_id: list(p.token_ids) for p in load_prompts(recorded[key], tokenizer, cap)}
+    prompts = {p.prompt_id: list(p.token_ids) for p in load_prompts(recorded[key], tokenizer, cap)}
+    missing = sampled - set(prompts)
+    if missing:
+        raise FetchError(f"{settings}: its {split} prompt file lacks {len(missing)} sampled prompts")
+    return prompts
 
 
 def load_instructions(path: str) -> dict[str, tuple[list[str], list[dict]]]:

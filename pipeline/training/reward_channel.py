@@ -95,13 +95,19 @@ def _batch(pairs: list[EncodedPair], pad_id: int, device) -> tuple[torch.Tensor,
     seqs = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
     spans = [(len(p.prompt), len(p.prompt) + len(p.chosen)) for p in pairs] + \
             [(len(p.prompt), len(p.prompt) + len(p.rejected)) for p in pairs]
+    ids, mask = _right_padded(seqs, pad_id)
+    return ids.to(device), mask.to(device), spans
+
+
+def _right_padded(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, T], attention mask [B, T]) of token lists, padded on the right."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)
         mask[i, :len(s)] = 1
-    return ids.to(device), mask.to(device), spans
+    return ids, mask
 
 
 def response_rewards(model: RewardTransformer, pairs: list[EncodedPair], pad_id: int, train_policy: bool = False
@@ -189,12 +195,7 @@ def channel_scores(model: RewardTransformer, responses: list[tuple[list[int], li
     partial: dict[int, dict[int, float]] = {tau: {} for tau in taus}
     for start in range(0, len(responses), batch_size):
         chunk = responses[start:start + batch_size]
-        width = max(len(p) + len(r) for p, r in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for i, (p, r) in enumerate(chunk):
-            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-            mask[i, :len(p) + len(r)] = 1
+        ids, mask = _right_padded([p + r for p, r in chunk], pad_id)
         rewards = model.token_rewards(ids.to(device), mask.to(device)).float().cpu()  # [B, T]
         for i, (p, r) in enumerate(chunk):
             final.append(rewards[i, len(p) + len(r) - 1].item())
@@ -213,10 +214,7 @@ def judged_pair_rows(data: Path, split: str, tokenizer) -> list[dict]:
     from pipeline.training.judged_samples import preference_pairs, read_judged
 
     samples, fractions = read_judged(data, split)
-    prompts = prompt_token_ids(data, split, tokenizer)
-    missing = {s.prompt_id for s in samples} - set(prompts)
-    if missing:
-        raise InputError(f"{data / 'settings.json'}: its {split} prompt file lacks {len(missing)} sampled prompts")
+    prompts = prompt_token_ids(data, split, tokenizer, {s.prompt_id for s in samples})
     rows = []
     for c, r in preference_pairs([s.prompt_id for s in samples], fractions, 0.0):
         ids = prompts[samples[c].prompt_id]
