@@ -4,13 +4,15 @@ same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(L - tau
 
     python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [DIR2/counterfactual.json ...] [--sizes 8,16,32] \
         [--taus 16,32,64] [--alphas 0.5,0.75,0.9] [--level instruction] [--weights 0,1] [--json OUT.json] [--plot OUT.png]
+        [--more-samples DIR3/counterfactual.json [DIR4/counterfactual.json ...]]
 
 The input is jobs.counterfactual's JSON (``bon-counterfactual ... --output DIR``): per prompt, N_max
 completions with their lengths, the combined reward at each decision token and at the end, and the
 judge's verdicts (IFEval strict, per instruction). Nothing is sampled here; every point is replayed on
 those same completions (--weights: under another combination of the collection's rewards, e.g. the
 reward model alone, whose choices IFEval judges without circularity when the other reward is IFEval's
-own checker):
+own checker; --more-samples: collections of the same prompts under another --seed, pooled per prompt, so
+N_max 64 costs a second N-32 collection, not a new one):
 
 - Best-of-K for K = 1..N_max, as an exact expectation over the K-subsets: the completion ranked r-th
   by final reward (ties: the lower index, as pair selection breaks them) is Best-of-K's choice in
@@ -69,17 +71,29 @@ class Point:
     final: np.ndarray
 
 
-def load(path: str, weights: list[float] | None = None) -> tuple[list[Prompt], dict]:
-    """The prompts of a counterfactual JSON that the judge saw; one line and exit 2 otherwise.
-    ``weights``: one per reward of the collection, its rewards combined anew as a build combines
-    them (jobs.counterfactual.Collected.rewards); None: the collection's own combination."""
+def read(path: str) -> dict:
+    """A counterfactual JSON's data; one line and exit 2 when it cannot be read."""
     try:
         data = json.loads(Path(path).read_text())
+        if not isinstance(data.get("completions"), list):
+            raise KeyError("completions")
+        return data
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        fail(f"{path}: not a counterfactual JSON with completions ({type(exc).__name__}: {exc})")
+
+
+def load(path: str, weights: list[float] | None = None, data: dict | None = None) -> tuple[list[Prompt], dict]:
+    """The prompts of a counterfactual JSON (``data``: its data already read, e.g. pooled) that the judge
+    saw; one line and exit 2 otherwise. ``weights``: one per reward of the collection, its rewards
+    combined anew as a build combines them (jobs.counterfactual.Collected.rewards); None: the
+    collection's own combination."""
+    data = read(path) if data is None else data
+    try:
         specs = data["reward"] if isinstance(data.get("reward"), list) else [data.get("reward")]
         if weights is not None and len(weights) != len(specs):
             fail(f"{path}: --weights has {len(weights)} weights for its {len(specs)} rewards ({', '.join(map(str, specs))})")
         prompts = [Prompt(_rewards(c, specs, weights), c["judged"]) for c in data["completions"] if c.get("judged")]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         fail(f"{path}: not a counterfactual JSON with completions ({type(exc).__name__}: {exc})")
     if not prompts:
         fail(f"{path}: no prompt has the judge's verdicts (the prompts need IFEval's columns)")
@@ -90,17 +104,62 @@ SAME = ("generator", "reward", "reward_weights", "taus", "max_new_tokens", "num_
 """What the collections replayed together must share."""
 
 
-def load_all(paths: list[str], weights: list[float] | None = None) -> tuple[list[Prompt], dict]:
+def load_all(paths: list[str], weights: list[float] | None = None,
+             more: list[list[str]] | None = None) -> tuple[list[Prompt], dict]:
     """``load`` of each path, the prompts concatenated; the first's settings, which the others must share
-    (SAME; one line and exit 2 otherwise)."""
-    prompts, first = load(paths[0], weights)
-    for path in paths[1:]:
-        more, data = load(path, weights)
+    (SAME; one line and exit 2 otherwise). ``more``: lists of collections of the same prompts under other
+    seeds, one per path in order, whose completions are pooled into that path's prompts (``pool``)."""
+    if more and any(len(m) != len(paths) for m in more):
+        fail(f"--more-samples: {' / '.join(str(len(m)) for m in more)} paths for {len(paths)} --counterfactual paths "
+             "(one per --counterfactual, in order)")
+    groups = [[path, *extra] for path, *extra in zip(paths, *(more or []))]
+    prompts, first = load(paths[0], weights, pool(groups[0]))
+    for group in groups[1:]:
+        more_prompts, data = load(group[0], weights, pool(group))
         differ = [key for key in SAME if data.get(key) != first.get(key)]
         if differ:
-            fail(f"{path}: not collected as {paths[0]} was ({', '.join(differ)} differ)")
-        prompts += more
+            fail(f"{group[0]}: not collected as {paths[0]} was ({', '.join(differ)} differ)")
+        prompts += more_prompts
     return prompts, first
+
+
+def pool(paths: list[str]) -> dict:
+    """One collection of ``paths``, collections of the same prompts (in the same order) under different
+    seeds: each prompt's completions are the first's followed by the others', so N_max is their sum.
+    They must share SAME but num_samples, each prompt's id where both record one, and each prompt's
+    instruction count; the seeds must differ (the same seed draws the same completions again). One line
+    and exit 2 otherwise."""
+    data = read(paths[0])
+    for path in paths[1:]:
+        other = read(path)
+        differ = [key for key in SAME if key != "num_samples" and other.get(key) != data.get(key)]
+        if len(other["completions"]) != len(data["completions"]):
+            differ.append(f"prompts ({len(other['completions'])} against {len(data['completions'])})")
+        for i, (mine, theirs) in enumerate(zip(data["completions"], other["completions"])):
+            if set(mine) - {"prompt_id"} != set(theirs) - {"prompt_id"}:
+                differ.append(f"prompt {i}'s fields")
+            elif "prompt_id" in mine and "prompt_id" in theirs and mine["prompt_id"] != theirs["prompt_id"]:
+                differ.append(f"prompt {i}'s id")
+            elif {len(j) for j in mine.get("judged") or [[]]} != {len(j) for j in theirs.get("judged") or [[]]}:
+                differ.append(f"prompt {i}'s instructions")
+        if differ:
+            fail(f"{path}: not the same prompts and settings as {paths[0]} ({', '.join(differ[:3])} differ)")
+        seeds = data.get("seeds", [data.get("seed")])
+        if other.get("seed") in seeds:
+            fail(f"{path}: collected with seed {other.get('seed')}, as {paths[0]} was: the same completions again")
+        data = {**data, "seeds": [*seeds, other.get("seed")],
+                "num_samples": data.get("num_samples", 0) + other.get("num_samples", 0),
+                "completions": [_pooled(a, b) for a, b in zip(data["completions"], other["completions"])]}
+    return data
+
+
+def _pooled(first: dict, second: dict) -> dict:
+    """One prompt's completions of two collections, the first's then the second's (every per-completion list)."""
+    def join(a, b):
+        return {k: join(a[k], b[k]) for k in a} if isinstance(a, dict) else (a or []) + (b or [])
+    pooled = {key: join(value, second[key]) for key, value in first.items() if key != "prompt_id"}
+    prompt = first.get("prompt_id", second.get("prompt_id"))
+    return pooled if prompt is None else {"prompt_id": prompt, **pooled}
 
 
 def _rewards(completions: dict, specs: list, weights: list[float] | None) -> PromptRewards:
@@ -262,8 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default="",
                         help="one weight per reward of the collection, W,W,...: its rewards combined anew (e.g. 0,1: "
                              "the second reward alone); default: the collection's --reward-weights")
+    parser.add_argument("--more-samples", nargs="+", action="append", metavar="PATH",
+                        help="counterfactual JSONs of the same prompts under another --seed, one per --counterfactual "
+                             "in order: each prompt's completions pooled (N_max their sum); repeat for more")
     args = parse(parser, argv)
-    prompts, data = load_all(args.counterfactual, _floats(args.weights) or None)
+    prompts, data = load_all(args.counterfactual, _floats(args.weights) or None, args.more_samples)
     n_max = min(len(p.rewards.final) for p in prompts)
     taus = [int(t) for t in _floats(args.taus)] or data.get("taus") or sorted(prompts[0].rewards.partial)
     missing = [t for t in taus if any(t not in p.rewards.partial for p in prompts)]
@@ -273,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                       _floats(args.alphas) or data.get("alphas") or [0.75], args.level,
                       (args.generator_cost, args.reward_cost), args.subsets, args.bootstrap, args.seed)
     report(result, args.level)
-    write_json(args.json, {"counterfactual": args.counterfactual,
+    write_json(args.json, {"counterfactual": args.counterfactual, "more_samples": args.more_samples,
                            "reward_weights": _floats(args.weights) or data.get("reward_weights"), **result}, args)
     write_png(args.plot, draw(result, args.level))
     return 0

@@ -322,11 +322,12 @@ def main(argv: list[str] | None = None) -> int:
               "reward_tokens_read": sum(int(s.stats().get("tokens_read", 0)) for s in scorers),
               **{k: v for k, v in summary.items() if k not in ("weights", "standardized")},
               "combinations": combinations,
-              "completions": [{"lengths": p.lengths, "final": p.final, "partial": {str(t): v for t, v in p.partial.items()},
+              "completions": [{"prompt_id": prompt.prompt_id, "lengths": p.lengths, "final": p.final,
+                               "partial": {str(t): v for t, v in p.partial.items()},
                                "rewards": {spec: {"final": c.final[k], "partial": {str(t): c.partial[t][k] for t in taus}}
                                            for k, spec in enumerate(args.reward)},
                                "ended": {str(t): v for t, v in c.ended.items()}, "judged": c.judged}
-                              for p, c in zip(main_rewards, collected)]}
+                              for prompt, p, c in zip(prompts, main_rewards, collected)]}
     (output / "counterfactual.json").write_text(json.dumps(report, indent=1))
     (output / "summary.json").write_text(json.dumps(report_summary(report), indent=1))
     plot(summary, taus, args.alphas, output)

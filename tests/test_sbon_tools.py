@@ -123,6 +123,7 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
         seeds = [row_seed(0, prompt_id(text), s) for s in range(4)]
         rows = engine.generate([formatter.render(text)[1]], 4, seeds, SamplingParams(max_new_tokens=12))
         assert completions["lengths"] == [len(r.token_ids) for r in rows]
+        assert completions["prompt_id"] == prompt_id(text)  # what benchmarks.frontier --more-samples matches
         assert completions["final"] == pytest.approx(scorer.score([text] * 4, [r.text for r in rows]), abs=1e-4)
         # The partial rewards that drive the grid: each row's first tau tokens (all of them if it
         # ended earlier) as text, scored afresh in full by the reward model, not streamed.
@@ -309,6 +310,44 @@ def test_frontier_sbon_without_rejection_is_best_of_n_and_the_ratio_interpolates
     at_n = {p["n"]: p for p in result["sbon"]}
     assert at_n[8]["ratio"] == pytest.approx(1.0) and at_n[8]["ratio_low"] <= 1.0 <= at_n[8]["ratio_high"]
     assert [c["k"] for c in result["best_of_k"]] == list(range(1, 9))
+
+
+def _collection(prompts, keep, seed: int, ids=None) -> dict:
+    """A counterfactual JSON of ``prompts`` with only the completions ``keep`` of each (``ids``: prompt ids)."""
+    return {"taus": [8, 16], "alphas": [0.5], "num_samples": len(keep), "seed": seed, "completions": [
+        {**({"prompt_id": ids[i]} if ids else {}), "lengths": [p.rewards.lengths[k] for k in keep],
+         "final": [p.rewards.final[k] for k in keep],
+         "partial": {str(t): [v[k] for k in keep] for t, v in p.rewards.partial.items()},
+         "judged": [p.judged[k] for k in keep]} for i, p in enumerate(prompts)]}
+
+
+def test_frontier_more_samples_pools_each_prompts_completions(tmp_path, capsys):
+    """Two halves of each prompt's completions, collected under two seeds and pooled with
+    --more-samples, replay exactly as the whole collection does (N_max their sum); a second seed
+    that repeats the first, other prompts, or a --more-samples count that does not match are one
+    line, exit 2."""
+    from benchmarks.frontier import main
+
+    prompts, paths = _frontier_prompts(5, n=8, prompts=4, agreeing=True), {}
+    for name, keep, seed, ids in (("whole", range(8), 0, None), ("a", range(4), 0, "pqrs"), ("b", range(4, 8), 1, "pqrs"),
+                                  ("same_seed", range(4, 8), 0, "pqrs"), ("other", range(4, 8), 1, "pqrz")):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(_collection(prompts, list(keep), seed, ids)))
+    results = {}
+    for name, argv in (("whole", [str(paths["whole"])]), ("pooled", [str(paths["a"]), "--more-samples", str(paths["b"])])):
+        assert main(["--counterfactual", *argv, "--sizes", "4,8", "--bootstrap", "20", "--json", str(tmp_path / name)]) == 0
+        results[name] = json.loads((tmp_path / name).read_text())
+    assert results["pooled"]["n_max"] == 8 and results["pooled"]["more_samples"] == [[str(paths["b"])]]
+    for key in ("best_of_k", "sbon"):
+        assert results["pooled"][key] == results["whole"][key]  # the same completions in the same order
+    capsys.readouterr()
+    for more, message in ((["same_seed"], "collected with seed 0"), (["other"], "prompt 3's id"),
+                          (["b", "b"], "2 paths for 1 --counterfactual"), (["whole"], "the same completions again")):
+        argv = ["--counterfactual", str(paths["a"]), "--more-samples", *(str(paths[m]) for m in more)]
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_frontier_cli_writes_json_and_png_and_refuses_bad_input(tmp_path, capsys):
