@@ -24,7 +24,8 @@ partial rewards at tau, and its final rewards, z-scored across the prompt's comp
 weighted sum): the comparison behind a build's raw sum (docs/design.md, "Composite rewards").
 
 Writes DIR/counterfactual.json (the settings under the flags' names, the grid, the correlations,
-every completion's rewards under each reward, and ``combinations``: each weighting's grid),
+every prompt's id and its completions' rewards under each reward, and ``combinations``: each weighting's
+grid; benchmarks.frontier replays it, and pools collections of the same prompts under other --seed),
 DIR/summary.json (the same without the per-prompt data: ``report_summary``; what
 benchmarks/results keeps),
 DIR/tradeoff.png (score and token rate against alpha, one line per tau, as the paper's Figure 3)
