@@ -82,12 +82,11 @@ def read(path: str) -> dict:
         fail(f"{path}: not a counterfactual JSON with completions ({type(exc).__name__}: {exc})")
 
 
-def load(path: str, weights: list[float] | None = None, data: dict | None = None) -> tuple[list[Prompt], dict]:
-    """The prompts of a counterfactual JSON (``data``: its data already read, e.g. pooled) that the judge
-    saw; one line and exit 2 otherwise. ``weights``: one per reward of the collection, its rewards
-    combined anew as a build combines them (jobs.counterfactual.Collected.rewards); None: the
+def load(path: str, data: dict, weights: list[float] | None = None) -> tuple[list[Prompt], dict]:
+    """The prompts of ``data`` (the counterfactual JSON at ``path``, pooled with any --more-samples: ``pool``)
+    that the judge saw; one line and exit 2 otherwise. ``weights``: one per reward of the collection, its
+    rewards combined anew as a build combines them (jobs.counterfactual.Collected.rewards); None: the
     collection's own combination."""
-    data = read(path) if data is None else data
     try:
         specs = data["reward"] if isinstance(data.get("reward"), list) else [data.get("reward")]
         if weights is not None and len(weights) != len(specs):
@@ -113,9 +112,9 @@ def load_all(paths: list[str], weights: list[float] | None = None,
         fail(f"--more-samples: {' / '.join(str(len(m)) for m in more)} paths for {len(paths)} --counterfactual paths "
              "(one per --counterfactual, in order)")
     groups = [[path, *extra] for path, *extra in zip(paths, *(more or []))]
-    prompts, first = load(paths[0], weights, pool(groups[0]))
+    prompts, first = load(paths[0], pool(groups[0]), weights)
     for group in groups[1:]:
-        more_prompts, data = load(group[0], weights, pool(group))
+        more_prompts, data = load(group[0], pool(group), weights)
         differ = [key for key in SAME if data.get(key) != first.get(key)]
         if differ:
             fail(f"{group[0]}: not collected as {paths[0]} was ({', '.join(differ)} differ)")
