@@ -4,6 +4,7 @@
     python -m benchmarks.hf_throughput --generator DIR --compare-prepack [--repeats 3]
     python -m benchmarks.hf_throughput --generator DIR --compare-attention [--paths sdpa,sdpa+gather] [--device cuda --dtype bfloat16]
     python -m benchmarks.hf_throughput --generator DIR --compare-dtype [--repeats 3]
+    python -m benchmarks.hf_throughput --generator DIR --reward DIR --contend-reward [--repeats 2]
 
 Each repeat opens one session of --rows rows (a fixed set of chat prompts, chat template applied,
 sampled --rows / prompts times each), extends it to exactly --max-new-tokens tokens per row (temperature
@@ -31,6 +32,12 @@ flex_attention over the blocks in place). This is how the defaults were chosen (
 ``--compare-dtype``: the same measurement in float32 (prepacked, the engine's CPU default) and in
 bfloat16, one engine each in one process, repeats alternating: what ``jobs.fetch_models
 --sampling-dtype`` trades when the reward model's training samples are drawn.
+
+``--contend-reward``: the same measurement for each decode kernel (flex_attention over the blocks,
+and ``sdpa+gather``), alone and while the reward model (--reward) scores in another thread of the
+same process without pause, as in an in-process build (runtime.local), where the generator and the
+reward model share the machine's cores; repeats alternate. Prints each kernel's tokens/s alone and
+contended, the slowdown, and the reward passes the other thread finished per second of decoding.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from benchmarks import bench_parser, model_dirs, parse, write_json
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.kv_cache import KERNEL_ENV
+from pipeline.engines.rewards import RewardScorer
 from pipeline.engines.vllm_engine import _environment
 
 PROMPTS = [
@@ -228,8 +236,64 @@ def compare_attention(model_dir: str, rows: int, tokens: int, repeats: int, thre
     return result
 
 
+CONTEND_RESPONSE = " ".join(PROMPTS) * 3
+"""What the reward thread scores: about 230 tokens of the real reward model's tokenizer per response."""
+
+
+def contend_reward(model_dir: str, reward_dir: str, rows: int, tokens: int, repeats: int, threads: int,
+                   batch: int = 32) -> dict:
+    """Each decode kernel's throughput alone and beside a reward model scoring ``batch`` responses a
+    call, without pause, in another thread of this process; the four runs alternate per repeat."""
+    import threading
+
+    torch.set_num_threads(threads)
+    engine = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
+    scorer = RewardScorer.from_pretrained(reward_dir, device="cpu", dtype="float32", batch_size=batch)
+    prompts = chat_prompts(engine.tokenizer, rows)
+    texts = ([PROMPTS[0]] * batch, [CONTEND_RESPONSE] * batch)
+    result = {"model": model_dir, "reward": reward_dir, "transformers": transformers.__version__,
+              "torch": torch.__version__, "rows": rows, "tokens": tokens, "threads": threads, "reward_batch": batch}
+    runs = {(kernel, mode): [] for kernel in ("flex", "sdpa+gather") for mode in ("alone", "contended")}
+    passes = {kernel: [] for kernel in ("flex", "sdpa+gather")}
+    for kernel in passes:  # warm-up
+        with decode_kernel(kernel != "flex"):
+            run_session(engine, prompts, rows, min(tokens, 8))
+    scorer.score(*texts)
+    for _ in range(repeats):
+        for (kernel, mode), rates in runs.items():
+            stop, done = threading.Event(), [0]
+
+            def score():
+                while not stop.is_set():
+                    scorer.score(*texts)
+                    done[0] += 1
+
+            other = threading.Thread(target=score, daemon=True)
+            if mode == "contended":
+                other.start()
+            try:
+                with decode_kernel(kernel != "flex"):
+                    start = time.perf_counter()
+                    generated = run_session(engine, prompts, rows, tokens)
+                    seconds = time.perf_counter() - start
+            finally:
+                stop.set()
+                if mode == "contended":
+                    other.join()
+            rates.append(generated / seconds)
+            if mode == "contended":
+                passes[kernel].append(done[0] / seconds)
+    for kernel in passes:
+        alone, contended = (statistics.median(runs[kernel, m]) for m in ("alone", "contended"))
+        result[kernel] = {"alone": _summary(runs[kernel, "alone"]), "contended": _summary(runs[kernel, "contended"]),
+                          "slowdown": round(alone / contended, 2),
+                          "reward_calls_per_s": round(statistics.median(passes[kernel]), 3)}
+    return result
+
+
 def main(argv=None) -> int:
-    parser = bench_parser("benchmarks.hf_throughput", __doc__, models="tiny", generator=None, max_new_tokens=128,
+    parser = bench_parser("benchmarks.hf_throughput", __doc__, models="tiny", generator=None, reward=None,
+                          max_new_tokens=128,
                           repeats=3, threads=2, json=None)
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--no-prepack", action="store_true", help="models.cpu_prepack off")
@@ -240,13 +304,23 @@ def main(argv=None) -> int:
                         help="the engine's throughput under eager, sdpa and sdpa with each kernel pinned")
     parser.add_argument("--compare-dtype", action="store_true",
                         help="float32 (prepacked) and bfloat16 on CPU side by side")
+    parser.add_argument("--contend-reward", action="store_true",
+                        help="each decode kernel alone and beside the reward model (--reward) scoring in another thread")
     parser.add_argument("--paths", default=",".join(ATTENTION),
                         help="--compare-attention's paths, comma-separated (default: all of them)")
     parser.add_argument("--device", default="cpu", help="--compare-attention's device (cpu, cuda)")
     parser.add_argument("--dtype", default="float32", help="--compare-attention's dtype")
     args = parse(parser, argv)
     model = model_dirs(args.models, ("generator",), generator=args.generator)["generator"]
-    if args.compare_attention:
+    if args.contend_reward:
+        reward = model_dirs(args.models, ("reward",), reward=args.reward)["reward"]
+        result = contend_reward(model, reward, args.rows, args.max_new_tokens, args.repeats, args.threads)
+        for kernel in ("flex", "sdpa+gather"):
+            r = result[kernel]
+            print(f"{kernel:12s} alone {r['alone']['median_tokens_per_s']:.1f} tokens/s {r['alone']['tokens_per_s']}, "
+                  f"contended {r['contended']['median_tokens_per_s']:.1f} {r['contended']['tokens_per_s']}: "
+                  f"{r['slowdown']:.2f}x slower; reward calls {r['reward_calls_per_s']:.3f}/s")
+    elif args.compare_attention:
         paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
         unknown = sorted(set(paths) - set(ATTENTION))
         if unknown:

@@ -276,6 +276,41 @@ def test_the_dtype_benchmark_decodes_with_one_engine_per_dtype(tiny_models, caps
     assert result["throughput_ratio_over_float32"] == {"float32": 1.0, "bfloat16": pytest.approx(bf16, abs=5e-3)}
 
 
+def test_the_contention_benchmark_scores_in_another_thread_during_the_contended_runs_only(tiny_models, monkeypatch):
+    """benchmarks.hf_throughput --contend-reward: each decode kernel decodes alone, then while the
+    reward model scores in another thread (calls made during the run), runs alternating; the
+    slowdown is alone over contended."""
+    import time
+
+    from benchmarks import hf_throughput
+    from pipeline.engines import kv_cache
+
+    calls, seen = [0], []
+    score = hf_throughput.RewardScorer.score
+    monkeypatch.setattr(hf_throughput.RewardScorer, "score",
+                        lambda self, *a, **kw: calls.__setitem__(0, calls[0] + 1) or score(self, *a, **kw))
+
+    def session(engine, prompts, rows, tokens):  # the reward thread, if any, scores while this runs
+        before, deadline = calls[0], time.monotonic() + 5  # alone: nothing scores
+        while tokens > 2 and calls[0] == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen.append((kv_cache._gathers(), calls[0] > before))
+        return rows * tokens
+
+    monkeypatch.setattr(hf_throughput, "run_session", session)
+    monkeypatch.setattr(hf_throughput, "_summary", lambda rates: {"tokens_per_s": rates,
+                                                                  "median_tokens_per_s": rates[0]})
+    result = hf_throughput.contend_reward(str(tiny_models["generator"]), str(tiny_models["reward"]), 2, 4, 1, 1,
+                                          batch=2)
+    # warm-up (no reward thread), then flex alone, flex contended, gather alone, gather contended
+    assert [g for g, _ in seen] == [False, True, False, False, True, True]
+    assert [c for _, c in seen[2:]] == [False, True, False, True]
+    for kernel in ("flex", "sdpa+gather"):
+        r = result[kernel]
+        assert r["slowdown"] == round(r["alone"]["median_tokens_per_s"] / r["contended"]["median_tokens_per_s"], 2)
+        assert r["reward_calls_per_s"] > 0
+
+
 def test_the_attention_benchmark_measures_the_gather_decode_kernel_beside_the_default(tiny_models, monkeypatch):
     """benchmarks.hf_throughput --compare-attention: ``sdpa+gather`` decodes on the sdpa engine with
     the KV cache's blocks gathered (BON_KV_KERNEL=gather), every other path with the default kernel;
