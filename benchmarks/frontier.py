@@ -3,7 +3,7 @@ completions (issue 49): the paper's own comparison (reward reached against compu
 same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(L - tau)).
 
     python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [DIR2/counterfactual.json ...] [--sizes 8,16,32] \
-        [--taus 16,32,64] [--alphas 0.5,0.75,0.9] [--level instruction] [--weights 0,1] [--json OUT.json] [--plot OUT.png]
+        [--taus 16,32,64,16+64] [--alphas 0.5,0.75,0.9] [--level instruction] [--weights 0,1] [--json OUT.json] [--plot OUT.png]
         [--more-samples DIR3/counterfactual.json [DIR4/counterfactual.json ...]]
 
 The input is jobs.counterfactual's JSON (``bon-counterfactual ... --output DIR``): per prompt, N_max
@@ -18,8 +18,9 @@ N_max 64 costs a second N-32 collection, not a new one):
   by final reward (ties: the lower index, as pair selection breaks them) is Best-of-K's choice in
   C(N - 1 - r, K - 1) of the C(N, K) subsets.
 - Speculative rejection at every (N, tau, alpha): Algorithm 1 replayed by
-  pipeline.decoding.metrics (accepted, chosen), exactly at N = N_max and averaged over --subsets
-  random N-subsets below it.
+  pipeline.decoding.metrics (accepted_in_turn, chosen), exactly at N = N_max and averaged over
+  --subsets random N-subsets below it. A tau of A+B is decision tokens A then B in turn, as a list
+  in strategy.decision_token decides: each rejects alpha of the rows still in play.
 - Compute per prompt: generator tokens (a stopped row costs min(length, tau), a kept one its
   length) plus the reward model's tokens read (a streaming session reads each generated token
   once; Best-of-K reads its K responses once), weighted by --generator-cost and --reward-cost
@@ -48,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import bench_parser, fail, parse, write_json, write_png
-from pipeline.decoding.metrics import PromptRewards, accepted, chosen
+from pipeline.decoding.metrics import PromptRewards, accepted_in_turn, chosen
 
 
 @dataclass
@@ -201,10 +202,13 @@ def _subset(rewards: PromptRewards, keep: list[int]) -> PromptRewards:
                          {t: [v[k] for k in keep] for t, v in rewards.partial.items()})
 
 
-def sbon(prompts: list[Prompt], n: int, tau: int, alpha: float, subsets: int, seed: int,
+def sbon(prompts: list[Prompt], n: int, tau: int | tuple[int, ...], alpha: float, subsets: int, seed: int,
          keep_lowest: bool = True) -> Point:
     """Algorithm 1 at (tau, alpha) on N-subsets of each prompt's completions (all of them at N_max),
-    averaged: per prompt, the tokens spent and the judged quality of its choice."""
+    averaged: per prompt, the tokens spent and the judged quality of its choice. ``tau`` a tuple:
+    decision tokens in turn, each rejecting ``alpha`` of the candidates still in play
+    (pipeline.decoding.metrics.accepted_in_turn)."""
+    taus = list(tau) if isinstance(tau, tuple) else [tau]
     rows = []
     for i, p in enumerate(prompts):
         total = len(p.rewards.final)
@@ -213,10 +217,10 @@ def sbon(prompts: list[Prompt], n: int, tau: int, alpha: float, subsets: int, se
         sums = np.zeros(4)
         for keep in draws:
             sub = _subset(p.rewards, keep)
-            kept = accepted(sub, tau, alpha, keep_lowest)
+            kept, stopped = accepted_in_turn(sub, taus, alpha, keep_lowest)
             pick = chosen(sub, kept)
             judged = p.judged[keep[pick]] if pick is not None else [False] * len(p.judged[0])
-            tokens = sum(length if j in kept else min(length, tau) for j, length in enumerate(sub.lengths))
+            tokens = sum(min(length, stopped.get(j, length)) for j, length in enumerate(sub.lengths))
             sums += (tokens, all(judged), sum(judged), sub.final[pick] if pick is not None else 0.0)
         tokens, level, followed, final = sums / len(draws)
         rows.append((tokens, tokens, level, followed, final))  # streaming: the reward reads each token once
@@ -272,7 +276,7 @@ def frontier(prompts: list[Prompt], sizes: list[int], taus: list[int], alphas: l
                 spread = sorted(ratio(curve_points, point, instructions, costs, level, s)[0] for s in samples)
                 low, high = (spread[int(0.025 * len(spread))], spread[int(0.975 * len(spread)) - 1]) if spread \
                     else (math.nan, math.nan)
-                points.append({"n": n, "tau": tau, "alpha": alpha, **aggregate(point, instructions, costs),
+                points.append({"n": n, "tau": list(tau) if isinstance(tau, tuple) else tau, "alpha": alpha, **aggregate(point, instructions, costs),
                                "ratio": value, "ratio_low": low, "ratio_high": high, "above_curve": above})
     return {"prompts": len(prompts), "n_max": n_max, "level": level, "costs_per_token": list(costs),
             "best_of_k": [{"k": k, **aggregate(p, instructions, costs)} for k, p in enumerate(curve_points, 1)],
@@ -288,7 +292,7 @@ def draw(result: dict, level: str):
         ax.scatter([p["compute"] for p in result["sbon"]], [p[level] for p in result["sbon"]], s=18, marker="^",
                    color="tab:red", label="speculative rejection (N, tau, alpha)")
         for p in best:
-            ax.annotate(f"N{p['n']} tau{p['tau']} a{p['alpha']}: {p['ratio']:.2f}x", (p["compute"], p[level]),
+            ax.annotate(f"N{p['n']} tau{_tau(p['tau'])} a{p['alpha']}: {p['ratio']:.2f}x", (p["compute"], p[level]),
                         fontsize=7, xytext=(4, -10), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel("compute per prompt (generator + reward tokens, cost-weighted)")
@@ -297,6 +301,22 @@ def draw(result: dict, level: str):
         ax.legend(loc="lower right")
         return fig
     return figure
+
+
+def _tau(tau: int | list[int]) -> str:
+    """A point's decision token(s) as --taus writes them: 64, or 16+64 for decision tokens in turn."""
+    return "+".join(map(str, tau)) if isinstance(tau, list) else str(tau)
+
+
+def _taus(text: str) -> list[int | tuple[int, ...]]:
+    """--taus: decision tokens, comma-separated; A+B is one point with decision tokens A then B."""
+    try:
+        out = [tuple(int(t) for t in item.split("+")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        fail(f"--taus {text}: decision tokens are integers, comma-separated, A+B for several in turn")
+    if any(list(t) != sorted(set(t)) for t in out):
+        fail(f"--taus {text}: the decision tokens of one point increase (A+B with A < B)")
+    return [t[0] if len(t) == 1 else t for t in out]
 
 
 def _floats(text: str) -> list[float]:
@@ -309,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="jobs.counterfactual's counterfactual.json; several: their prompts replayed as one set "
                              "(collections of the same generator, rewards, taus and cap, e.g. a prompt file's two halves)")
     parser.add_argument("--sizes", default="", help="sbon's N values (default: N_max)")
-    parser.add_argument("--taus", default="", help="decision tokens (default: the counterfactual's)")
+    parser.add_argument("--taus", default="", help="decision tokens, comma-separated; A+B: one point with decision "
+                             "tokens A then B, each rejecting alpha of the rows in play (default: the counterfactual's)")
     parser.add_argument("--alphas", default="", help="rejection rates (default: the counterfactual's)")
     parser.add_argument("--level", choices=["instruction_level", "prompt_level", "final_reward"],
                         default="instruction_level", help="the quality the ratio is taken at")
@@ -326,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(parser, argv)
     prompts, data = load_all(args.counterfactual, _floats(args.weights) or None, args.more_samples)
     n_max = min(len(p.rewards.final) for p in prompts)
-    taus = [int(t) for t in _floats(args.taus)] or data.get("taus") or sorted(prompts[0].rewards.partial)
-    missing = [t for t in taus if any(t not in p.rewards.partial for p in prompts)]
+    taus = _taus(args.taus) or data.get("taus") or sorted(prompts[0].rewards.partial)
+    needed = sorted({t for tau in taus for t in (tau if isinstance(tau, tuple) else (tau,))})
+    missing = [t for t in needed if any(t not in p.rewards.partial for p in prompts)]
     if missing:
         fail(f"{', '.join(args.counterfactual)}: no partial rewards at tau {missing} (it has {sorted(prompts[0].rewards.partial)})")
     result = frontier(prompts, [int(s) for s in _floats(args.sizes)] or [n_max], taus,
@@ -348,7 +370,7 @@ def report(result: dict, level: str) -> None:
     print("sbon:  N  tau alpha  compute  prompt  instruction  ratio at equal quality [95%]")
     for p in result["sbon"]:
         bound = ">=" if p["above_curve"] else "  "
-        print(f"    {p['n']:>4} {p['tau']:>4} {p['alpha']:.3f} {p['compute']:>8.0f}  {p['prompt_level']:.3f}   "
+        print(f"    {p['n']:>4} {_tau(p['tau']):>4} {p['alpha']:.3f} {p['compute']:>8.0f}  {p['prompt_level']:.3f}   "
               f"{p['instruction_level']:.3f}      {bound}{p['ratio']:.2f}x [{p['ratio_low']:.2f}, {p['ratio_high']:.2f}]")
 
 

@@ -85,6 +85,58 @@ def test_a_response_of_exactly_tau_tokens_is_live_at_tau_in_runs_and_in_simulate
         assert rate == pytest.approx(sum(len(c.token_ids) for c in result.candidates) / 34) == pytest.approx(28 / 34)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_decision_tokens_in_turn_replay_as_the_live_algorithm_decides(seed):
+    """metrics.accepted_in_turn on collected completions stops the same rows at the same decision
+    tokens as speculative_rejection with decision_token as a list (rows that end between two decision
+    tokens, or exactly at one, included), and keeps the same ones; with one tau it is ``accepted``."""
+    from pipeline.decoding.domain import PromptInput
+    from pipeline.decoding.metrics import accepted, accepted_in_turn
+    from pipeline.decoding.sampling import SamplingParams
+    from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+
+    rng = random.Random(seed)
+    n = 8
+    lengths = [rng.choice([3, 4, 6, 8, 11, 12, 20]) for _ in range(n)]
+    taus = sorted(rng.sample([4, 8, 12], rng.choice([1, 2, 3])))
+    alpha, keep_lowest = rng.choice([0.25, 0.5, 0.75]), rng.random() < 0.5
+    final = [rng.random() for _ in range(n)]
+    # a response's reward by its text: the whole response's is its final reward, a prefix's is its own
+    reward = {(r, m): final[r] if m == lengths[r] else rng.random() for r in range(n) for m in range(1, 21)}
+
+    class Generator(FixedLengthGenerator):
+        LENGTHS = lengths
+
+        def open(self, session, prompts, num_samples, seeds, sampling):
+            self.cap, self.tokens, self.live = sampling.max_new_tokens, {r: [] for r in range(n)}, set(range(n))
+
+    class Scorer:
+        def score(self, prompts, responses, finished=None, columns=None):
+            return [reward[tuple(map(int, t[3:].split(":")))] for t in responses]
+
+    result = speculative_rejection([PromptInput("p", "p", "p", [1])], Generator(), Scorer(),
+                                   SpeculativeRejectionParams(decision_token=taus, rejection_rate=alpha,
+                                                              streaming_rewards=False, keep_lowest=keep_lowest),
+                                   SamplingParams(max_new_tokens=24), n, seed=0)[0]
+    collected = PromptRewards(lengths, final, {t: [reward[r, min(t, lengths[r])] for r in range(n)] for t in taus})
+    kept, stopped = accepted_in_turn(collected, taus, alpha, keep_lowest)
+    assert stopped == {c.sample: c.stopped_at for c in result.candidates if c.stopped_early}
+    assert kept == {c.sample for c in result.candidates if not c.stopped_early}
+    assert sum(len(c.token_ids) for c in result.candidates) == sum(min(l, stopped.get(r, l)) for r, l in enumerate(lengths))
+    if len(taus) == 1:
+        assert kept == accepted(collected, taus[0], alpha, keep_lowest)
+
+
+def test_frontier_taus_in_turn_are_parsed_and_checked(capsys):
+    from benchmarks.frontier import _tau, _taus
+
+    assert _taus("16,16+64,32") == [16, (16, 64), 32] and _tau([16, 64]) == "16+64" and _tau(16) == "16"
+    for bad in ("64+16", "16+x"):
+        with pytest.raises(SystemExit) as exit_:
+            _taus(bad)
+        assert exit_.value.code == 2 and "--taus" in capsys.readouterr().err
+
+
 def test_correlations_per_prompt():
     p = PromptRewards(lengths=[5] * 4, final=[1.0, 2.0, 3.0, 4.0], partial={2: [0.1, 0.2, 0.3, 0.4], 3: [4, 3, 2, 1]})
     assert correlations(p, 2) == pytest.approx((1.0, 1.0))

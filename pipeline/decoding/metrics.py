@@ -58,6 +58,30 @@ def accepted(prompt: PromptRewards, tau: int, alpha: float, keep_lowest: bool = 
             if prompt.lengths[k] < tau or not math.isfinite(r) or r >= r_cut or k == floor}  # Eq. 4
 
 
+
+def accepted_in_turn(prompt: PromptRewards, taus: list[int], alpha: float,
+                     keep_lowest: bool = True) -> tuple[set[int], dict[int, int]]:
+    """Algorithm 1 with several decision tokens in turn (SpeculativeRejectionParams.decision_token as
+    a list, the paper's section 7 direction), replayed as a live run decides: at each tau, the
+    candidates still in play (those that went on past the previous one) are ranked by ``accepted``;
+    those that ended before tau are kept and leave play. Returns (the completions kept, each stopped
+    one's tau). With one tau it is ``accepted``."""
+    play, done, stopped = list(range(len(prompt.lengths))), set(), {}
+    for tau in taus:
+        members = PromptRewards([prompt.lengths[k] for k in play], [prompt.final[k] for k in play],
+                                {tau: [prompt.partial[tau][k] for k in play]})
+        kept = accepted(members, tau, alpha, keep_lowest)
+        going = []
+        for i, k in enumerate(play):
+            if prompt.lengths[k] < tau:
+                done.add(k)
+            elif i in kept:
+                going.append(k)
+            else:
+                stopped[k] = tau
+        play = going
+    return done | set(play), stopped
+
 def chosen(prompt: PromptRewards, kept: set[int]) -> int | None:
     """The completion Algorithm 1 returns out of ``kept``: the best finite final reward (ties: the
     lowest index, as pair selection breaks them); None when none is finite."""
