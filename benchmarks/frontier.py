@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import bench_parser, fail, parse, write_json, write_png
-from pipeline.decoding.metrics import PromptRewards, accepted_in_turn, chosen
+from pipeline.decoding.metrics import PromptRewards, accepted_in_turn, chosen, subset
 
 
 @dataclass
@@ -197,18 +197,13 @@ def best_of_k(prompts: list[Prompt], k: int) -> Point:
     return Point(*map(np.array, zip(*rows)))
 
 
-def _subset(rewards: PromptRewards, keep: list[int]) -> PromptRewards:
-    return PromptRewards([rewards.lengths[k] for k in keep], [rewards.final[k] for k in keep],
-                         {t: [v[k] for k in keep] for t, v in rewards.partial.items()})
-
-
 def sbon(prompts: list[Prompt], n: int, tau: int | tuple[int, ...], alpha: float, subsets: int, seed: int,
          keep_lowest: bool = True) -> Point:
     """Algorithm 1 at (tau, alpha) on N-subsets of each prompt's completions (all of them at N_max),
     averaged: per prompt, the tokens spent and the judged quality of its choice. ``tau`` a tuple:
     decision tokens in turn, each rejecting ``alpha`` of the candidates still in play
     (pipeline.decoding.metrics.accepted_in_turn)."""
-    taus = list(tau) if isinstance(tau, tuple) else [tau]
+    taus = _in_turn(tau)
     rows = []
     for i, p in enumerate(prompts):
         total = len(p.rewards.final)
@@ -216,7 +211,7 @@ def sbon(prompts: list[Prompt], n: int, tau: int | tuple[int, ...], alpha: float
             [sorted(random.Random(seed * 1_000_003 + i * 7919 + s).sample(range(total), n)) for s in range(subsets)]
         sums = np.zeros(4)
         for keep in draws:
-            sub = _subset(p.rewards, keep)
+            sub = subset(p.rewards, keep)
             kept, stopped = accepted_in_turn(sub, taus, alpha, keep_lowest)
             pick = chosen(sub, kept)
             judged = p.judged[keep[pick]] if pick is not None else [False] * len(p.judged[0])
@@ -303,6 +298,11 @@ def draw(result: dict, level: str):
     return figure
 
 
+def _in_turn(tau: int | tuple[int, ...]) -> list[int]:
+    """A point's decision tokens, in turn: [tau] for one."""
+    return list(tau) if isinstance(tau, tuple) else [tau]
+
+
 def _tau(tau: int | list[int]) -> str:
     """A point's decision token(s) as --taus writes them: 64, or 16+64 for decision tokens in turn."""
     return "+".join(map(str, tau)) if isinstance(tau, list) else str(tau)
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts, data = load_all(args.counterfactual, _floats(args.weights) or None, args.more_samples)
     n_max = min(len(p.rewards.final) for p in prompts)
     taus = _taus(args.taus) or data.get("taus") or sorted(prompts[0].rewards.partial)
-    needed = sorted({t for tau in taus for t in (tau if isinstance(tau, tuple) else (tau,))})
+    needed = sorted({t for tau in taus for t in _in_turn(tau)})
     missing = [t for t in needed if any(t not in p.rewards.partial for p in prompts)]
     if missing:
         fail(f"{', '.join(args.counterfactual)}: no partial rewards at tau {missing} (it has {sorted(prompts[0].rewards.partial)})")

@@ -268,8 +268,8 @@ def contend_reward(model_dir: str, reward_dir: str, rows: int, tokens: int, repe
                     scorer.score(*texts)
                     done[0] += 1
 
-            other = threading.Thread(target=score, daemon=True)
-            if mode == "contended":
+            other = threading.Thread(target=score, daemon=True) if mode == "contended" else None
+            if other:
                 other.start()
             try:
                 with decode_kernel(kernel != "flex"):
@@ -278,10 +278,10 @@ def contend_reward(model_dir: str, reward_dir: str, rows: int, tokens: int, repe
                     seconds = time.perf_counter() - start
             finally:
                 stop.set()
-                if mode == "contended":
+                if other:
                     other.join()
             rates.append(generated / seconds)
-            if mode == "contended":
+            if other:
                 passes[kernel].append(done[0] / seconds)
     for kernel in passes:
         alone, contended = (statistics.median(runs[kernel, m]) for m in ("alone", "contended"))

@@ -58,6 +58,11 @@ def accepted(prompt: PromptRewards, tau: int, alpha: float, keep_lowest: bool = 
             if prompt.lengths[k] < tau or not math.isfinite(r) or r >= r_cut or k == floor}  # Eq. 4
 
 
+def subset(prompt: PromptRewards, keep: list[int]) -> PromptRewards:
+    """The completions ``keep`` of ``prompt``, in that order (their indices become 0..len(keep) - 1)."""
+    return PromptRewards([prompt.lengths[k] for k in keep], [prompt.final[k] for k in keep],
+                         {t: [v[k] for k in keep] for t, v in prompt.partial.items()})
+
 
 def accepted_in_turn(prompt: PromptRewards, taus: list[int], alpha: float,
                      keep_lowest: bool = True) -> tuple[set[int], dict[int, int]]:
@@ -68,9 +73,7 @@ def accepted_in_turn(prompt: PromptRewards, taus: list[int], alpha: float,
     one's tau). With one tau it is ``accepted``."""
     play, done, stopped = list(range(len(prompt.lengths))), set(), {}
     for tau in taus:
-        members = PromptRewards([prompt.lengths[k] for k in play], [prompt.final[k] for k in play],
-                                {tau: [prompt.partial[tau][k] for k in play]})
-        kept = accepted(members, tau, alpha, keep_lowest)
+        kept = accepted(subset(prompt, play), tau, alpha, keep_lowest)
         going = []
         for i, k in enumerate(play):
             if prompt.lengths[k] < tau:
@@ -81,6 +84,7 @@ def accepted_in_turn(prompt: PromptRewards, taus: list[int], alpha: float,
                 stopped[k] = tau
         play = going
     return done | set(play), stopped
+
 
 def chosen(prompt: PromptRewards, kept: set[int]) -> int | None:
     """The completion Algorithm 1 returns out of ``kept``: the best finite final reward (ties: the
