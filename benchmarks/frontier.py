@@ -39,6 +39,7 @@ Best-of-K curve and the sbon points). Bad input prints one line and exits with c
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -73,13 +74,16 @@ class Point:
 
 
 def read(path: str) -> dict:
-    """A counterfactual JSON's data; one line and exit 2 when it cannot be read."""
+    """A counterfactual JSON's data (gzip-compressed where the name ends in .gz, as the committed
+    collections under benchmarks/results/counterfactual-heldout are); one line and exit 2 when it
+    cannot be read."""
     try:
-        data = json.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
+        data = json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
         if not isinstance(data.get("completions"), list):
             raise KeyError("completions")
         return data
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
+    except (OSError, EOFError, ValueError, KeyError, AttributeError) as exc:
         fail(f"{path}: not a counterfactual JSON with completions ({type(exc).__name__}: {exc})")
 
 

@@ -1,6 +1,7 @@
 """Speculative-rejection tooling: the paper's metrics (Eq. 5/6, appendix D), the counterfactual
 job, the bench-model grammar and build (toy sizes), and the benchmark's synthetic path."""
 
+import gzip
 import json
 import math
 import random
@@ -415,7 +416,14 @@ def test_frontier_cli_writes_json_and_png_and_refuses_bad_input(tmp_path, capsys
                  "--plot", str(tmp_path / "f.png")]) == 0
     written = json.loads((tmp_path / "f.json").read_text())
     assert written["n_max"] == 6 and len(written["sbon"]) == 2 and (tmp_path / "f.png").stat().st_size > 0
-    for bad, message in ((tmp_path / "none.json", "not a counterfactual JSON"),):
+    # The committed collections are gzip-compressed: the same data read from .json.gz gives the same frontier.
+    (tmp_path / "counterfactual.json.gz").write_bytes(gzip.compress(path.read_bytes()))
+    assert main(["--counterfactual", str(tmp_path / "counterfactual.json.gz"), "--bootstrap", "20",
+                 "--json", str(tmp_path / "gz.json")]) == 0
+    assert json.loads((tmp_path / "gz.json").read_text())["sbon"] == written["sbon"]
+    (tmp_path / "torn.json.gz").write_bytes(gzip.compress(path.read_bytes())[:-20])
+    for bad, message in ((tmp_path / "none.json", "not a counterfactual JSON"),
+                         (tmp_path / "torn.json.gz", "torn.json.gz: not a counterfactual JSON")):
         with pytest.raises(SystemExit) as exit_:
             main(["--counterfactual", str(bad)])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
