@@ -96,7 +96,7 @@ def benchmark_commands() -> list[str]:
     found = []
     for text in DOCS.values():
         for span in re.findall(r"`([^`]*python -m benchmarks\.[^`]*)`", text):
-            command = " ".join(span.split())
+            command = " ".join(span.replace("\\\n", " ").split())  # shell line continuations joined
             command = command[command.index("python -m benchmarks."):]
             if "[" not in command and "..." not in command:
                 found.append(command)
