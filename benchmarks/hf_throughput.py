@@ -49,12 +49,14 @@ import time
 
 import torch
 import transformers
+from transformers import DynamicCache
 
 from benchmarks import bench_parser, model_dirs, parse, write_json
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.kv_cache import KERNEL_ENV
 from pipeline.engines.rewards import RewardScorer
+from pipeline.engines.tree import cache_argument
 from pipeline.engines.vllm_engine import _environment
 
 PROMPTS = [
@@ -129,14 +131,14 @@ def hf_tokens_per_second(model_dir: str, rows: int = 128, tokens: int = 128, rep
 def pass_seconds(engine: HFEngine, prompt: list[int], fed: int, repeats: int) -> float:
     """Median seconds of one forward pass feeding ``fed`` tokens to one row whose prompt is cached
     (the cache is cut back after each pass)."""
-    out = engine.model(torch.tensor([prompt]), use_cache=True)
-    cache = out.past_key_values
+    cache = DynamicCache(config=engine.model.config)
+    engine.model(torch.tensor([prompt]), use_cache=True, **cache_argument(engine.model, cache))
     ids = torch.tensor([prompt[-fed:]])
     positions = torch.arange(len(prompt), len(prompt) + fed)[None]
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         start = time.perf_counter()
-        engine.model(ids, past_key_values=cache, use_cache=True, position_ids=positions)
+        engine.model(ids, use_cache=True, position_ids=positions, **cache_argument(engine.model, cache))
         times.append(time.perf_counter() - start)
         cache.crop(-fed)
     return statistics.median(times[1:])

@@ -4,12 +4,17 @@ decodes exactly like a fresh run on the accepted prefix."""
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 from pipeline.decoding.tree import TokenTree
-from pipeline.engines.tree import commit_paths, tree_inputs, verify_tree
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.engines.reward_transformer import RewardTransformer
+from pipeline.engines.tree import cache_argument, commit_paths, tree_inputs, verify_tree
 
 ATOL = 1e-4
 
@@ -27,7 +32,7 @@ def prefill(model, prompts):
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-              past_key_values=cache, use_cache=True)
+              use_cache=True, **cache_argument(model, cache))
     return cache, mask, mask.sum(-1)
 
 
@@ -95,7 +100,7 @@ def test_commit_paths_then_decoding_matches_fresh_run(engine):
         new_mask = torch.cat([new_mask, torch.ones((4, 1), dtype=new_mask.dtype)], dim=1)
         with torch.inference_mode():
             logits = model(input_ids=torch.tensor(step)[:, None], attention_mask=new_mask,
-                           position_ids=new_next[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+                           position_ids=new_next[:, None], use_cache=True, **cache_argument(model, cache)).logits[:, -1]
         new_next = new_next + 1
         for j in range(4):
             prefixes[j] = prefixes[j] + [step[j]]
@@ -127,3 +132,44 @@ def test_bad_trees_and_paths_are_rejected(engine):
         commit_paths(cache, out, [(0, [0, 3])])  # skips node 1
     with pytest.raises(ValueError, match="not in the batch"):
         commit_paths(cache, out, [(2, [])])
+
+
+def test_cache_argument_names_the_keyword_each_model_takes(engine, scorer):
+    """transformers 5.24 renamed forward's past_key_values to cache (the old name warns, and goes in
+    5.40); older releases and remote-code models take only past_key_values. The engine must hand each
+    model its cache under the name it takes, through wrappers, and decode without the warning."""
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None): ...
+
+    class Wrapper(torch.nn.Module):  # forwards **kwargs to its policy, as RewardTransformer does
+        def __init__(self, policy):
+            super().__init__()
+            self.policy = policy
+
+        def forward(self, *args, **kwargs): ...
+
+    assert cache_argument(Old(), "c") == {"past_key_values": "c"}
+    assert cache_argument(Wrapper(Old()), "c") == {"past_key_values": "c"}
+    assert cache_argument(Wrapper(torch.nn.Identity()), "c") == {"past_key_values": "c"}  # neither: the old name
+    names = inspect.signature(type(engine.model).forward).parameters
+    installed = "cache" if "cache" in names else "past_key_values"
+    assert cache_argument(engine.model, "c") == {installed: "c"}
+    assert cache_argument(RewardTransformer.wrap(engine.model), "c") == {installed: "c"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a deprecated keyword fails here
+        engine.open("kw", [[1, 40, 41], [1, 50]], 2, list(range(4)),
+                    SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True))
+        try:
+            rows = engine.extend("kw", until=4)
+        finally:
+            engine.close("kw")
+        assert all(len(r.token_ids) == 4 for r in rows)
+        cache, mask, next_position = prefill(engine.model, PROMPTS)
+        verify_tree(engine.model, cache, mask, next_position, TREES)
+        scorer.open("kw", ["Say a word.", "Count to two."], 2)
+        try:
+            scores = scorer.extend("kw", [0, 1, 2, 3], ["Hello", "One", "One, two", "Hi"])
+        finally:
+            scorer.close("kw")
+        assert len(scores) == 4

@@ -67,6 +67,7 @@ from transformers.cache_utils import DynamicLayer
 
 from pipeline.errors import KVBudgetError
 from pipeline.engines.rows import RowBatch, _cache_of, _GrowingLayer, _new_cache, timed_forward
+from pipeline.engines.tree import cache_argument
 
 log = logging.getLogger(__name__)
 
@@ -804,8 +805,8 @@ class KVCache(_RowTables):
         config = self.model.config
         configured, config._attn_implementation = config._attn_implementation, PAGED_ATTENTION
         try:
-            yield {"input_ids": input_ids.to(torch.long), "position_ids": position, "past_key_values": cache,
-                   "use_cache": True, "paged": step}
+            yield {"input_ids": input_ids.to(torch.long), "position_ids": position,
+                   **cache_argument(self.model, cache), "use_cache": True, "paged": step}
         finally:
             config._attn_implementation = configured
 

@@ -40,7 +40,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from pipeline.decoding.tree import TokenTree
-from pipeline.engines.tree import TreeVerification, commit_paths, verify_tree
+from pipeline.engines.tree import TreeVerification, cache_argument, commit_paths, verify_tree
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer, each [H, n, D] or [B, H, n, D]
 
@@ -201,7 +201,8 @@ class RowBatch:
     """B rows over one model and one KV cache (see the module docstring)."""
 
     model: Any
-    """A causal LM, or the base model of a reward classifier: anything that takes past_key_values."""
+    """A causal LM, or the base model of a reward classifier: anything that takes a KV cache
+    (``cache_argument``)."""
     cache: DynamicCache
     """Every layer [B, H, L, D]; cache column j is attention-mask column j. Between ``verify`` and
     ``commit`` the tree's N nodes follow (L + N), until the commit cuts them to paths."""
@@ -369,7 +370,7 @@ class RowBatch:
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **model_kwargs):
         with timed_forward(input_ids.device):
             out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, position_ids=position_ids,
-                             past_key_values=self.cache, use_cache=True, **model_kwargs)
+                             use_cache=True, **cache_argument(self.model, self.cache), **model_kwargs)
         self._count()
         return out
 

@@ -40,6 +40,11 @@ API
     ``next_position`` (old next position + path length), never from the mask. The returned
     ``attention_mask`` ``[B', L + max_path]`` and ``next_position`` ``[B']`` replace the old
     ones, and ordinary decoding (a 2D mask plus explicit position ids) continues from them.
+``cache_argument(model, cache) -> dict``
+    The keyword that hands ``model`` its KV cache: ``cache`` where its forward takes that name
+    (transformers 5.24 renamed ``past_key_values``; the old name warns, and goes in 5.40), else
+    ``past_key_values`` (older releases, the vLLM venv's, remote-code models). Every engine call
+    that passes a cache goes through it.
 ``tree_inputs(trees, attention_mask, next_position, dtype)`` builds the forward inputs (token
     ids, position ids, the 4D additive mask ``[B, 1, N, L + N]``) and is exposed for callers
     that run the model themselves.
@@ -55,11 +60,32 @@ kernels take no custom masks, so a model loaded with them cannot verify trees. O
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 from pipeline.decoding.tree import TokenTree
+
+
+def cache_argument(model, cache) -> dict:
+    """``{keyword: cache}`` for ``model``'s forward (see the module docstring). A wrapper whose forward
+    names neither keyword (the Reward Transformer passes ``**kwargs`` on) is asked through its
+    ``policy``."""
+    while True:
+        names = _forward_parameters(type(model))
+        if "cache" in names:
+            return {"cache": cache}
+        inner = getattr(model, "policy", None)
+        if "past_key_values" in names or inner is None:
+            return {"past_key_values": cache}
+        model = inner
+
+
+@functools.cache
+def _forward_parameters(cls) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 @dataclass
@@ -117,7 +143,7 @@ def verify_tree(model, cache, attention_mask: torch.Tensor, next_position: torch
         raise ValueError(f"cache holds {past} positions but the attention mask has {attention_mask.shape[1]}")
     inputs = tree_inputs(trees, attention_mask, next_position, dtype=model.dtype)
     out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
-                past_key_values=cache, use_cache=True)
+                use_cache=True, **cache_argument(model, cache))
     return TreeVerification(out.logits, trees, attention_mask, next_position, past)
 
 
