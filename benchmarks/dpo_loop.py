@@ -5,7 +5,7 @@ the generator's own held-out IFEval accuracy before and after.
         [--strategy best_of_n] [--train-prompts configs/prompts/ifeval-train.jsonl]
         [--eval-prompts configs/prompts/ifeval-eval.jsonl] [--num-samples 4] [--max-new-tokens 128]
         [--eval-max-new-tokens 192] [--epochs 1] [--batch-size 8] [--learning-rate 5e-6] [--beta 0.1]
-        [--eval-samples 4] [--resamples 10000] [--output out/bench/dpo-loop] [--json FILE]
+        [--eval-samples 4] [--resamples 10000] [--output out/bench/dpo-loop] [--json FILE] [--against OTHER.json]
 
 1. ``jobs.build_dataset`` on the train prompts (the config's models and sampling; ``--reward`` and
    the flags above override): TRL-format pairs, each keeping its prompt's IFEval columns;
@@ -15,7 +15,11 @@ the generator's own held-out IFEval accuracy before and after.
    the policy, same sampling settings and the same seeds (pipeline.decoding.sampling.row_seed), judged
    by IFEval's checkers (pipeline.judge, strict): prompt-level and instruction-level accuracy, and
    their gains with a paired bootstrap 95% interval over prompts (pipeline.judge.accuracy_gain), and,
-   where a positive gain's interval still reaches 0, about how many held-out prompts would clear it.
+   where a positive gain's interval still reaches 0, about how many held-out prompts would clear it;
+   the same on the held-out instructions that brevity does not satisfy by itself (those whose checker
+   fails a one-word reply: a DPO round that shortens responses passes word caps and no-comma rules
+   for free), and with ``--against`` another run's JSON, this policy's gain over that one's (e.g.
+   sbon's pairs against Best-of-N pairs of the same compute), paired by prompt.
 The figures: pairs, DPO steps, each step's wall time, the before/after accuracies and the gains; the
 JSON keeps every response's per-instruction verdicts. Each step's result is kept under OUTPUT
 (pairs, policy, eval-before.json, eval-after.json) and reused by a rerun with the same settings, so
@@ -50,6 +54,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples of the held-out prompts")
+    parser.add_argument("--against", metavar="JSON",
+                        help="another run's --json, evaluated with the same held-out settings (e.g. Best-of-N pairs "
+                             "of the same compute): this policy's gain over that one's, paired by prompt")
     return parse(parser, argv)
 
 
@@ -78,6 +85,58 @@ def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: i
             "verdicts": [judged[i * samples:(i + 1) * samples] for i in range(len(prompts))]}
 
 
+BRIEF_REPLY = "Yes."
+"""A one-word reply: the held-out instructions its checker passes are those brevity satisfies by itself."""
+
+
+def brief_reply_passes(prompt_file: str) -> list[list[bool]]:
+    """Per held-out prompt, per instruction: whether IFEval's strict checker passes BRIEF_REPLY (a cap
+    on words or sentences, no commas, a forbidden word...). A gain on the other instructions is not
+    shorter responses alone."""
+    from pipeline.data.chat import conversation_text
+    from pipeline.data.prompts import validate
+    from pipeline.data.readers import PromptSource
+    from pipeline.judge import check
+
+    records = list(PromptSource(prompt_file, "prompt", extra_columns=None).records())
+    rows, _ = validate([v for v, _ in records], "prompt", columns=[c for _, c in records])
+    return [check(BRIEF_REPLY, r.columns["instruction_id_list"], r.columns["kwargs"],
+                  r.prompt if isinstance(r.prompt, str) else conversation_text(r.prompt)) for r in rows]
+
+
+def beyond_brevity(verdicts: list[list[list[bool]]], brief: list[list[bool]]) -> tuple[list, list[int]]:
+    """``verdicts`` (per prompt, per response, per instruction) with only the instructions a brief reply
+    fails, and the prompts that keep at least one (the others are left out)."""
+    keep = [i for i, passes in enumerate(brief) if not all(passes)]
+    return [[[v for v, easy in zip(response, brief[i]) if not easy] for response in verdicts[i]] for i in keep], keep
+
+
+def gains(before: list, after: list, brief: list[list[bool]], resamples: int, seed: int) -> dict:
+    """accuracy_gain from ``before`` to ``after`` on all instructions and on those a brief reply fails."""
+    from pipeline.judge import accuracy_gain
+
+    if len(before) != len(brief) or len(after) != len(brief):
+        fail(f"{len(before)} and {len(after)} judged prompts against {len(brief)} held-out prompts: not the same "
+             "held-out set")
+    hard_before, kept = beyond_brevity(before, brief)
+    return {**accuracy_gain(before, after, resamples=resamples, seed=seed),
+            "beyond_brevity": accuracy_gain(hard_before, beyond_brevity(after, brief)[0], resamples=resamples,
+                                            seed=seed) if kept else None}
+
+
+def print_gains(title: str, figures: dict) -> None:
+    for scope, g in (("", figures), (" (instructions a one-word reply fails)", figures["beyond_brevity"])):
+        if g is None:
+            print(f"{title}{scope}: no such held-out instruction")
+            continue
+        for key, name in (("prompt_level_strict", "prompt-level"), ("instruction_level_strict", "instruction-level")):
+            f = g[key]
+            print(f"{title}{scope}: {name} {100 * f['before']:.1f} -> {100 * f['after']:.1f}, {100 * f['gain']:+.1f} "
+                  f"points, bootstrap 95% interval over {g['prompts']} prompts [{100 * f['low']:+.1f}, "
+                  f"{100 * f['high']:+.1f}]" + (f"; above 0 with about {f['prompts_to_clear_zero']} prompts at this gain "
+                                                 "and spread" if f["prompts_to_clear_zero"] and f["low"] <= 0 else ""))
+
+
 def cached(path: Path, settings: dict, compute) -> dict:
     """compute()'s result, kept at ``path`` with the settings that made it; reused while they match."""
     if path.exists():
@@ -91,12 +150,25 @@ def cached(path: Path, settings: dict, compute) -> dict:
     return result
 
 
+def against(path: str, figures: dict) -> dict:
+    """Another run's JSON, judged on the same held-out responses' seeds; one line and exit 2 otherwise."""
+    try:
+        other = json.loads(Path(path).read_text())
+        verdicts = other["after"]["verdicts"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        fail(f"--against {path}: not a benchmarks.dpo_loop JSON with the policy's verdicts ({type(exc).__name__}: {exc})")
+    ours = figures["after"]
+    if len(verdicts) != ours["prompts"] or other["after"].get("responses") != ours["responses"]:
+        fail(f"--against {path}: {len(verdicts)} prompts and {other['after'].get('responses')} responses, against "
+             f"this run's {ours['prompts']} and {ours['responses']}: evaluate both on the same held-out settings")
+    return other
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pipeline.coordinator import sampling_params
     from pipeline.config import ConfigError, load_config
-    from pipeline.judge import accuracy_gain
     from pipeline.training.dpo import load_pairs, train_dpo
 
     args = parse_args(argv)
@@ -160,14 +232,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out IFEval {name:<6} ({f['responses']} responses, {f['prompts']} prompts): prompt-level "
               f"{100 * f['prompt_level_strict']:.1f}, instruction-level {100 * f['instruction_level_strict']:.1f}, "
               f"mean {f['mean_tokens']} tokens ({f['seconds']}s)", flush=True)
-    figures["gain"] = accuracy_gain(figures["before"]["verdicts"], figures["after"]["verdicts"],
-                                    resamples=args.resamples, seed=config.seed)
-    for key, name in (("prompt_level_strict", "prompt-level"), ("instruction_level_strict", "instruction-level")):
-        g = figures["gain"][key]
-        print(f"{name} gain {100 * g['gain']:+.1f} points, bootstrap 95% interval over "
-              f"{figures['gain']['prompts']} prompts [{100 * g['low']:+.1f}, {100 * g['high']:+.1f}]"
-              + (f"; above 0 with about {g['prompts_to_clear_zero']} prompts at this gain and spread"
-                 if g["prompts_to_clear_zero"] and g["low"] <= 0 else ""))
+    brief = brief_reply_passes(args.eval_prompts)
+    figures["brief_reply_passes"] = brief
+    figures["gain"] = gains(figures["before"]["verdicts"], figures["after"]["verdicts"], brief, args.resamples,
+                            config.seed)
+    print_gains("gain", figures["gain"])
+    if args.against:
+        other = against(args.against, figures)
+        figures["against"] = {"json": args.against, "strategy": other["strategy"], "pair_build": other["pair_build"],
+                              **gains(other["after"]["verdicts"], figures["after"]["verdicts"], brief, args.resamples,
+                                      config.seed)}
+        print_gains(f"this policy over {args.against}'s ({other['strategy']} pairs)", figures["against"])
     write_json(args.json, figures, args)
     return 0
 

@@ -1,6 +1,6 @@
 """The equal-compute frontier of speculative rejection against Best-of-K, replayed on collected
-completions (issue 49): the paper's own comparison (reward reached against compute spent), not the
-same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(L - tau)).
+completions (issue 49): the paper's own comparison (reward reached against compute spent), and beside
+it the same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(L - tau)).
 
     python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [DIR2/counterfactual.json ...] [--sizes 8,16,32] \
         [--taus 16,32,64,16+64] [--alphas 0.5,0.75,0.9] [--level instruction] [--weights 0,1] [--json OUT.json] [--plot OUT.png]
@@ -32,6 +32,10 @@ N_max 64 costs a second N-32 collection, not a new one):
   sbon's quality (--level) over sbon's compute, with a percentile bootstrap interval over prompts
   (--bootstrap resamples). Where sbon's quality is above Best-of-N_max's, the ratio is a lower
   bound (``above_curve``).
+- For each sbon point, the same-N comparison as well (``bon-build``'s, and issue 49's "same N" target):
+  its normalized score (Eq. 5: 100 for Best-of-N's choice among the same N candidates, 0 for their
+  worst; prompts whose N rewards all tie left out) and Best-of-N's compute over its own
+  (``same_n_ratio``).
 
 Prints the curve and the points; --json writes them, --plot draws quality against compute (the
 Best-of-K curve and the sbon points). Bad input prints one line and exits with code 2.
@@ -50,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import bench_parser, fail, parse, write_json, write_png
-from pipeline.decoding.metrics import PromptRewards, accepted_in_turn, chosen, subset
+from pipeline.decoding.metrics import PromptRewards, accepted_in_turn, chosen, normalized_score, subset
 
 
 @dataclass
@@ -71,6 +75,8 @@ class Point:
     prompt_level: np.ndarray
     followed: np.ndarray
     final: np.ndarray
+    score: np.ndarray | None = None
+    """sbon only: the normalized score (Eq. 5) against Best-of-N of the same N candidates; NaN where they tie."""
 
 
 def read(path: str) -> dict:
@@ -213,7 +219,7 @@ def sbon(prompts: list[Prompt], n: int, tau: int | tuple[int, ...], alpha: float
         total = len(p.rewards.final)
         draws = [list(range(total))] if n >= total else \
             [sorted(random.Random(seed * 1_000_003 + i * 7919 + s).sample(range(total), n)) for s in range(subsets)]
-        sums = np.zeros(4)
+        sums, scores = np.zeros(4), []
         for keep in draws:
             sub = subset(p.rewards, keep)
             kept, stopped = accepted_in_turn(sub, taus, alpha, keep_lowest)
@@ -221,8 +227,11 @@ def sbon(prompts: list[Prompt], n: int, tau: int | tuple[int, ...], alpha: float
             judged = p.judged[keep[pick]] if pick is not None else [False] * len(p.judged[0])
             tokens = sum(min(length, stopped.get(j, length)) for j, length in enumerate(sub.lengths))
             sums += (tokens, all(judged), sum(judged), sub.final[pick] if pick is not None else 0.0)
+            scores.append(normalized_score(sub.final, sub.final[pick] if pick is not None else -math.inf))
         tokens, level, followed, final = sums / len(draws)
-        rows.append((tokens, tokens, level, followed, final))  # streaming: the reward reads each token once
+        finite = [v for v in scores if math.isfinite(v)]
+        score = sum(finite) / len(finite) if finite else math.nan
+        rows.append((tokens, tokens, level, followed, final, score))  # streaming: the reward reads each token once
     return Point(*map(np.array, zip(*rows)))
 
 
@@ -230,11 +239,14 @@ def aggregate(point: Point, instructions: np.ndarray, costs: tuple[float, float]
     """Means over prompts (``index``: a bootstrap resample of them): compute per prompt, quality."""
     index = np.arange(len(point.generator)) if index is None else index
     generator, reward = point.generator[index].mean(), point.reward[index].mean()
+    scored = point.score[index] if point.score is not None else np.array([])
+    scored = scored[np.isfinite(scored)]
     return {"generator_tokens": float(generator), "reward_tokens": float(reward),
             "compute": float(costs[0] * generator + costs[1] * reward),
             "prompt_level": float(point.prompt_level[index].mean()),
             "instruction_level": float(point.followed[index].sum() / instructions[index].sum()),
-            "final_reward": float(point.final[index].mean())}
+            "final_reward": float(point.final[index].mean()),
+            **({"normalized_score": float(scored.mean()) if len(scored) else math.nan} if point.score is not None else {})}
 
 
 def equal_quality_compute(curve: list[dict], quality: float, level: str) -> tuple[float, bool]:
@@ -275,8 +287,11 @@ def frontier(prompts: list[Prompt], sizes: list[int], taus: list[int], alphas: l
                 spread = sorted(ratio(curve_points, point, instructions, costs, level, s)[0] for s in samples)
                 low, high = (spread[int(0.025 * len(spread))], spread[int(0.975 * len(spread)) - 1]) if spread \
                     else (math.nan, math.nan)
-                points.append({"n": n, "tau": list(tau) if isinstance(tau, tuple) else tau, "alpha": alpha, **aggregate(point, instructions, costs),
-                               "ratio": value, "ratio_low": low, "ratio_high": high, "above_curve": above})
+                at = aggregate(point, instructions, costs)
+                same_n = aggregate(curve_points[n - 1], instructions, costs)["compute"] / at["compute"]
+                points.append({"n": n, "tau": list(tau) if isinstance(tau, tuple) else tau, "alpha": alpha, **at,
+                               "ratio": value, "ratio_low": low, "ratio_high": high, "above_curve": above,
+                               "same_n_ratio": same_n})
     return {"prompts": len(prompts), "n_max": n_max, "level": level, "costs_per_token": list(costs),
             "best_of_k": [{"k": k, **aggregate(p, instructions, costs)} for k, p in enumerate(curve_points, 1)],
             "sbon": points}
@@ -371,11 +386,12 @@ def report(result: dict, level: str) -> None:
     print("Best-of-K:  K  compute  prompt  instruction")
     for c in result["best_of_k"]:
         print(f"          {c['k']:>3} {c['compute']:>8.0f}  {c['prompt_level']:.3f}   {c['instruction_level']:.3f}")
-    print("sbon:  N  tau alpha  compute  prompt  instruction  ratio at equal quality [95%]")
+    print("sbon:  N      tau alpha  compute  prompt  instruction  ratio at equal quality [95%]   same N: score, ratio")
     for p in result["sbon"]:
         bound = ">=" if p["above_curve"] else "  "
-        print(f"    {p['n']:>4} {_tau(p['tau']):>4} {p['alpha']:.3f} {p['compute']:>8.0f}  {p['prompt_level']:.3f}   "
-              f"{p['instruction_level']:.3f}      {bound}{p['ratio']:.2f}x [{p['ratio_low']:.2f}, {p['ratio_high']:.2f}]")
+        print(f"    {p['n']:>4} {_tau(p['tau']):>8} {p['alpha']:.3f} {p['compute']:>8.0f}  {p['prompt_level']:.3f}   "
+              f"{p['instruction_level']:.3f}      {bound}{p['ratio']:.2f}x [{p['ratio_low']:.2f}, {p['ratio_high']:.2f}]"
+              f"   {p['normalized_score']:6.2f}, {p['same_n_ratio']:.2f}x")
 
 
 if __name__ == "__main__":

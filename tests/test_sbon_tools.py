@@ -353,7 +353,9 @@ def test_frontier_sbon_without_rejection_is_best_of_n_and_the_ratio_interpolates
     prompts = _frontier_prompts(7, n=8, prompts=5, agreeing=True)
     instructions = np.array([2.0] * 5)
     full, plain = sbon(prompts, 8, 8, 0.0, 1, 0), best_of_k(prompts, 8)
-    assert aggregate(full, instructions, (1, 1)) == pytest.approx(aggregate(plain, instructions, (1, 1)))
+    same_n = aggregate(full, instructions, (1, 1))
+    assert same_n.pop("normalized_score") == pytest.approx(100.0)  # Best-of-N's own choice
+    assert same_n == pytest.approx(aggregate(plain, instructions, (1, 1)))
     cut = sbon(prompts, 8, 8, 0.75, 1, 0)
     assert cut.generator.sum() < full.generator.sum()
     curve = [{"compute": 10.0, "q": 0.2}, {"compute": 20.0, "q": 0.6}, {"compute": 40.0, "q": 0.6}]
@@ -363,6 +365,32 @@ def test_frontier_sbon_without_rejection_is_best_of_n_and_the_ratio_interpolates
     at_n = {p["n"]: p for p in result["sbon"]}
     assert at_n[8]["ratio"] == pytest.approx(1.0) and at_n[8]["ratio_low"] <= 1.0 <= at_n[8]["ratio_high"]
     assert [c["k"] for c in result["best_of_k"]] == list(range(1, 9))
+
+
+def test_frontier_same_n_figures_are_eq5_against_best_of_n_of_the_same_candidates():
+    """The same-N columns: at N_max with one tau, each prompt's score is metrics.simulate's Eq. 5
+    (the paper's own replay), averaged over the prompts whose rewards do not all tie; alpha 0 keeps
+    Best-of-N's choice (100) at its compute (1x); a cut's same-N ratio is Best-of-N's tokens over its own."""
+    import math
+
+    import numpy as np
+
+    from benchmarks.frontier import frontier, sbon
+    from pipeline.decoding.metrics import simulate
+
+    prompts = _frontier_prompts(11, n=8, prompts=6)
+    prompts[0].rewards.final[:] = [2.0] * 8  # every reward ties: no range, left out of the mean
+    for alpha in (0.5, 0.75):
+        point = sbon(prompts, 8, 8, alpha, 1, 0)
+        expected = [simulate(p.rewards, 8, alpha)[0] for p in prompts]
+        assert math.isnan(point.score[0]) and math.isnan(expected[0])
+        assert point.score[1:] == pytest.approx(expected[1:])
+    result = frontier(prompts, [8], [8], [0.0, 0.75], "final_reward", (1.0, 1.0), 5, 5, 0)
+    plain, cut = result["sbon"]
+    assert plain["normalized_score"] == pytest.approx(100.0) and plain["same_n_ratio"] == pytest.approx(1.0)
+    tokens = sum(sum(p.rewards.lengths) for p in prompts) / len(prompts)
+    assert cut["same_n_ratio"] == pytest.approx(2 * tokens / cut["compute"]) and cut["same_n_ratio"] > 1
+    assert cut["normalized_score"] == pytest.approx(np.nanmean([simulate(p.rewards, 8, 0.75)[0] for p in prompts]))
 
 
 def _collection(prompts, keep, seed: int, ids=None) -> dict:

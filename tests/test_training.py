@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -117,8 +118,6 @@ def test_dpo_loop_benchmark_measures_the_gain_and_reuses_its_steps(tmp_path, tin
     """benchmarks.dpo_loop end to end on the tiny models: pairs on IFEval rows, a DPO round, both
     policies judged on the same held-out prompts with the same seeds, the gain's bootstrap
     interval; a rerun reuses every step's result instead of redoing it."""
-    import json
-
     from benchmarks.dpo_loop import main as dpo_loop
 
     root = Path(__file__).resolve().parents[1] / "configs" / "prompts"
@@ -143,10 +142,53 @@ def test_dpo_loop_benchmark_measures_the_gain_and_reuses_its_steps(tmp_path, tin
         assert gain["low"] <= gain["high"]
     assert (tmp_path / "loop" / "policy" / "config.json").exists()
 
-    assert dpo_loop([*argv, "--json", str(tmp_path / "second.json")]) == 0
+    # Beyond brevity: the same gain over only the instructions a one-word reply fails.
+    hard = [i for i, passes in enumerate(first["brief_reply_passes"]) if not all(passes)]
+    if first["gain"]["beyond_brevity"] is not None:
+        def level(verdicts):
+            kept = [[v for v, easy in zip(r, first["brief_reply_passes"][i]) if not easy] for i in hard for r in verdicts[i]]
+            return sum(map(sum, kept)) / sum(map(len, kept))
+        assert first["gain"]["beyond_brevity"]["prompts"] == len(hard)
+        assert first["gain"]["beyond_brevity"]["instruction_level_strict"]["gain"] == pytest.approx(
+            level(first["after"]["verdicts"]) - level(first["before"]["verdicts"]))
+
+    # The rerun reuses every step; --against a run of the same policy: a gain of exactly 0.
+    assert dpo_loop([*argv, "--json", str(tmp_path / "second.json"), "--against", str(tmp_path / "first.json")]) == 0
     second = json.loads((tmp_path / "second.json").read_text())
     assert second["pair_build"]["pairs_this_run"] == 0
     assert {k: second[k] for k in ("dpo", "before", "after", "gain")} == {k: first[k] for k in ("dpo", "before", "after", "gain")}
+    assert second["against"]["strategy"] == "sbon"
+    assert second["against"]["prompt_level_strict"]["gain"] == 0 == second["against"]["instruction_level_strict"]["gain"]
+
+    # Another held-out set cannot be compared: one line, exit 2.
+    first["after"]["verdicts"] = first["after"]["verdicts"][:2]
+    (tmp_path / "other.json").write_text(json.dumps(first))
+    with pytest.raises(SystemExit) as stop:
+        dpo_loop([*argv, "--against", str(tmp_path / "other.json")])
+    assert stop.value.code == 2
+
+
+def test_brief_reply_passes_the_instructions_brevity_satisfies():
+    """The held-out instructions a one-word reply passes: caps (fewer than N words, no commas), not
+    demands (a postscript, N highlighted sections, at least N words)."""
+    from benchmarks.dpo_loop import brief_reply_passes, beyond_brevity
+
+    held_out = Path(__file__).resolve().parents[1] / "configs" / "prompts" / "ifeval-eval.jsonl"
+    rows = [json.loads(line) for line in held_out.read_text().splitlines()]
+    passes = brief_reply_passes(str(held_out))
+    assert len(passes) == len(rows) and [len(p) for p in passes] == [len(r["instruction_id_list"]) for r in rows]
+    by_id = {}
+    for row, verdicts in zip(rows, passes):
+        for instruction, kwargs, ok in zip(row["instruction_id_list"], row["kwargs"], verdicts):
+            by_id.setdefault((instruction, (kwargs or {}).get("relation")), set()).add(ok)
+    assert by_id.get(("punctuation:no_comma", None), {True}) == {True}
+    assert by_id.get(("detectable_content:postscript", None), {False}) == {False}
+    assert by_id.get(("length_constraints:number_words", "at least"), {False}) == {False}
+    assert True in set().union(*by_id.values()) and False in set().union(*by_id.values())
+    verdicts = [[[True] * len(p)] for p in passes]
+    hard, kept = beyond_brevity(verdicts, passes)
+    assert kept == [i for i, p in enumerate(passes) if not all(p)]
+    assert [len(h[0]) for h in hard] == [sum(not x for x in passes[i]) for i in kept]
 
 
 def test_dpo_loop_bad_set_is_a_one_line_user_error(tmp_path, capsys):
