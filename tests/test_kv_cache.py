@@ -232,6 +232,31 @@ def test_a_session_that_can_never_fit_fails_alone_with_one_line(tiny_models, mon
     assert kv is base.runner.kv
 
 
+def test_generate_beyond_the_pool_runs_in_sessions_that_fit_with_every_row_in_order(tiny_models, monkeypatch):
+    """A generate call whose rows outgrow the pool (an evaluation's prompts x samples on a small
+    default pool) runs as consecutive sessions of what fits, a prompt's own rows split where even they
+    do not: every row comes back, in order, with the tokens a pool that holds them all samples."""
+    monkeypatch.setattr(kv_cache, "BLOCK_SIZE", 4)
+    monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")  # scheduling, not the kernel: no compile per pool shape
+    base = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    prompts = [ids(base, text) for text in TEXTS]
+    sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    seeds = list(range(100, 100 + 3 * len(prompts)))
+    whole = base.generate(prompts, 3, seeds, sampling)
+    block_bytes = base.runner.kv.block_bytes
+    longest = max(len(p) for p in prompts)
+    for blocks in (120, 40, -(-(longest + 12) // 4) + 2):  # all; a few prompts at a time; one row at a time
+        small = HFEngine(base.model, base.tokenizer, kv_cache_memory=f"{blocks * block_bytes}B")
+        groups = list(small._groups(prompts, 3, 12))
+        assert [first for _, _, first in groups] == sorted(first for _, _, first in groups)
+        assert sum(len(g) * count for g, count, _ in groups) == 3 * len(prompts)
+        rows = small.generate(prompts, 3, seeds, sampling)
+        assert [r.token_ids for r in rows] == [r.token_ids for r in whole], blocks
+        small.runner.kv.collect()
+        assert small.stats()["kv_preemptions"] == 0 and small.runner.kv.used_blocks == 0
+    assert len(groups) > len(prompts)  # the smallest pool split a prompt's own rows
+
+
 @pytest.mark.parametrize("value, expected", [
     ("auto", None), (None, None), (0.5, 0.5), (1, 1.0), (4, 4 * 2**30), ("512MB", 512 * 2**20), ("2GiB", 2 * 2**30),
     ("0.25", 0.25), ("65536B", 65536)])

@@ -273,13 +273,42 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], num_samples: int, seeds: list[int],
                  sampling: SamplingParams) -> list[RowState]:
-        """Sample every row to the end in one session (what Best-of-N needs)."""
-        session = f"generate-{uuid.uuid4().hex}"
-        self.open(session, prompts, num_samples, seeds, sampling)
-        try:
-            return self.extend(session, until=sampling.max_new_tokens)
-        finally:
-            self.close(session)
+        """Sample every row to the end (what Best-of-N needs), ``seeds`` one per row, prompt-major.
+        In one session where the KV cache's pool holds every row at full length; else in consecutive
+        sessions of as many prompts' rows as it holds (a prompt's own rows split only where even they
+        do not fit), since the loop preempts whole sessions and one that outgrows the pool cannot run.
+        The rows come back in order."""
+        out = []
+        for group, count, first in self._groups(prompts, num_samples, sampling.max_new_tokens):
+            session = f"generate-{uuid.uuid4().hex}"
+            self.open(session, group, count, seeds[first:first + len(group) * count], sampling)
+            try:
+                out += self.extend(session, until=sampling.max_new_tokens)
+            finally:
+                self.close(session)
+        return out
+
+    def _groups(self, prompts: list[list[int]], num_samples: int, until: int):
+        """(prompts, rows per prompt, first row's index) of generate's sessions: consecutive prompts while
+        the pool holds all their rows; a prompt whose N rows alone do not fit, in runs of what does (at
+        least one row: a row that outgrows the pool fails with KVBudgetError, as in the step)."""
+        if self.capacity(prompts, until) >= num_samples:
+            yield prompts, num_samples, 0
+            return
+        group, first = [], 0
+        for i, prompt in enumerate(prompts):
+            if group and self.capacity([*group, prompt], until) < num_samples:
+                yield group, num_samples, first
+                group, first = [], i * num_samples
+            if group or self.capacity([prompt], until) >= num_samples:
+                group.append(prompt)
+                continue
+            step = max(1, self.capacity([prompt], until))
+            for start in range(0, num_samples, step):
+                yield [prompt], min(step, num_samples - start), i * num_samples + start
+            first = (i + 1) * num_samples
+        if group:
+            yield group, num_samples, first
 
 
 def _without_inference_mode(run: Callable[[], Any]) -> Any:
