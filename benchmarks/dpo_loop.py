@@ -60,21 +60,26 @@ def parse_args(argv: list[str] | None):
     return parse(parser, argv)
 
 
+def held_out_rows(prompt_file: str) -> list:
+    """The usable prompt rows of ``prompt_file`` (pipeline.data.prompts.validate), with their IFEval columns."""
+    from pipeline.data.prompts import validate
+    from pipeline.data.readers import PromptSource
+
+    records = list(PromptSource(prompt_file, "prompt", extra_columns=None).records())
+    return validate([v for v, _ in records], "prompt", columns=[c for _, c in records])[0]
+
+
 def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: int, chat_template: str) -> dict:
     """IFEval's strict figures of ``samples`` responses per prompt of ``prompt_file`` from ``model``
     (rows seeded as a build seeds its candidates 0 .. samples - 1)."""
     from pipeline.data.chat import PromptFormatter
-    from pipeline.data.prompts import validate
-    from pipeline.data.readers import PromptSource
     from pipeline.decoding.sampling import row_seed
     from pipeline.engines.hf import HFEngine
     from pipeline.judge import accuracy, check
 
-    records = list(PromptSource(prompt_file, "prompt", extra_columns=None).records())
     engine = HFEngine.from_pretrained(model)
     formatter = PromptFormatter(engine.tokenizer, 10**9, chat_template=chat_template)
-    rows, _ = validate([v for v, _ in records], "prompt", columns=[c for _, c in records])
-    prompts = [formatter.prepare(row)[0] for row in rows]
+    prompts = [formatter.prepare(row)[0] for row in held_out_rows(prompt_file)]
     seeds = [row_seed(seed, p.prompt_id, s) for p in prompts for s in range(samples)]
     out = engine.generate([p.token_ids for p in prompts], samples, seeds, sampling)
     judged = [check(o.text, prompts[i // samples].columns["instruction_id_list"],
@@ -94,14 +99,11 @@ def brief_reply_passes(prompt_file: str) -> list[list[bool]]:
     on words or sentences, no commas, a forbidden word...). A gain on the other instructions is not
     shorter responses alone."""
     from pipeline.data.chat import conversation_text
-    from pipeline.data.prompts import validate
-    from pipeline.data.readers import PromptSource
     from pipeline.judge import check
 
-    records = list(PromptSource(prompt_file, "prompt", extra_columns=None).records())
-    rows, _ = validate([v for v, _ in records], "prompt", columns=[c for _, c in records])
     return [check(BRIEF_REPLY, r.columns["instruction_id_list"], r.columns["kwargs"],
-                  r.prompt if isinstance(r.prompt, str) else conversation_text(r.prompt)) for r in rows]
+                  r.prompt if isinstance(r.prompt, str) else conversation_text(r.prompt))
+            for r in held_out_rows(prompt_file)]
 
 
 def beyond_brevity(verdicts: list[list[list[bool]]], brief: list[list[bool]]) -> tuple[list, list[int]]:

@@ -184,7 +184,7 @@ def test_brief_reply_passes_the_instructions_brevity_satisfies():
     assert by_id.get(("punctuation:no_comma", None), {True}) == {True}
     assert by_id.get(("detectable_content:postscript", None), {False}) == {False}
     assert by_id.get(("length_constraints:number_words", "at least"), {False}) == {False}
-    assert True in set().union(*by_id.values()) and False in set().union(*by_id.values())
+    assert set().union(*by_id.values()) == {True, False}  # some instructions pass a one-word reply, some fail it
     verdicts = [[[True] * len(p)] for p in passes]
     hard, kept = beyond_brevity(verdicts, passes)
     assert kept == [i for i, p in enumerate(passes) if not all(p)]
