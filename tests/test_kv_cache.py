@@ -332,90 +332,206 @@ def test_at_a_fixed_budget_memory_budget_sbon_starts_three_times_the_rows_best_o
         best_of_n([prompt], bon, scorer, BestOfNParams(), sampling, 3 * fits, seed=3)
 
 
-def test_where_flex_attention_cannot_compile_a_step_gathers_the_blocks_with_the_same_logits(engine, monkeypatch):
-    """The fallback (no compiler, none for a pool's shape, or BON_KV_KERNEL=gather): each row's blocks
-    gathered for SDPA; the logits equal the compiled kernel's, the pool zeroed nowhere it was not
-    before."""
+def _steps(engine, kv, batch, sources=(0, 0, 1), count=9):
+    handles = kv.admit(batch, list(sources))
+    for token in range(3, 3 + count):
+        logits = kv.step(handles, torch.full((len(handles),), token), logits_to_keep=1).logits[:, -1]
+    return handles, logits
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_the_compiled_kernel_is_checked_then_used_with_no_compile_during_steps(engine, block_size, monkeypatch):
+    """The kernel a build runs (compiled flex_attention, static row buckets, block sizes builds use):
+    compiled once per bucket at the pool's allocation and checked against the gather there, then every
+    step runs it (no compile, whatever the row count) with the logits the gather gives."""
     prompts = [ids(engine, TEXTS[2]), ids(engine, "Hi")]
     batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
-    out = {}
-    monkeypatch.setitem(kv_cache._kernel, "broken", set())
-    for broken in (False, True):
-        if broken:
-            monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")
-        kv = KVCache(engine.model, engine.device, memory=8 << 20, block_size=8)
-        handles = kv.admit(batch, [0, 0, 1])
-        for token in range(3, 12):
-            logits = kv.step(handles, torch.full((3,), token), logits_to_keep=1).logits[:, -1]
-        out[broken] = logits
-    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
+    kv = KVCache(engine.model, engine.device, memory=8 << 20, block_size=block_size, max_rows=16)
+    kv.admit(batch, [0])  # allocates: compiles and checks
+    stats = kv.stats()
+    assert stats["kv_kernel"] == "flex_attention" and stats["kv_kernel_reason"] == ""
+    assert stats["kv_kernel_buckets"] == [1, 4, 16] and stats["kv_kernel_compiles"] == 3
+    assert stats["kv_kernel_check_error"] < 1e-4
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    calls = {"n": 0}
+    attend = kv.kernel.attend
+    monkeypatch.setattr(kv.kernel, "attend", lambda *a: calls.__setitem__("n", calls["n"] + 1) or attend(*a))
+    _, compiled = _steps(engine, kv, batch, (0, 0, 1, 1, 0), count=2 * block_size + 2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no compile during the steps
+    assert calls["n"] > 0 and kv.stats()["kv_kernel_gathered_steps"] == 0
+    monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")
+    gathered = KVCache(engine.model, engine.device, memory=8 << 20, block_size=block_size)
+    gathered.admit(batch, [0])
+    _, reference = _steps(engine, gathered, batch, (0, 0, 1, 1, 0), count=2 * block_size + 2)
+    assert gathered.stats()["kv_kernel"] == "gather"
+    torch.testing.assert_close(compiled, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_a_pool_shape_that_fails_to_compile_gathers_alone(engine, monkeypatch, caplog):
-    """Inductor's CPU template builds some pool shapes and not others. A pool whose kernel fails to
-    build gathers its blocks (one warning naming its shape), and a pool of another shape in the same
-    process still runs the compiled kernel; the logits agree."""
+def _wrong_kernel(own_flex):
+    """A compiled kernel that is off by a little (the kind of error an ISA-specific build made)."""
+    right = own_flex()
+    return lambda *args: right(*args) + 0.05
+
+
+def test_a_kernel_that_disagrees_with_the_gather_is_never_trusted(engine, monkeypatch, caplog):
+    """The self-check at allocation: a compiled kernel whose attention differs from the gather past
+    float tolerance is not used; the pool gathers, one warning line says why, and stats (the
+    generator's section of _report.json) records the kernel and the reason. Logits: the gather's."""
+    from pipeline.engines import attention_kernel
+
     prompts = [ids(engine, TEXTS[2]), ids(engine, "Hi")]
     batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
-    monkeypatch.setitem(kv_cache._kernel, "broken", set())
-    torch._dynamo.reset()  # as a fresh process: what the file compiled before changes what inductor builds
-    compiled = kv_cache._flex()
-    calls = {"flex": 0}
+    own = attention_kernel._own_flex
+    monkeypatch.setattr(attention_kernel, "_own_flex", lambda: _wrong_kernel(own))
+    kv = KVCache(engine.model, engine.device, memory=8 << 20, block_size=16, max_rows=4)
+    _, logits = _steps(engine, kv, batch)
+    stats = kv.stats()
+    assert stats["kv_kernel"] == "gather" and "differs from the gather by 0.05" in stats["kv_kernel_reason"]
+    warnings = [r for r in caplog.records if "differs from the gather" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0].getMessage()
+    monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")
+    _, reference = _steps(engine, KVCache(engine.model, engine.device, memory=8 << 20, block_size=16), batch)
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-5)
 
-    def length(memory):  # a pool's length in tokens at this budget, read from one that compiles nothing
-        probe = KVCache(engine.model, engine.device, memory=memory, block_size=8, decode=False)
-        probe._allocate_for_model()
-        return probe.keys[0].shape[2]
 
-    failing = length(8 << 20)
+def test_a_pool_whose_kernel_does_not_compile_gathers_alone(engine, monkeypatch, caplog):
+    """A compile failure (no C++ compiler, an inductor error) switches off that pool's kernel only: the
+    next pool compiles its own."""
+    from pipeline.engines import attention_kernel
 
-    def flaky(query, key, value, **kwargs):  # the first pool's shape fails to build, as a C++ compile error would
-        if key.shape[2] == failing:
+    prompts = [ids(engine, TEXTS[2]), ids(engine, "Hi")]
+    batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
+    own = attention_kernel._own_flex
+
+    def failing():
+        def run(*args):
             raise RuntimeError("C++ compile error (simulated)")
-        calls["flex"] += 1
-        return compiled(query, key, value, **kwargs)
+        return run
 
-    monkeypatch.setattr(kv_cache, "_flex", lambda: flaky)
-    shapes, out = [], []
-    for memory in (8 << 20, 6 << 20):
-        kv = KVCache(engine.model, engine.device, memory=memory, block_size=8)
-        handles = kv.admit(batch, [0, 0, 1])
-        shapes.append(kv.keys[0].shape[2])
-        for token in range(3, 12):
-            logits = kv.step(handles, torch.full((3,), token), logits_to_keep=1).logits[:, -1]
-        out.append(logits)
-    assert shapes[0] != shapes[1] and calls["flex"] > 0
-    assert len(kv_cache._kernel["broken"]) == 1
-    assert caplog.text.count("could not be compiled for a pool of") == 1
-    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(attention_kernel, "_own_flex", failing)
+    broken = KVCache(engine.model, engine.device, memory=8 << 20, block_size=16, max_rows=4)
+    _, first = _steps(engine, broken, batch)
+    monkeypatch.setattr(attention_kernel, "_own_flex", own)
+    working = KVCache(engine.model, engine.device, memory=8 << 20, block_size=16, max_rows=4)
+    _, second = _steps(engine, working, batch)
+    assert broken.stats()["kv_kernel"] == "gather" and "does not compile" in broken.stats()["kv_kernel_reason"]
+    assert working.stats()["kv_kernel"] == "flex_attention"
+    assert caplog.text.count("does not compile") == 1
+    torch.testing.assert_close(first, second, atol=1e-5, rtol=1e-5)
 
 
-def test_past_the_recompile_limit_a_new_pool_gathers_its_blocks_with_the_same_logits(engine, monkeypatch, caplog):
-    """Pools of many shapes in one process (a test suite) use up dynamo's recompile limit. A pool whose
-    kernel would need one more compile then gathers its blocks for SDPA, with one warning, instead of
-    running flex_attention eagerly over the whole pool (which took minutes a step); same logits."""
-    prompts = [ids(engine, TEXTS[2]), ids(engine, "Hi")]
+def test_steps_and_feeds_that_raise_give_back_every_block_and_leave_the_kernel_on(engine, monkeypatch):
+    """Failure atomicity: steps and chunked feeds whose forward raises (an out-of-memory, injected) leak
+    no block; the kernel stays on (a runtime error is not a compile failure); after every row is
+    released the pool is empty and a session that fits the empty pool runs."""
+    prompts = [ids(engine, TEXTS[3]), ids(engine, "Hi")]
     batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
-    out, pools = {}, {}
-    monkeypatch.setitem(kv_cache._kernel, "limit_logged", False)
-    monkeypatch.setitem(kv_cache._kernel, "broken", set())  # an earlier test's shape that failed to build
-    torch._dynamo.reset()  # no entry compiled by an earlier test may serve the second pool
-    for limited in (False, True):
-        # Room for the first pool's compiles whatever the process compiled before (the suite), none for the
-        # second's; the second has a block count no other test uses, so its kernel is not compiled yet.
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 0 if limited else 100_000)
-        monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 0 if limited else 100_000)
-        memory = 173 * pools[False].block_bytes if limited else 8 << 20
-        kv = KVCache(engine.model, engine.device, memory=memory, block_size=8)
-        handles = kv.admit(batch, [0, 0, 1])
-        for token in range(3, 12):
-            logits = kv.step(handles, torch.full((3,), token), logits_to_keep=1).logits[:, -1]
-        out[limited], pools[limited] = logits, kv
-    assert pools[True].num_blocks == 173 != pools[False].num_blocks  # a new pool shape: it needs a compile
-    assert all(getattr(k, "bon_gather", False) for k in pools[True].keys)
-    assert not any(getattr(k, "bon_gather", False) for k in pools[False].keys)
-    assert "recompile limit is reached" in caplog.text
-    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
+    kv = KVCache(engine.model, engine.device, memory=8 << 20, block_size=16, max_rows=4)
+    handles = kv.admit(batch, [0, 0, 1])
+    held = kv.used_blocks
+    attend = kv.kernel.attend
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(kv.kernel, "attend", oom)
+    for token in range(40):  # across block edges: many of these steps take a new block first
+        with pytest.raises(torch.OutOfMemoryError):
+            kv.step(handles, torch.full((3,), token), logits_to_keep=1)
+        assert kv.used_blocks == held
+    monkeypatch.setattr(kv.kernel, "attend", attend)
+    for _ in range(20):
+        kv.step(handles, torch.full((3,), 7), logits_to_keep=1)
+    held = kv.used_blocks
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda *a, **kw: oom())
+    for count in (1, 17, 40):
+        with pytest.raises(torch.OutOfMemoryError):
+            kv.feed(handles, [[5] * count] * 3, engine.pad_id)
+        assert kv.used_blocks == held
+    monkeypatch.setattr(engine.model, "forward", forward)
+    assert kv.stats()["kv_kernel"] == "flex_attention"
+    kv.release(handles)
+    kv.collect()
+    assert kv.used_blocks == 0 and int(kv.refs.sum()) == 0
+    handles, _ = _steps(engine, kv, batch)
+    assert len(handles) == 3
+
+
+def test_an_out_of_memory_inside_a_step_retries_with_fewer_rows_and_every_row_completes(tiny_models, monkeypatch):
+    """The step loop: an out-of-memory inside a shared step (injected in every step of more than 4
+    rows) preempts the newest session and steps the others; every session completes with every row,
+    the same tokens as an unconstrained run, and nothing stays held."""
+    monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")  # scheduling, not the kernel
+    base = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    prompts = [ids(base, t) for t in TEXTS]
+    sampling = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    expected = _run_sessions(HFEngine(base.model, base.tokenizer), prompts, sampling)
+    engine = HFEngine(base.model, base.tokenizer)
+    step_kv = engine.runner.step_kv
+
+    def limited(sessions):
+        if sum(len(s.rows) for s in sessions) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return step_kv(sessions)
+
+    monkeypatch.setattr(engine.runner, "step_kv", limited)
+    got = _run_sessions(engine, prompts, sampling)
+    assert got == expected
+    engine.runner.kv.collect()
+    assert engine.runner.kv.used_blocks == 0
+
+
+def test_building_and_stepping_a_pool_changes_no_torch_setting(engine):
+    """Nothing process-wide: dynamo's configuration is the same before and after a pool is built (its
+    kernel compiled) and stepped, and an unrelated compiled function still falls back to eager at its
+    recompile limit instead of raising."""
+    before = torch._dynamo.config.get_config_copy()
+    batch, _ = RowBatch.prefill(engine.model, [ids(engine, TEXTS[1])], engine.pad_id, engine.device)
+    kv = KVCache(engine.model, engine.device, memory=8 << 20, block_size=16, max_rows=4)
+    _steps(engine, kv, batch, (0, 0))
+    assert torch._dynamo.config.get_config_copy() == before
+    unrelated = torch.compile(lambda x: x.sum() * 2, dynamic=False)
+    for size in range(1, torch._dynamo.config.recompile_limit + 3):  # past its limit: eager, no error
+        assert float(unrelated(torch.ones(size))) == 2 * size
+
+
+def test_a_reward_feed_that_raises_gives_back_its_blocks_and_the_scorer_serves_on(tiny_models, monkeypatch):
+    """The reward model's streaming sessions (a chunked feed per decision token): a feed whose forward
+    raises leaks no block; after close the pool is empty."""
+    from pipeline.engines.rewards import RewardScorer
+
+    scorer = RewardScorer.from_pretrained(str(tiny_models["reward"]))
+    kv = scorer.kv
+    prompts = ["Describe how the blender works", "Hi"]
+    texts = ["It blends", "Hello there, friend"]
+    forward = type(scorer._base_model()).forward
+    failures = {"left": 3}
+
+    def flaky(self, *args, **kwargs):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return forward(self, *args, **kwargs)
+
+    scorer.open("s", prompts, 2)
+    rows = [0, 1, 2, 3]
+    answers = [texts[0], texts[0] + " well", texts[1], texts[1] + ", and welcome to the shop"]
+    scorer.extend("s", rows, answers)  # the rows' blocks: the prompts' heads shared, each row's own
+    kv.collect()
+    held = kv.used_blocks
+    assert held > 0
+    monkeypatch.setattr(type(scorer._base_model()), "forward", flaky)
+    longer = [a + " and then some more words to read at the next decision token" for a in answers]
+    for _ in range(3):
+        with pytest.raises(torch.OutOfMemoryError):
+            scorer.extend("s", rows, longer)
+        kv.collect()
+        assert kv.used_blocks <= held
+    assert len(scorer.extend("s", rows, longer)) == 4  # it serves on
+    scorer.close("s")
+    kv.collect()
+    assert kv.used_blocks == 0
 
 
 def test_initial_candidates_auto_is_refused_off_the_hf_backend_and_checked_as_a_value():

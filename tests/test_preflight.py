@@ -283,7 +283,7 @@ def test_the_contention_benchmark_scores_in_another_thread_during_the_contended_
     import time
 
     from benchmarks import hf_throughput
-    from pipeline.engines import kv_cache
+    from pipeline.engines import attention_kernel, kv_cache
 
     calls, seen = [0], []
     score = hf_throughput.RewardScorer.score
@@ -294,7 +294,7 @@ def test_the_contention_benchmark_scores_in_another_thread_during_the_contended_
         before, deadline = calls[0], time.monotonic() + 5  # alone: nothing scores
         while tokens > 2 and calls[0] == before and time.monotonic() < deadline:
             time.sleep(0.05)
-        seen.append((kv_cache._gathers(), calls[0] > before))
+        seen.append((attention_kernel.gathers(), calls[0] > before))
         return rows * tokens
 
     monkeypatch.setattr(hf_throughput, "run_session", session)
@@ -316,16 +316,16 @@ def test_the_attention_benchmark_measures_the_gather_decode_kernel_beside_the_de
     the KV cache's blocks gathered (BON_KV_KERNEL=gather), every other path with the default kernel;
     the setting the caller had is back afterwards."""
     from benchmarks import hf_throughput
-    from pipeline.engines import kv_cache
+    from pipeline.engines import attention_kernel, kv_cache
 
     monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")  # as the test suite runs; the default path must unset it
     seen = []
     monkeypatch.setattr(hf_throughput, "_rate", lambda engine, *a: seen.append(
-        (engine.model.config._attn_implementation, kv_cache._gathers())) or 1.0)
+        (engine.model.config._attn_implementation, attention_kernel.gathers())) or 1.0)
     result = hf_throughput.compare_attention(str(tiny_models["generator"]), 2, 4, 1, 1,
                                              paths=("sdpa", "sdpa+gather", "eager"))
     assert seen == [("sdpa", False), ("sdpa", True), ("eager", False)] * 2  # warm-up, then one repeat
     assert all(result[p]["median_tokens_per_s"] == 1.0 for p in ("sdpa", "sdpa+gather", "eager"))
-    assert kv_cache._gathers()
+    assert attention_kernel.gathers()
     with hf_throughput.decode_kernel(False):
-        assert not kv_cache._gathers()
+        assert not attention_kernel.gathers()

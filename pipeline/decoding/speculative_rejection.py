@@ -247,7 +247,7 @@ def speculative_rejection(prompts: list[PromptInput], generator: Generator, scor
     points = [t for t in params.decision_tokens if t < sampling.max_new_tokens]
     # No decision token before max_new_tokens: no decision point, plain Best-of-N for these rows
     # (memory-budget mode has nothing to screen by, so it starts N rows, not initial_candidates).
-    width = _width(generator, prompts, params, num_samples, points)  # rows started per prompt
+    width = _width(generator, prompts, params, num_samples, points, sampling)  # rows started per prompt
     if width < num_samples:
         raise ValueError(f"initial_candidates ({width}) must be at least num_samples ({num_samples})")
     from_generator = params.partial_reward == "generator" and bool(points)
@@ -364,14 +364,31 @@ AUTO_MAX_CANDIDATES = 1024
 
 
 def _width(generator: Generator, prompts: list[PromptInput], params: SpeculativeRejectionParams,
-           num_samples: int, points: list[int]) -> int:
+           num_samples: int, points: list[int], sampling: SamplingParams) -> int:
     """Rows started per prompt: num_samples, or memory-budget mode's initial_candidates (``auto``:
-    what the generator's KV pool holds to the first decision token)."""
+    the most rows the generator's KV pool holds to the first decision token whose survivors,
+    ``max_live_candidates`` or the (1 - rejection_rate) share, it also holds to max_new_tokens;
+    ValueError naming the setting when that is fewer than num_samples)."""
     if not points:  # no decision point: plain Best-of-N (memory-budget mode has nothing to screen by)
         return num_samples
     if params.initial_candidates == "auto":
-        fits = generator.capacity([p.token_ids for p in prompts], points[0])
-        return max(num_samples, min(fits, AUTO_MAX_CANDIDATES))
+        ids = [p.token_ids for p in prompts]
+        first = min(generator.capacity(ids, points[0]), AUTO_MAX_CANDIDATES)  # every row to the first tau
+        last = generator.capacity(ids, sampling.max_new_tokens)  # the survivors to the length cap
+
+        def survivors(width: int) -> int:  # the rows past the first decision token (Eq. 3's keep)
+            return min(width, params.max_live_candidates or math.ceil((1 - params.rejection_rate) * width))
+
+        width = first
+        while width > num_samples and survivors(width) > last:
+            width -= 1
+        if width < num_samples or survivors(width) > last:
+            raise ValueError(f"strategy.initial_candidates: auto: the generator's KV pool holds {first} rows per "
+                             f"prompt to the first decision token and {last} to max_new_tokens "
+                             f"({sampling.max_new_tokens}), fewer than num_samples ({num_samples}) or their "
+                             "survivors need; raise runtime.kv_cache_memory or lower num_samples, "
+                             "max_new_tokens or runtime.batch_size")
+        return width
     return params.initial_candidates or num_samples
 
 

@@ -28,17 +28,17 @@ waiting until rows leave. ``needed`` says how many blocks the next step takes; w
 are free, the step loop preempts the newest sessions (``release``, then a recompute of their KV
 from their tokens when blocks free up: pipeline.engines.model_runner). No step ever runs out.
 
-Attention reads the blocks in place: one ``flex_attention`` call per layer per step, for every
-stepping row, whatever the model's attention implementation (``paged_attention``). The keys and
-values are one [1, H, blocks * block_size, D] tensor per layer; a per-step BlockMask lists each
-row's whole blocks (attended in full) and its last, partial block (masked past its length). The
-kernel is compiled for the pool's shape (its length static: inductor's CPU template cannot build a
-kernel whose pool length is symbolic) and the stepping rows' count dynamic (torch.compile's
-automatic dynamic shapes: compiled for one count, then once for any count, and once for a single
-row), so a build compiles it three times per pool, at the pool's allocation (``warm_up``: seconds
-on a CPU, less from inductor's on-disk cache), never per step. Where it cannot be compiled for a
-dtype and device (no C++ compiler; bfloat16 on some CPUs), a warning says so once and each step
-gathers the rows' blocks for SDPA instead (a copy per layer: slower, same result).
+Attention reads the blocks in place: one kernel call per layer per step, for every stepping row,
+whatever the model's attention implementation (``paged_attention``). The keys and values are one
+[1, H, blocks * block_size, D] tensor per layer. The kernel is the pool's AttentionKernel
+(pipeline.engines.attention_kernel): compiled flex_attention for a few static row buckets, compiled
+and checked against the gather at the pool's allocation, with its block tables on the device,
+written by row (``_sync``, a step's new blocks); where it does not compile or disagrees, every step
+gathers the rows' blocks for SDPA (slower, same result) and ``stats`` says why. A pool takes the
+size its budget gives (no cap on blocks): nothing per step is as wide as the pool.
+
+Failure atomicity: a step, a feed or an admission that raises (an out-of-memory in the forward)
+gives back every block it took and leaves its rows as they were.
 
 A chunked ``feed`` (several tokens per row: the reward model's streaming sessions, a pool of their
 own, pipeline.engines.rewards) gathers each row's blocks per layer for SDPA with a causal mask, since
@@ -55,17 +55,18 @@ import heapq
 import logging
 import os
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch._dynamo.exc import FailOnRecompileLimitHit
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from pipeline.errors import KVBudgetError
+from pipeline.engines.attention_kernel import (KERNEL_ENV, MAX_ROWS, AttentionKernel, HostRows, Step,
+                                               gather_attention, gathers)
 from pipeline.engines.rows import RowBatch, _cache_of, _GrowingLayer, _new_cache, timed_forward
 from pipeline.engines.tree import cache_argument
 
@@ -74,10 +75,6 @@ log = logging.getLogger(__name__)
 BLOCK_SIZE = 128
 """Tokens per block. flex_attention's sparse blocks are 128 by default, and on our CPU 128-token
 pages attend 1.2x slower than contiguous SDPA where 32-token pages take 1.4x (docs/benchmarks.md)."""
-MAX_BLOCKS = 4096
-"""The most blocks a pool has, whatever its budget: a step's BlockMask holds a row of this many
-block indices per stepping row (flex_attention's compiled kernel wants the mask as wide as the
-pool). At 4,096 blocks of 128 tokens that is 524,288 tokens: 24 GiB of a 1.7B model's KV in bf16."""
 WATERMARK = 0.01
 """The share of the pool an admission leaves free (vLLM's watermark), so a newly admitted session
 is not the first to be preempted at its next step."""
@@ -163,118 +160,46 @@ def trim_heap() -> bool:
 
 # -- attention over the blocks -------------------------------------------------------------------
 
-KERNEL_ENV = "BON_KV_KERNEL"
-"""Set to ``gather`` to make every pool gather its rows' blocks for SDPA rather than compile
-flex_attention (a diagnostic switch; the test suite sets it, and the tests of the kernel unset it:
-each new pool shape costs three compiles, seconds each on a CPU)."""
-
-
-def _gathers() -> bool:
-    return os.environ.get(KERNEL_ENV, "").strip().lower() == "gather"
-
-
 PAGED_ATTENTION = "bon_paged"
 """The attention implementation a step runs under (registered with transformers' AttentionInterface;
-no mask function, so transformers builds no mask and the step passes its BlockMask)."""
-_kernel: dict = {}
-
-
-def _flex():
-    """flex_attention, compiled: automatic dynamic shapes, with the pool's dimensions marked static
-    (``_static``), so only the stepping rows' count becomes dynamic."""
-    if "run" not in _kernel:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _kernel["run"] = torch.compile(flex_attention, dynamic=None)
-        # Three compiled entries per pool shape (heads, head size, dtype, blocks); past dynamo's
-        # recompile limit (8) it would run the eager kernel, which is correct (block_mask) but slow.
-        from torch import _dynamo
-
-        config = _dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, name, max(getattr(config, name), 64))
-        # Past the limit (pools of many sizes in one process: a test suite) the kernel would run eagerly
-        # over the whole pool, far slower than the gather: raise instead, and _attend gathers. Set once
-        # here, not patched around each call (every layer of every step).
-        config.fail_on_recompile_limit_hit = True
-    return _kernel["run"]
-
-
-def _static(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """Mark ``tensor``'s pool dimension static for torch.compile (inductor's CPU flex template fails
-    on a symbolic pool length: ``cur_kvSplitSize2`` undeclared)."""
-    torch._dynamo.mark_static(tensor, dim)
-    return tensor
+no mask function, so transformers builds no mask and the step hands its own metadata)."""
 
 
 @dataclass
-class StepAttention:
-    """What one step's attention reads: the BlockMask for flex_attention, and the rows' tables and
-    lengths (the new tokens included) for the gather. A chunked feed (``KVCache.feed``: several
-    tokens per row) has no BlockMask and gives each query's logical place in its row instead
-    (``queries``, [n, C]; a padding query's is 0): a query attends its row's places up to its own."""
+class _StepCall:
+    """One decoding step's attention: the pool's kernel (pipeline.engines.attention_kernel) and the
+    step's metadata."""
 
-    mask: Any
-    tables: np.ndarray  # [n, NB]
+    kernel: AttentionKernel | None
+    step: Step
+
+    def attend(self, query, key, value, scale):
+        if self.kernel is None:
+            return gather_attention(query, key, value, self.step.tables.rows(), self.step.lengths,
+                                    self.step.tables.block_size, scale)
+        return self.kernel.attend(query, key, value, self.step, scale)
+
+
+@dataclass
+class _FeedCall:
+    """One chunked feed's attention (several tokens per row: the reward model's streaming rows): each
+    row's blocks gathered, then SDPA with each query attending its row's places up to its own
+    (``queries`` [n, C]; a padding query's is 0). It comes once per decision token, not every step."""
+
+    tables: np.ndarray  # [n, MB]
     lengths: np.ndarray  # [n]
+    queries: np.ndarray  # [n, C]
     block_size: int
-    device: torch.device
-    queries: np.ndarray | None = None
-    _places: tuple | None = None
 
-    def places(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([n, W] each row's places in the pool, in order, padded with its first; the keys each query
-        may attend: [n, 1, 1, W] for a step, [n, 1, C, W] causal for a chunked feed)."""
-        if self._places is None:
-            bs, width = self.block_size, int(self.lengths.max())
-            logical = np.arange(width)[None, :]
-            valid = logical < self.lengths[:, None]
-            blocks = np.take_along_axis(self.tables, np.where(valid, logical, 0) // bs, axis=1).astype(np.int64)
-            places = blocks * bs + np.where(valid, logical, 0) % bs
-            if self.queries is None:
-                allowed = valid[:, None, None, :]
-            else:
-                allowed = (valid[:, None, :] & (logical[:, None, :] <= self.queries[:, :, None]))[:, None]
-            self._places = (torch.from_numpy(places).to(self.device), torch.from_numpy(allowed).to(self.device))
-        return self._places
-
-
-def _attend(query, key, value, step: StepAttention, scale):
-    """Compiled flex_attention over the blocks in place; for a chunked feed, or where it cannot be
-    compiled for this pool's shape (a warning says so, once per shape), each row's blocks gathered,
-    then SDPA (a copy per layer)."""
-    # The pool's shape: inductor's CPU template builds some and not others (a C++ compile error for
-    # 64 blocks of 128 tokens of the tiny test model, none for 977 of SmolLM2's), so one shape that
-    # fails leaves the others compiled.
-    kind = (query.dtype, query.device.type, tuple(key.shape), step.block_size, query.shape[1])
-    if step.queries is None and kind not in _kernel.setdefault("broken", set()) \
-            and not getattr(key, "bon_gather", False) and not _gathers():
-        try:
-            return _flex()(query, key, value, block_mask=step.mask, scale=scale, enable_gqa=True)
-        except FailOnRecompileLimitHit:  # _flex() has dynamo raise it rather than run the kernel eagerly
-            key.bon_gather = True  # this pool's layer: gathered from now on
-            if not _kernel.get("limit_logged"):
-                _kernel["limit_logged"] = True
-                log.warning("KV cache: torch.compile's recompile limit is reached (pools of many shapes in one "
-                            "process); a new pool's steps gather its blocks for SDPA instead (slower)")
-        except Exception as exc:  # noqa: BLE001 - no compiler, or none for this dtype or device
-            _kernel["broken"].add(kind)
-            log.warning("KV cache: flex_attention could not be compiled for a pool of %d blocks of %d tokens "
-                        "(%s on %s: %s); gathering its rows' blocks for SDPA instead (slower)",
-                        key.shape[2] // step.block_size, step.block_size, query.dtype, query.device.type,
-                        str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-    places, valid = step.places()
-    keys = key[0][:, places].transpose(0, 1)  # [n, H, W, D]
-    values = value[0][:, places].transpose(0, 1)
-    return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=valid, scale=scale,
-                                                            enable_gqa=True)
+    def attend(self, query, key, value, scale):
+        return gather_attention(query, key, value, self.tables, self.lengths, self.block_size, scale, self.queries)
 
 
 def paged_attention(module, query, key, value, attention_mask, paged=None, scaling=None, **kwargs):
-    """Attention of one step's rows over their blocks: ``query`` [n, Hq, C, D] (the stepping rows;
-    C is 1 but in a chunked feed), ``key``/``value`` [1, Hkv, T, D] the pool's whole layer (no
-    copy), ``paged`` the step's StepAttention. Returns [n, C, Hq, D]."""
-    out = _attend(query, key, value, paged, scaling)
+    """Attention of one pass's rows over their blocks: ``query`` [n, Hq, C, D] (the rows; C is 1 but
+    in a chunked feed), ``key``/``value`` [1, Hkv, T, D] the pool's whole layer (no copy), ``paged``
+    the pass's _StepCall or _FeedCall. Returns [n, C, Hq, D]."""
+    out = paged.attend(query, key, value, scaling)
     return out.transpose(1, 2), None
 
 
@@ -282,57 +207,6 @@ def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(PAGED_ATTENTION, paged_attention)
-
-
-def block_mask(tables: np.ndarray, lengths: np.ndarray, bs: int, nb: int, device: torch.device):
-    """A decoding step's BlockMask over a pool of ``nb`` blocks of ``bs`` tokens: row b attends its
-    whole blocks (``tables[b, :lengths[b] // bs]``) in full and its last, partial block up to its
-    length. The compiled kernel reads the listed blocks only; the eager one applies ``mask_mod`` to
-    every place of the pool, so it gets a dense per-row block set too."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    n = len(lengths)
-    whole, fill = lengths // bs, lengths % bs
-    last = tables[np.arange(n), np.minimum(whole, nb - 1)]
-    partial = fill > 0
-
-    def to(array, dtype=torch.int32):
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
-
-    # Each row's own blocks, densely: the compiled kernel visits the listed blocks only, but where
-    # torch.compile gives up (its recompile limit) flex_attention runs eagerly and applies mask_mod to
-    # every place of the pool; with this the mask is right either way.
-    attends = np.zeros((n, nb), dtype=bool)
-    held = np.arange(tables.shape[1])[None, :] < (whole + partial)[:, None]  # [n, NB] table entries in use
-    attends[np.nonzero(held)[0], tables[held]] = True
-    # A row whose last block is full has no partial one: -1 matches no block.
-    allowed, last_block, filled = _static(to(attends, torch.bool), 1), to(np.where(partial, last, -1)), to(fill)
-
-    def mask_mod(b, h, q, kv):
-        block = kv // bs
-        return allowed[b, block] & ((block != last_block[b]) | (kv % bs < filled[b]))
-
-    kv_num = to(partial.astype(np.int32))[:, None, None]  # [n, 1, 1]
-    kv_index = to(np.pad(np.where(partial, last, 0)[:, None], ((0, 0), (0, nb - 1))))[:, None, None]  # [n, 1, 1, NB]
-    return BlockMask.from_kv_blocks(kv_num, _static(kv_index, 3), to(whole.astype(np.int32))[:, None, None],
-                                    _static(to(tables)[:, None, None], 3), BLOCK_SIZE=(128, bs), mask_mod=mask_mod,
-                                    seq_lengths=(1, nb * bs), compute_q_blocks=False)
-
-
-@torch.inference_mode()
-def warm_up(keys: torch.Tensor, values: torch.Tensor, heads: int, block_size: int) -> None:
-    """Compile the step's attention for a pool (``keys``/``values``, one layer's [1, Hkv, NB * bs, D])
-    and ``heads`` query heads: for two row counts (the second makes the count dynamic) and for one
-    row, so that no step compiles. The pool's contents are read, not changed."""
-    _, _, length, dim = keys.shape
-    blocks = length // block_size
-    for rows in (2, 3, 1):
-        tables = (np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks) % blocks)
-        lengths = np.minimum(np.array([block_size + 1, 2, 2 * block_size])[:rows], length)
-        step = StepAttention(block_mask(tables, lengths, block_size, blocks, keys.device), tables, lengths,
-                             block_size, keys.device)
-        query = torch.zeros((rows, heads, 1, dim), dtype=keys.dtype, device=keys.device)
-        _attend(query, keys, values, step, dim ** -0.5)
 
 
 class _BlockLayer(DynamicLayer):
@@ -382,13 +256,19 @@ class BlockPool:
     block first. KVCache keeps its rows on it."""
 
     def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
-                 decode: bool = True):
+                 decode: bool = True, max_rows: int = MAX_ROWS):
         """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
         device); the pool is allocated at the first admission, after the weights are in memory.
-        ``decode``: whether rows will ``step`` (the attention kernel is compiled at the allocation);
-        a pool only ever fed chunks (the reward model's) compiles nothing."""
+        ``decode``: whether rows will ``step`` (the attention kernel is compiled and checked at the
+        allocation); a pool only ever fed chunks (the reward model's) compiles nothing.
+        ``max_rows``: the most rows a step's compiled kernel serves (its largest row bucket)."""
         self.model, self.device, self.memory, self.block_size = model, device, memory, block_size or BLOCK_SIZE
         self.decode = decode
+        self.max_rows = max_rows
+        self.kernel: AttentionKernel | None = None
+        """The decoding steps' attention (pipeline.engines.attention_kernel), made at the allocation of a
+        ``decode`` pool; None: every pass gathers (a chunked feed always does)."""
+        self.row_blocks = 0
         self.keys: list[torch.Tensor] = []  # per layer [1, H, NB * bs, D]
         self.values: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -432,7 +312,7 @@ class BlockPool:
         bs = self.block_size
         self.block_bytes = 2 * layers * heads * bs * dim * like.element_size()
         total = budget_bytes(self.memory, self.device)
-        self.num_blocks = int(max(1, min(MAX_BLOCKS, total // self.block_bytes)))
+        self.num_blocks = int(max(1, total // self.block_bytes))
         # torch.empty: blocks are zeroed as they are taken (on a CPU, untouched pages stay out of memory).
         try:
             for _ in range(layers):
@@ -444,15 +324,19 @@ class BlockPool:
             self.keys, self.values, self.num_blocks = [], [], 0
             raise KVBudgetError(f"KV cache: cannot allocate {total / 2**30:.2f} GiB for the pool "
                                 f"({type(exc).__name__}); lower runtime.kv_cache_memory") from None
-        for tensor in self.keys + self.values:
-            _static(tensor, 2)
         config = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
-        if self.decode and not _gathers():
-            warm_up(self.keys[0], self.values[0], config.num_attention_heads, bs)
+        context = getattr(config, "max_position_embeddings", None) or self.num_blocks * bs
+        self.row_blocks = int(min(self.num_blocks, -(-context // bs) + 1))
+        """A row's block table's width: the model's context in blocks (a row past it is refused)."""
         self.refs = np.zeros(self.num_blocks, dtype=np.int32)
         self._free = list(range(self.num_blocks))
         heapq.heapify(self._free)
-        self._rows.tables = np.zeros((len(self._rows.length), self.num_blocks), dtype=np.int32)
+        self._rows.tables = np.zeros((len(self._rows.length), self.row_blocks), dtype=np.int32)
+        if self.decode and self.keys[0].device.type != "meta":
+            self.kernel = AttentionKernel(self.keys[0], self.values[0], config.num_attention_heads, bs,
+                                          self.row_blocks, self.max_rows)
+            self.kernel.warm_up()
+            self._sync(np.flatnonzero(self._rows.live))
         log.info("KV cache: %d blocks of %d tokens, %.2f GiB", self.num_blocks, bs, self.nbytes() / 2**30)
 
     def _take_blocks(self, count: int) -> list[int]:
@@ -475,6 +359,13 @@ class BlockPool:
         bs = self.block_size
         index = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
         return torch.from_numpy(index).to(self.device)
+
+    def room_for(self, need: int) -> bool:
+        """Whether ``need`` blocks fit now, with the watermark while any block is in use."""
+        self.collect()
+        if not self.allocated:
+            return True
+        return self._room_for(need)
 
     def _room_for(self, need: int) -> bool:
         watermark = WATERMARK * self.num_blocks if self.used_blocks else 0
@@ -500,12 +391,12 @@ class _RowTables(BlockPool):
     blocks shared), release, truncation (copy on write), and a row's blocks taken back out."""
 
     def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
-                 counted_by: tuple = (), decode: bool = True):
+                 counted_by: tuple = (), decode: bool = True, max_rows: int = MAX_ROWS):
         """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
         device); the pool is allocated at the first admission, after the weights are in memory.
-        ``decode``: see BlockPool."""
+        ``decode``, ``max_rows``: see BlockPool."""
         _register()
-        super().__init__(model, device, memory, block_size, decode)
+        super().__init__(model, device, memory, block_size, decode, max_rows)
         self.counted_by = counted_by
         self._rows = _Rows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.int32),
                            np.zeros(0, bool))
@@ -532,7 +423,24 @@ class _RowTables(BlockPool):
         return {"kv_blocks_total": self.num_blocks, "kv_blocks_used": self.used_blocks,
                 "kv_blocks_peak": self.peak_blocks, "kv_block_size": self.block_size,
                 "kv_bytes_total": self.nbytes(), "kv_bytes_peak": self.peak_blocks * self.block_bytes,
-                "kv_prompt_bytes_shared": self.shared_bytes, "kv_preemptions": self.preemptions}
+                "kv_prompt_bytes_shared": self.shared_bytes, "kv_preemptions": self.preemptions,
+                **(self.kernel.stats() if self.kernel is not None else
+                   {"kv_kernel": "gather", "kv_kernel_reason": "chunked feeds only" if not self.decode else
+                    "not allocated yet" if not self.allocated else "no kernel"})}
+
+    def _check_width(self, length: int) -> None:
+        """A row of ``length`` tokens fits its block table (the model's context), or ValueError."""
+        if -(-length // self.block_size) > self.row_blocks:
+            raise ValueError(f"KV cache: a row of {length} tokens is longer than the model's context "
+                             f"({self.row_blocks} blocks of {self.block_size} tokens); shorten the prompts "
+                             "or max_new_tokens")
+
+    def _sync(self, handles) -> None:
+        """The kernel's device copy of rows ``handles``' block tables, after a change other than a
+        step's new block (an admission, a truncation, a feed)."""
+        if self.kernel is not None and len(handles):
+            handles = np.asarray(handles, dtype=np.int64)
+            self.kernel.write_rows(handles, self._rows.tables[handles])
 
     # -- rows ------------------------------------------------------------------------------------
 
@@ -588,6 +496,7 @@ class _RowTables(BlockPool):
                                     f"({self.nbytes() / 2**30:.2f} GiB); raise runtime.kv_cache_memory")
             return None
         bs = self.block_size
+        self._check_width(max(len(columns[p]) for p in used))
         width = mask.shape[1]
         handles = self._new_rows(len(sources))
         rows = self._rows
@@ -613,15 +522,21 @@ class _RowTables(BlockPool):
             rows.tables[handle, :len(table)] = table
             rows.length[handle] = length
             rows.position[handle] = int(batch.next_position[p])
-        if src:
-            source = torch.from_numpy(np.concatenate(src)).to(self.device)
-            target = torch.from_numpy(np.concatenate(dst)).to(self.device)
-            for pool_keys, pool_values, layer in zip(self.keys, self.values, layers):
-                heads, dim = layer.keys.shape[1], layer.keys.shape[3]
-                flat_k = layer.keys.transpose(0, 1).reshape(heads, -1, dim)  # [H, P * W, D]
-                flat_v = layer.values.transpose(0, 1).reshape(heads, -1, dim)
-                pool_keys[0].index_copy_(1, target, flat_k.index_select(1, source))
-                pool_values[0].index_copy_(1, target, flat_v.index_select(1, source))
+        try:
+            if src:
+                source = torch.from_numpy(np.concatenate(src)).to(self.device)
+                target = torch.from_numpy(np.concatenate(dst)).to(self.device)
+                for pool_keys, pool_values, layer in zip(self.keys, self.values, layers):
+                    heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+                    flat_k = layer.keys.transpose(0, 1).reshape(heads, -1, dim)  # [H, P * W, D]
+                    flat_v = layer.values.transpose(0, 1).reshape(heads, -1, dim)
+                    pool_keys[0].index_copy_(1, target, flat_k.index_select(1, source))
+                    pool_values[0].index_copy_(1, target, flat_v.index_select(1, source))
+            self._sync(handles)
+        except BaseException:  # an out-of-memory in the copy: every block goes back
+            self.release(handles)
+            self.collect()
+            raise
         return handles
 
     def release(self, handles: list[int]) -> None:
@@ -733,6 +648,7 @@ class _RowTables(BlockPool):
                 rows.tables[handle, kept // bs] = own
             rows.position[handle] -= length - kept
             rows.length[handle] = kept
+        self._sync(handles)
 
 
 class KVCache(_RowTables):
@@ -741,23 +657,30 @@ class KVCache(_RowTables):
 
     # -- a decoding step ------------------------------------------------------------------------
 
-    def _grow(self, handles: list[int]) -> None:
-        rows, bs = self._rows, self.block_size
-        starting = [h for h in handles if rows.length[h] % bs == 0]
+    def _grow(self, handles: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """A new block for each row whose next token starts one: (those rows, their blocks)."""
+        bs = self.block_size
+        starting = handles[lengths % bs == 0]
         if len(starting) > self.free_blocks:
             raise KVBudgetError(f"KV cache: the step needs {len(starting)} new blocks, {self.free_blocks} are free "
                                 "(the step loop preempts before a step; this is a bug)")
-        if starting:
-            blocks = self._take_blocks(len(starting))
-            for handle, block in zip(starting, blocks):
-                rows.tables[handle, rows.length[handle] // bs] = block
+        if not len(starting):
+            return starting, []
+        columns = self._rows.length[starting] // bs
+        if int(columns.max()) >= self.row_blocks:
+            self._check_width(int(self._rows.length[starting].max()) + 1)
+        blocks = self._take_blocks(len(starting))
+        self._rows.tables[starting, columns] = blocks
+        if self.kernel is not None:
+            self.kernel.write_blocks(starting, columns, np.asarray(blocks))
+        return starting, blocks
 
-    def _step_attention(self, handles: list[int]) -> StepAttention:
-        """The step's BlockMask (``block_mask``) and tables: each row's length counts the token this step writes."""
-        rows = self._rows
-        tables, lengths = rows.tables[handles], rows.length[handles] + 1
-        return StepAttention(block_mask(tables, lengths, self.block_size, self.num_blocks, self.device), tables,
-                             lengths, self.block_size, self.device)
+    def _step_call(self, handles: np.ndarray, lengths: np.ndarray) -> _StepCall:
+        """The step's attention: each row attends ``lengths`` tokens (the one this step writes included)."""
+        if self.kernel is not None:
+            return _StepCall(self.kernel, self.kernel.step(handles, lengths, self._rows.tables))
+        index = torch.from_numpy(handles).to(self.device)
+        return _StepCall(None, Step(index, HostRows(self._rows.tables, handles, self.block_size), lengths, 0))
 
     @contextmanager
     def stepping(self, handles: list[int], tokens: torch.Tensor) -> Iterator[dict]:
@@ -765,20 +688,31 @@ class KVCache(_RowTables):
         that order), for the caller's forward pass (the model runner owns the model): each row's new
         key and value go to its next place (a new block when it starts one; ``needed`` says how many
         must be free), and attention reads every row's blocks in place. The rows advance when the
-        block exits without an error.
+        block exits without an error; when it raises (an out-of-memory in the forward), the blocks the
+        step took go back and the rows stay as they were.
+
+        The host work is O(rows): the rows' lengths and places, their new blocks, and the kernel's
+        per-row metadata (pipeline.engines.attention_kernel), never a table as wide as the pool.
 
             with kv.stepping(handles, tokens) as inputs:
                 logits = model(**inputs, logits_to_keep=1).logits
         """
         self.collect()
-        self._grow(handles)
         rows, bs = self._rows, self.block_size
+        handles = np.asarray(handles, dtype=np.int64)
         lengths = rows.length[handles]
-        places = rows.tables[handles, lengths // bs].astype(np.int64) * bs + lengths % bs
-        position = torch.from_numpy(rows.position[handles]).to(self.device)
-        with self._inputs(self._step_attention(handles), tokens[:, None], position[:, None],
-                          torch.from_numpy(places).to(self.device), int(lengths.max())) as inputs:
-            yield inputs
+        starting, taken = self._grow(handles, lengths)
+        try:
+            places = rows.tables[handles, lengths // bs].astype(np.int64) * bs + lengths % bs
+            position = torch.from_numpy(rows.position[handles]).to(self.device)
+            call = self._step_call(handles, lengths + 1)
+            stance = torch.compiler.set_stance("fail_on_recompile") if call.step.bucket else nullcontext()
+            with stance, self._inputs(call, tokens[:, None], position[:, None],
+                                      torch.from_numpy(places).to(self.device), int(lengths.max())) as inputs:
+                yield inputs
+        except BaseException:
+            self._drop(taken)  # the rows did not advance: their new blocks go back
+            raise
         rows.length[handles] += 1
         rows.position[handles] += 1
         self._count()
@@ -795,11 +729,12 @@ class KVCache(_RowTables):
             owner.forward_passes += 1
 
     @contextmanager
-    def _inputs(self, step: StepAttention, input_ids: torch.Tensor, position: torch.Tensor, places: torch.Tensor,
+    def _inputs(self, step, input_ids: torch.Tensor, position: torch.Tensor, places: torch.Tensor,
                 seen: int, written: torch.Tensor | None = None) -> Iterator[dict]:
         """The model's keyword arguments over ``input_ids`` [n, C] at ``position`` [n, C], each written
         token's key and value going to ``places`` (``written``: which of the n * C are; None: all),
-        attention as ``step`` says (the model's attention implementation is PAGED_ATTENTION meanwhile)."""
+        attention as ``step`` (a _StepCall or _FeedCall) says (the model's attention implementation is
+        PAGED_ATTENTION meanwhile)."""
         cache = DynamicCache()
         cache.layers = [_BlockLayer(k, v, places, seen, written) for k, v in zip(self.keys, self.values)]
         config = self.model.config
@@ -831,28 +766,37 @@ class KVCache(_RowTables):
         if need > self.free_blocks:
             raise KVBudgetError(f"KV cache: the feed needs {need} new blocks, {self.free_blocks} are free "
                                 "(the caller makes room first; this is a bug)")
-        for handle, start, count in zip(handles, starts, counts):
-            first, last = -(-int(start) // bs), -(-int(start + count) // bs)
-            rows.tables[handle, first:last] = self._take_blocks(last - first)
-        width = int(counts.max())
-        column = np.arange(width)[None, :]
-        pad = (width - counts)[:, None]
-        real = column >= pad  # [n, C]
-        logical = np.where(real, starts[:, None] + column - pad, 0)  # each query's place in its row
-        tables = rows.tables[handles]
-        places = np.take_along_axis(tables, logical // bs, axis=1).astype(np.int64) * bs + logical % bs
-        input_ids = np.full((len(handles), width), pad_id, dtype=np.int64)
-        for i, chunk in enumerate(chunks):
-            input_ids[i, width - len(chunk):] = chunk
-        position = np.where(real, rows.position[handles][:, None] + column - pad, 0)
-        step = StepAttention(None, tables, starts + counts, bs, self.device, queries=logical)
+        self._check_width(int((starts + counts).max()))
+        taken: list[int] = []
+        try:
+            for handle, start, count in zip(handles, starts, counts):
+                first, last = -(-int(start) // bs), -(-int(start + count) // bs)
+                blocks = self._take_blocks(last - first)
+                taken += blocks
+                rows.tables[handle, first:last] = blocks
+            self._sync(handles)
+            width = int(counts.max())
+            column = np.arange(width)[None, :]
+            pad = (width - counts)[:, None]
+            real = column >= pad  # [n, C]
+            logical = np.where(real, starts[:, None] + column - pad, 0)  # each query's place in its row
+            tables = rows.tables[handles]
+            places = np.take_along_axis(tables, logical // bs, axis=1).astype(np.int64) * bs + logical % bs
+            input_ids = np.full((len(handles), width), pad_id, dtype=np.int64)
+            for i, chunk in enumerate(chunks):
+                input_ids[i, width - len(chunk):] = chunk
+            position = np.where(real, rows.position[handles][:, None] + column - pad, 0)
+            call = _FeedCall(tables, starts + counts, logical, bs)
 
-        def to(array):
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+            def to(array):
+                return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
-        with self._inputs(step, to(input_ids), to(position), to(places[real]), int((starts + counts).max()),
-                          written=to(np.flatnonzero(real))) as inputs:
-            yield inputs
+            with self._inputs(call, to(input_ids), to(position), to(places[real]), int((starts + counts).max()),
+                              written=to(np.flatnonzero(real))) as inputs:
+                yield inputs
+        except BaseException:
+            self._drop(taken)  # the rows did not advance: the blocks the feed took go back
+            raise
         rows.length[handles] += counts
         rows.position[handles] += counts
         self._count()

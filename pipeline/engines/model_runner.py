@@ -118,33 +118,62 @@ class _Residency:
         """Blocks the next step of ``sessions`` takes beyond the free ones (0: it fits)."""
         return max(0, self.kv.needed([h for s in sessions for h in s.kv]) - self.kv.free_blocks)
 
-    def _admission(self, state: Session) -> tuple[RowBatch, list[int] | None]:
-        """The batch and sources a session is admitted from: its prefill's, or (preempted) its rows'
-        tokens recomputed, one row each: the prompt and every response token but the pending one."""
-        if not state.preempted:
-            return state.batch, state.fan
-        texts = [state.prompts[r // state.num_samples] + state.tokens[r][:-1] for r in state.rows]
-        batch, _ = RowBatch.prefill(self.model, texts, self.pad_id, self.device, counted_by=(self,),
+    def _resumed(self, state: Session) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """A preempted session's recompute: its live rows' distinct prompts, each row's prompt (an
+        index into them), and each row's response tokens but the pending one (what the KV held)."""
+        order = sorted({r // state.num_samples for r in state.rows})
+        prompts = [state.prompts[p] for p in order]
+        sources = [order.index(r // state.num_samples) for r in state.rows]
+        return prompts, sources, [state.tokens[r][:-1] for r in state.rows]
+
+    def _resume_blocks(self, state: Session) -> int:
+        """Blocks a preempted session's rows take when they come back: each prompt's whole blocks once,
+        each row's own blocks past them (as they held before the preemption)."""
+        prompts, sources, responses = self._resumed(state)
+        bs = self.kv.block_size
+        shared = sum(len(p) // bs for p in prompts)
+        return shared + sum(-(-(len(prompts[p]) + len(t)) // bs) - len(prompts[p]) // bs
+                            for p, t in zip(sources, responses))
+
+    def _resume(self, state: Session) -> list[int]:
+        """Recompute a preempted session's KV as its first admission shared it: each prompt prefilled
+        once and admitted with its whole blocks shared by its rows (``KVCache.admit``), then each row's
+        response tokens but the pending one fed in one chunked pass (``KVCache.feed``). Its handles;
+        on an error every block goes back."""
+        prompts, sources, responses = self._resumed(state)
+        batch, _ = RowBatch.prefill(self.model, prompts, self.pad_id, self.device, counted_by=(self,),
                                     logits_to_keep=1)
         state.forward_passes += 1
-        return batch, None
+        handles = self.kv.admit(batch, sources)
+        if handles is None:
+            return None
+        try:
+            fed = [i for i, t in enumerate(responses) if t]
+            if fed:
+                self.kv.feed([handles[i] for i in fed], [responses[i] for i in fed], self.pad_id, logits_to_keep=1)
+                state.forward_passes += 1
+        except BaseException:
+            self.kv.release(handles)
+            self.kv.collect()
+            raise
+        return handles
 
     @torch.inference_mode()
     def admit(self, state: Session) -> bool:
         """Write the session's rows into the KV cache (their one copy; a preempted session's
-        recomputed first); False, nothing done, when their blocks do not fit now. Raises
-        KVBudgetError when they could never fit."""
+        recomputed first, its prompts' blocks shared again); False, nothing done, when their blocks
+        do not fit now. Raises KVBudgetError when they could never fit."""
         if state.kv is not None:
             return True
         if not state.rows:
             state.kv, state.batch, state.fan, state.preempted = [], None, None, False
             return True
         if state.preempted:  # recompute only once the blocks fit
-            lengths = [len(state.prompts[r // state.num_samples]) + len(state.tokens[r]) - 1 for r in state.rows]
-            if not self.kv.fits(lengths, [1] * len(lengths)):
+            if not self.kv.room_for(self._resume_blocks(state)):
                 return False
-        batch, sources = self._admission(state)
-        handles = self.kv.admit(batch, sources)
+            handles = self._resume(state)
+        else:
+            handles = self.kv.admit(state.batch, state.fan)
         if handles is None:
             return False
         state.kv, state.batch, state.fan, state.preempted = handles, None, None, False
@@ -173,8 +202,11 @@ class _Residency:
             state.batch = self.kv.take(state.kv) if state.kv else None
             state.kv = None
             self._evict(state)
-        elif state.preempted:
-            state.batch, _ = self._admission(state)
+        elif state.preempted:  # one row each, recomputed: speculative decoding verifies on its own batch
+            texts = [state.prompts[r // state.num_samples] + state.tokens[r][:-1] for r in state.rows]
+            state.batch, _ = RowBatch.prefill(self.model, texts, self.pad_id, self.device, counted_by=(self,),
+                                              logits_to_keep=1)
+            state.forward_passes += 1
             state.preempted = False
         elif state.fan is not None:
             state.batch.select(state.fan)

@@ -22,7 +22,8 @@ run between two steps, one at a time.
 The loop has no thread of its own: a calling thread that finds no one driving it drives it (runs
 the waiting jobs, then one step, and again) until its own call is done, then hands it to a thread
 still waiting. A model error in a step reaches every call with rows in that step; the loop goes on
-serving the others.
+serving the others. An out-of-memory inside a step is not an error of the calls: the step (which
+gave back every block it took) runs again with the newest sessions preempted, down to one.
 
 Rows sample from their own random streams, so with the same seeds the candidates are identical
 whatever else shares the step: the paged attention reads each row's own blocks, so a row's logits
@@ -154,6 +155,8 @@ class StepLoop:
             left = self._admit()
             try:
                 left += self._step()
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                left += self._shed(exc)
             except Exception as exc:  # noqa: BLE001 - the step's callers each get the error
                 left += self._fail(self._members, exc)
                 self._members = []
@@ -165,6 +168,22 @@ class StepLoop:
             member.left = True
         if jobs or left:
             self._wake(lambda d: d(), first=False)
+
+    def _shed(self, exc: BaseException) -> list[_Member]:
+        """An out-of-memory inside a step (the step gave back what it took): the step again with fewer
+        rows, the newest member preempted back to the head of the waiting extends each time (as
+        ``_make_room`` does), so the oldest make progress; a lone member's step cannot shrink, so its
+        caller gets the error."""
+        while len(self._members) > 1:
+            victim = self._members.pop()
+            self.runner.preempt(victim.session)
+            self._joining.insert(0, victim)
+            try:
+                return self._step()
+            except (torch.OutOfMemoryError, MemoryError) as again:
+                exc = again
+        failed, self._members = self._members, []
+        return self._fail(failed, exc)
 
     def _fail(self, members: list[_Member], exc: BaseException) -> list[_Member]:
         for member in members:
