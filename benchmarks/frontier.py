@@ -4,7 +4,7 @@ it the same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(
 
     python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [DIR2/counterfactual.json ...] [--sizes 8,16,32] \
         [--taus 16,32,64,16+64] [--alphas 0.5,0.75,0.9] [--level instruction] [--weights 0,1] [--json OUT.json] [--plot OUT.png]
-        [--more-samples DIR3/counterfactual.json [DIR4/counterfactual.json ...]]
+        [--more-samples DIR3/counterfactual.json [DIR4/counterfactual.json ...]] [--held-out-splits 300]
 
 The input is jobs.counterfactual's JSON (``bon-counterfactual ... --output DIR``): per prompt, N_max
 completions with their lengths, the combined reward at each decision token and at the end, and the
@@ -36,9 +36,16 @@ N_max 64 costs a second N-32 collection, not a new one):
   its normalized score (Eq. 5: 100 for Best-of-N's choice among the same N candidates, 0 for their
   worst; prompts whose N rewards all tie left out) and Best-of-N's compute over its own
   (``same_n_ratio``).
+- The headline: the point with the largest ratio. Its bootstrap interval is for that point fixed, and
+  ignores that it was the best of the grid on the same prompts it is scored on. --held-out-splits K
+  (issue 62) measures the choice instead: K times, the prompts are split at random into two halves
+  (the splits drawn from --seed), the point with the largest ratio on the first half is chosen (the
+  Best-of-K curve also from that half alone) and its ratio is taken on the other half; the median and
+  the 2.5-97.5% range over the splits are printed and written (``held_out``) beside the headline.
 
 Prints the curve and the points; --json writes them, --plot draws quality against compute (the
-Best-of-K curve and the sbon points). Bad input prints one line and exits with code 2.
+Best-of-K curve and the sbon points; its title carries the headline and, with --held-out-splits, the
+held-out figure). Bad input prints one line and exits with code 2.
 """
 
 from __future__ import annotations
@@ -265,20 +272,73 @@ def equal_quality_compute(curve: list[dict], quality: float, level: str) -> tupl
 
 def ratio(curve_points: list[Point], point: Point, instructions, costs, level: str, index=None) -> tuple[float, bool]:
     curve = [aggregate(p, instructions, costs, index) for p in curve_points]
+    return _ratio_on(curve, point, instructions, costs, level, index)
+
+
+def _ratio_on(curve: list[dict], point: Point, instructions, costs, level: str, index=None) -> tuple[float, bool]:
+    """``ratio`` against a curve already aggregated over the same ``index``."""
     at = aggregate(point, instructions, costs, index)
     compute, above = equal_quality_compute(curve, at[level], level)
     return compute / at["compute"], above
 
 
+def held_out(curve_points: list[Point], points: list[Point], instructions: np.ndarray, costs: tuple[float, float],
+             level: str, splits: int, seed: int) -> dict:
+    """Held-out selection (issue 62): ``splits`` times, the prompts in two random halves, the first
+    (half of them, rounded down) to choose the point on, the other to measure it on (``choose_on``).
+    Returns the held-out ratios' median and 2.5-97.5% range over splits, the chosen points' ratios
+    on their own half (the median: what selection adds), how often each point was chosen (by index
+    into ``points``), and how many held-out ratios are lower bounds (the point above the whole curve)."""
+    rng = np.random.default_rng([seed, 62])  # apart from the bootstrap's draws, so those stay as they were
+    prompts = len(instructions)
+    own, held, above, chosen = [], [], 0, {}
+    for _ in range(splits):
+        order = rng.permutation(prompts)
+        best, in_sample, value, is_above = choose_on(curve_points, points, instructions, costs, level,
+                                                     np.sort(order[: prompts // 2]), np.sort(order[prompts // 2:]))
+        own.append(in_sample)
+        held.append(value)
+        above += is_above
+        chosen[best] = chosen.get(best, 0) + 1
+    low, median, high = _spread(held)
+    return {"splits": splits, "select_prompts": prompts // 2, "measure_prompts": prompts - prompts // 2,
+            "ratio_median": median, "ratio_low": low, "ratio_high": high,
+            "in_sample_median": _spread(own)[1], "above_curve_splits": above,
+            "chosen": dict(sorted(chosen.items(), key=lambda item: -item[1])), "ratios": held}
+
+
+def choose_on(curve_points: list[Point], points: list[Point], instructions: np.ndarray, costs: tuple[float, float],
+              level: str, select: np.ndarray, measure: np.ndarray) -> tuple[int, float, float, bool]:
+    """One split: the index of the point of ``points`` with the largest equal-quality ratio on the
+    prompts ``select`` (as the headline is chosen; ties: the first in grid order), its ratio there, and
+    its ratio on the prompts ``measure`` with whether that is a lower bound; each ratio is against
+    Best-of-K's curve over the same prompts alone."""
+    curve = [aggregate(p, instructions, costs, select) for p in curve_points]
+    in_sample = [_ratio_on(curve, p, instructions, costs, level, select)[0] for p in points]
+    best = int(np.argmax(in_sample))
+    curve = [aggregate(p, instructions, costs, measure) for p in curve_points]
+    return (best, in_sample[best], *_ratio_on(curve, points[best], instructions, costs, level, measure))
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    """The 2.5% percentile, the median and the 97.5% percentile of ``values`` (the bootstrap's
+    convention for the ends); NaN for none."""
+    if not values:
+        return math.nan, math.nan, math.nan
+    ordered = sorted(values)
+    return ordered[int(0.025 * len(ordered))], float(np.median(ordered)), ordered[int(0.975 * len(ordered)) - 1]
+
+
 def frontier(prompts: list[Prompt], sizes: list[int], taus: list[int], alphas: list[float], level: str,
-             costs: tuple[float, float], subsets: int, resamples: int, seed: int) -> dict:
-    """The Best-of-K curve and every sbon point with its equal-quality compute ratio and interval."""
+             costs: tuple[float, float], subsets: int, resamples: int, seed: int, splits: int = 0) -> dict:
+    """The Best-of-K curve and every sbon point with its equal-quality compute ratio and interval;
+    ``splits`` above 0: the held-out selection of the best point as well (``held_out``)."""
     n_max = min(len(p.rewards.final) for p in prompts)
     instructions = np.array([len(p.judged[0]) for p in prompts], dtype=float)
     curve_points = [best_of_k(prompts, k) for k in range(1, n_max + 1)]
     rng = np.random.default_rng(seed)
     samples = [rng.integers(0, len(prompts), len(prompts)) for _ in range(resamples)]
-    points = []
+    points, replayed = [], []
     for n in (s for s in sizes if s <= n_max):
         for tau in taus:
             for alpha in alphas:
@@ -292,9 +352,22 @@ def frontier(prompts: list[Prompt], sizes: list[int], taus: list[int], alphas: l
                 points.append({"n": n, "tau": list(tau) if isinstance(tau, tuple) else tau, "alpha": alpha, **at,
                                "ratio": value, "ratio_low": low, "ratio_high": high, "above_curve": above,
                                "same_n_ratio": same_n})
-    return {"prompts": len(prompts), "n_max": n_max, "level": level, "costs_per_token": list(costs),
-            "best_of_k": [{"k": k, **aggregate(p, instructions, costs)} for k, p in enumerate(curve_points, 1)],
-            "sbon": points}
+                replayed.append(point)
+    result = {"prompts": len(prompts), "n_max": n_max, "level": level, "costs_per_token": list(costs),
+              "best_of_k": [{"k": k, **aggregate(p, instructions, costs)} for k, p in enumerate(curve_points, 1)],
+              "sbon": points}
+    if splits > 0 and points:
+        held = held_out(curve_points, replayed, instructions, costs, level, splits, seed)
+        top = points[int(np.argmax([p["ratio"] for p in points]))]  # the headline: ties to the first, as held_out
+        held["chosen"] = [{**_grid_point(points[i]), "splits": count} for i, count in held["chosen"].items()]
+        result["held_out"] = {"headline": {**_grid_point(top), "ratio": top["ratio"], "ratio_low": top["ratio_low"],
+                                           "ratio_high": top["ratio_high"]}, **held}
+    return result
+
+
+def _grid_point(point: dict) -> dict:
+    """A point's place in the grid: N, tau, alpha."""
+    return {"n": point["n"], "tau": point["tau"], "alpha": point["alpha"]}
 
 
 def draw(result: dict, level: str):
@@ -310,11 +383,25 @@ def draw(result: dict, level: str):
                         fontsize=7, xytext=(4, -10), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel("compute per prompt (generator + reward tokens, cost-weighted)")
-        ax.set_ylabel(f"IFEval {level.replace('_', '-')} (strict)")
-        ax.set_title(f"Equal-compute frontier, {result['prompts']} prompts")
+        ax.set_ylabel("the chosen completion's final reward" if level == "final_reward"
+                      else f"IFEval {level.replace('_', '-')} (strict)")
+        ax.set_title(f"Equal-compute frontier, {result['prompts']} prompts" + _title_figures(result), fontsize=9)
         ax.legend(loc="lower right")
         return fig
     return figure
+
+
+def _title_figures(result: dict) -> str:
+    """With --held-out-splits: the headline's in-sample ratio with its fixed-point interval, and the
+    held-out figure beside it (the PNG carries both)."""
+    held = result.get("held_out")
+    if not held:
+        return ""
+    top = held["headline"]
+    return (f"\nbest of {len(result['sbon'])} points, chosen and scored on all: N{top['n']} tau{_tau(top['tau'])} "
+            f"a{top['alpha']}: {top['ratio']:.2f}x [{top['ratio_low']:.2f}, {top['ratio_high']:.2f}] (fixed point)"
+            f"\nheld out (chosen on {held['select_prompts']}, scored on the other {held['measure_prompts']}): "
+            f"{held['ratio_median']:.2f}x [{held['ratio_low']:.2f}, {held['ratio_high']:.2f}] over {held['splits']} splits")
 
 
 def _in_turn(tau: int | tuple[int, ...]) -> list[int]:
@@ -360,10 +447,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default="",
                         help="one weight per reward of the collection, W,W,...: its rewards combined anew (e.g. 0,1: "
                              "the second reward alone); default: the collection's --reward-weights")
+    parser.add_argument("--held-out-splits", type=int, default=0, metavar="K",
+                        help="held-out selection: K random halvings of the prompts, the best point (largest ratio) "
+                             "chosen on one half and its ratio taken on the other; median and 2.5-97.5%% range over "
+                             "the K splits, drawn from --seed (default 0: not run)")
     parser.add_argument("--more-samples", nargs="+", action="append", metavar="PATH",
                         help="counterfactual JSONs of the same prompts under another --seed, one per --counterfactual "
                              "in order: each prompt's completions pooled (N_max their sum); repeat for more")
     args = parse(parser, argv)
+    if args.held_out_splits < 0:
+        fail(f"--held-out-splits {args.held_out_splits}: a count of splits, 0 or more")
     prompts, data = load_all(args.counterfactual, _floats(args.weights) or None, args.more_samples)
     n_max = min(len(p.rewards.final) for p in prompts)
     taus = _taus(args.taus) or data.get("taus") or sorted(prompts[0].rewards.partial)
@@ -373,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         fail(f"{', '.join(args.counterfactual)}: no partial rewards at tau {missing} (it has {sorted(prompts[0].rewards.partial)})")
     result = frontier(prompts, [int(s) for s in _floats(args.sizes)] or [n_max], taus,
                       _floats(args.alphas) or data.get("alphas") or [0.75], args.level,
-                      (args.generator_cost, args.reward_cost), args.subsets, args.bootstrap, args.seed)
+                      (args.generator_cost, args.reward_cost), args.subsets, args.bootstrap, args.seed,
+                      args.held_out_splits)
     report(result, args.level)
     write_json(args.json, {"counterfactual": args.counterfactual, "more_samples": args.more_samples,
                            "reward_weights": _floats(args.weights) or data.get("reward_weights"), **result}, args)
@@ -392,6 +486,18 @@ def report(result: dict, level: str) -> None:
         print(f"    {p['n']:>4} {_tau(p['tau']):>8} {p['alpha']:.3f} {p['compute']:>8.0f}  {p['prompt_level']:.3f}   "
               f"{p['instruction_level']:.3f}      {bound}{p['ratio']:.2f}x [{p['ratio_low']:.2f}, {p['ratio_high']:.2f}]"
               f"   {p['normalized_score']:6.2f}, {p['same_n_ratio']:.2f}x")
+    held = result.get("held_out")
+    if held:
+        top = held["headline"]
+        print(f"headline, the best of {len(result['sbon'])} points on all {result['prompts']} prompts: N {top['n']}, "
+              f"tau {_tau(top['tau'])}, alpha {top['alpha']}: {top['ratio']:.2f}x [{top['ratio_low']:.2f}, "
+              f"{top['ratio_high']:.2f}] (bootstrap of that point, fixed)")
+        print(f"held out, the best point chosen on {held['select_prompts']} prompts and scored on the other "
+              f"{held['measure_prompts']}: {held['ratio_median']:.2f}x [{held['ratio_low']:.2f}, {held['ratio_high']:.2f}] "
+              f"(median [2.5%, 97.5%] over {held['splits']} splits; the chosen point's own half gave "
+              f"{held['in_sample_median']:.2f}x; above the curve in {held['above_curve_splits']})")
+        print("  chosen: " + ", ".join(f"N {c['n']} tau {_tau(c['tau'])} alpha {c['alpha']} ({c['splits']})"
+                                       for c in held["chosen"][:5]))
 
 
 if __name__ == "__main__":

@@ -501,3 +501,105 @@ def test_frontier_weights_recombine_the_collections_own_rewards(tmp_path, capsys
     with pytest.raises(SystemExit) as exit_:
         main(["--counterfactual", str(both), str(tmp_path / "other.json")])
     assert exit_.value.code == 2 and "other.json: not collected as" in capsys.readouterr().err
+
+
+# -- held-out selection of the frontier's best point (benchmarks.frontier --held-out-splits, issue 62) -----
+
+
+def _fixed_points(prompts: int, fluke: float):
+    """Best-of-K for K 1..4 spending 2K a prompt at final reward K on every prompt; ``steady``: 4 a
+    prompt at final 3 on every prompt (Best-of-3's 6 over 4: 1.5x on any half); ``fluke``: 4 a prompt
+    at final ``fluke`` on prompt 0 and 1 elsewhere (above the curve, 8 / 4 = 2x, wherever prompt 0
+    is; Best-of-1's 2 / 4 = 0.5x where it is not)."""
+    import numpy as np
+
+    from benchmarks.frontier import Point
+
+    def point(spend: float, final) -> Point:
+        final = np.asarray(final, dtype=float)
+        return Point(np.full(prompts, spend / 2), np.full(prompts, spend / 2), final * 0, final * 0, final)
+
+    curve = [point(2 * k, [k] * prompts) for k in range(1, 5)]
+    return curve, point(4, [3] * prompts), point(4, [fluke] + [1] * (prompts - 1))
+
+
+def test_held_out_selection_chooses_on_one_half_and_scores_on_the_other():
+    """A grid of two points: steady (1.5x on any prompts) and a fluke that wins on all prompts (2x, above
+    the curve) only through prompt 0. The in-sample headline is the fluke; chosen on a half, it wins
+    exactly when prompt 0 is in that half, and scored on the other half (without prompt 0) it gives
+    0.5x; otherwise steady is chosen and gives 1.5x. A figure taken on the choosing half, or on all
+    prompts, would read 2x."""
+    import numpy as np
+
+    from benchmarks.frontier import choose_on, held_out, ratio
+
+    curve, steady, fluke = _fixed_points(8, fluke=33.0)  # fluke's mean final on all 8: (33 + 7) / 8 = 5, above 4
+    instructions = np.ones(8)
+    assert ratio(curve, fluke, instructions, (1, 1), "final_reward") == (2.0, True)
+    assert ratio(curve, steady, instructions, (1, 1), "final_reward") == (1.5, False)
+    with_0, without_0 = np.array([0, 2, 4, 6]), np.array([1, 3, 5, 7])
+    assert choose_on(curve, [steady, fluke], instructions, (1, 1), "final_reward", with_0, without_0) == (1, 2.0, 0.5, False)
+    assert choose_on(curve, [steady, fluke], instructions, (1, 1), "final_reward", without_0, with_0) == (0, 1.5, 1.5, False)
+    result = held_out(curve, [steady, fluke], instructions, (1, 1), "final_reward", splits=200, seed=3)
+    assert sorted(set(result["ratios"])) == [0.5, 1.5]
+    assert result["ratios"].count(0.5) == result["chosen"][1] and result["ratios"].count(1.5) == result["chosen"][0]
+    assert 70 < result["chosen"][1] < 130  # prompt 0 lands in the choosing half about half the time
+    assert result["in_sample_median"] >= 1.5 and result["ratio_low"] == 0.5 and result["ratio_high"] == 1.5
+    assert (result["select_prompts"], result["measure_prompts"], result["splits"]) == (4, 4, 200)
+    # No fluke: the steady point is chosen every time, and held out it keeps its 1.5x.
+    curve, steady, tame = _fixed_points(8, fluke=1.0)
+    same = held_out(curve, [tame, steady], instructions, (1, 1), "final_reward", splits=50, seed=3)
+    assert same["chosen"] == {1: 50} and same["ratio_median"] == same["ratio_low"] == same["ratio_high"] == 1.5
+
+
+def test_held_out_figure_is_the_ratio_on_the_measured_prompts_alone():
+    """One split of random prompts: the choice is the headline of a collection of the choosing prompts
+    alone, and the held-out ratio is that point's ratio in a collection of the measured prompts alone
+    (their own Best-of-K curve). At N_max, where sbon replays every completion, a prompt's figures do
+    not depend on the others."""
+    import numpy as np
+
+    from benchmarks.frontier import best_of_k, choose_on, frontier, sbon
+
+    prompts = _frontier_prompts(21, n=8, prompts=10, agreeing=True)
+    taus, alphas = [8, 16], [0.25, 0.5, 0.75]
+    select, measure = np.array([0, 3, 4, 7, 9]), np.array([1, 2, 5, 6, 8])
+    curve = [best_of_k(prompts, k) for k in range(1, 9)]
+    points = [sbon(prompts, 8, t, a, 1, 0) for t in taus for a in alphas]
+    best, in_sample, value, above = choose_on(curve, points, np.full(10, 2.0), (1, 1), "instruction_level",
+                                              select, measure)
+    alone = {name: frontier([prompts[i] for i in index], [8], taus, alphas, "instruction_level", (1.0, 1.0), 1, 0, 0)["sbon"]
+             for name, index in (("select", select), ("measure", measure))}
+    headline = int(np.argmax([p["ratio"] for p in alone["select"]]))
+    assert best == headline and in_sample == pytest.approx(alone["select"][headline]["ratio"])
+    assert value == pytest.approx(alone["measure"][headline]["ratio"]) and above == alone["measure"][headline]["above_curve"]
+    assert len({round(p["ratio"], 9) for p in alone["select"]}) > 1  # the choice is not a tie of every point
+
+
+def test_frontier_held_out_splits_in_the_json_and_plot_beside_the_fixed_point_interval(tmp_path, capsys):
+    """--held-out-splits adds ``held_out`` (headline with its fixed-point interval, the held-out
+    median and range, the chosen points) and changes nothing else; without it there is none; a
+    negative count is one line, exit 2."""
+    from benchmarks.frontier import main
+
+    prompts = _frontier_prompts(9, n=8, prompts=12, agreeing=True)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(_collection(prompts, list(range(8)), 0)))
+    argv = ["--counterfactual", str(path), "--sizes", "4,8", "--alphas", "0.5,0.75", "--bootstrap", "20"]
+    assert main([*argv, "--json", str(tmp_path / "plain.json")]) == 0
+    assert main([*argv, "--held-out-splits", "40", "--json", str(tmp_path / "held.json"),
+                 "--plot", str(tmp_path / "held.png")]) == 0
+    out = capsys.readouterr().out
+    plain, held = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "held"))
+    assert "held_out" not in plain and plain["sbon"] == held["sbon"] and plain["best_of_k"] == held["best_of_k"]
+    figure = held["held_out"]
+    top = max(held["sbon"], key=lambda p: p["ratio"])
+    assert figure["headline"] == {k: top[k] for k in ("n", "tau", "alpha", "ratio", "ratio_low", "ratio_high")}
+    assert figure["splits"] == len(figure["ratios"]) == sum(c["splits"] for c in figure["chosen"]) == 40
+    assert figure["ratio_low"] <= figure["ratio_median"] <= figure["ratio_high"]
+    assert (figure["select_prompts"], figure["measure_prompts"]) == (6, 6)
+    assert "held out, the best point chosen on 6 prompts and scored on the other 6" in out
+    assert (tmp_path / "held.png").stat().st_size > 0
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--held-out-splits", "-1"])
+    assert exit_.value.code == 2 and "--held-out-splits -1" in capsys.readouterr().err
