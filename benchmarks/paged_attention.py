@@ -1,10 +1,12 @@
 """One layer's decode attention over paged KV blocks against contiguous per-row KV, in one run
-(issue 48): SDPA over contiguous K/V (what the slot pool read), a gather of each row's blocks into a
-contiguous buffer then SDPA (the engine's fallback), and compiled ``flex_attention`` reading the
-blocks in place through the BlockMask the KV cache builds (pipeline.engines.kv_cache.block_mask:
-whole blocks full, the last partial), compiled as the engine compiles it (the pool's length static,
-the row count dynamic), for each block size. Rows' blocks are scattered at random over the pool. Prints milliseconds per
-call (median of --repeats) and each kernel's ratio to contiguous SDPA.
+(issues 48, 61): SDPA over contiguous K/V (what the slot pool read), a gather of each row's blocks
+into a contiguous buffer then SDPA (the engine's fallback), and compiled ``flex_attention`` reading
+the blocks in place as the engine runs it (pipeline.engines.attention_kernel.AttentionKernel:
+static row buckets, compiled and self-checked at the pool's allocation; the compile count and
+warm-up time per pool are printed), for each block size. Rows' blocks are scattered at random over
+the pool. Prints milliseconds per call (median of --repeats) and each kernel's ratio to contiguous
+SDPA; then the host bookkeeping of one decoding step (``KVCache.stepping`` without the forward pass)
+at --bookkeeping rows in a pool of --bookkeeping-blocks blocks.
 
     python -m benchmarks.paged_attention --rows 128 --length 356 --threads 1 --json out/bench/paged-attention.json
 """
@@ -48,10 +50,14 @@ def main(argv: list[str] | None = None) -> int:
                              "speculative decoding's rows make, timed against one step's attention over as many layers")
     parser.add_argument("--pool-blocks", type=int, default=0,
                         help="blocks in the pool (0: the rows' blocks plus 64); a build's pool is sized by its budget")
+    parser.add_argument("--bookkeeping", default="16,256,1024",
+                        help="row counts whose per-step host bookkeeping is measured ('' : none)")
+    parser.add_argument("--bookkeeping-blocks", type=int, default=4096, help="the bookkeeping pool's blocks")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from pipeline.engines import kv_cache
-    from pipeline.engines.kv_cache import StepAttention, block_mask
+    from pipeline.engines.attention_kernel import AttentionKernel, gather_attention
+
+    compiles: dict = {}
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -68,41 +74,41 @@ def main(argv: list[str] | None = None) -> int:
         blocks = max(args.pool_blocks, n * per_row) if args.pool_blocks else n * per_row + 64
         keys = torch.randn(1, hkv, blocks * bs, d, device=device)
         values = torch.randn(1, hkv, blocks * bs, d, device=device)
-        tables = torch.randperm(blocks, device=device)[:n * per_row].view(n, per_row).to(torch.int32)
+        tables = torch.randperm(blocks, device=device)[:n * per_row].view(n, per_row).cpu().numpy().astype(np.int32)
+        lengths = np.full(n, length)
+        slots = np.arange(n)
 
-        table = np.zeros((n, blocks), dtype=np.int32)
-        table[:, :per_row] = tables.cpu().numpy()
-        step = StepAttention(block_mask(table, np.full(n, length), bs, blocks, device), table, np.full(n, length),
-                             bs, device)
-        mask = step.mask
-
-        def gathered_step(keys=keys, values=values, step=step):  # the engine's fallback (kv_cache._attend)
-            places, valid = step.places()
-            return sdpa(query, keys[0][:, places].transpose(0, 1), values[0][:, places].transpose(0, 1),
-                        attn_mask=valid, enable_gqa=True)
+        def gathered_step(keys=keys, values=values, tables=tables):  # the engine's fallback
+            return gather_attention(query, keys, values, tables, lengths, bs, d ** -0.5)
 
         results[f"gather {bs}-token blocks, then sdpa"] = _time(gathered_step, args.repeats)
 
-        def take(keys=keys, values=values, step=step):  # KVCache.take: every layer's keys and values, copied out
-            places, _ = step.places()
+        def take(keys=keys, values=values, tables=tables):  # KVCache.take: every layer's keys and values, copied out
+            logical = np.arange(length)
+            places = torch.from_numpy((tables[:, logical // bs].astype(np.int64) * bs + logical % bs).reshape(-1))
             for _ in range(args.layers):
                 for tensor in (keys, values):
-                    tensor[0].index_select(1, places.reshape(-1)).view(hkv, n, -1, d).transpose(0, 1).contiguous()
+                    tensor[0].index_select(1, places).view(hkv, n, -1, d).transpose(0, 1).contiguous()
 
         results[f"KVCache.take of the rows, {args.layers} layers, {bs}-token blocks (once per speculative "
                 f"session)"] = _time(take, max(1, args.repeats // 2))
-        kv_cache._static(keys, 2), kv_cache._static(values, 2)
-        kv_cache.warm_up(keys, values, hq, bs)  # the engine's compiles: the pool static, the row count dynamic
-        name = f"flex_attention compiled as the engine does (pool static, rows dynamic), {bs}-token blocks"
-
-        def paged(keys=keys, values=values, mask=mask):
-            return kv_cache._flex()(query, keys, values, block_mask=mask, enable_gqa=True)
-
-        try:
-            error = (paged() - gathered_step()).abs().max().item()
-        except Exception as exc:  # noqa: BLE001 - reported: inductor's CPU template fails on some shapes
-            results[f"{name}: {type(exc).__name__}"] = None
+        kernel = AttentionKernel(keys, values, hq, bs, per_row, max_rows=n)
+        kernel.warm_up()  # the engine's compiles and self-check: one per row bucket, at the pool's allocation
+        compiles[bs] = {"buckets": kernel.buckets, "compiles": kernel.compiles,
+                        "warm_up_s": round(kernel.warm_up_seconds, 1), "kernel": kernel.kernel,
+                        "reason": kernel.reason}
+        name = f"flex_attention compiled as the engine does (static row bucket {kernel.buckets[-1]}), {bs}-token blocks"
+        if kernel.kernel != "flex_attention":
+            results[f"{name}: {kernel.reason}"] = None
             continue
+        kernel.write_rows(slots, tables)
+        step = kernel.step(slots, lengths, tables)
+
+        def paged(keys=keys, values=values, kernel=kernel, step=step):
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return kernel.attend(query, keys, values, step, d ** -0.5)
+
+        error = (paged() - gathered_step()).abs().max().item()
         results[f"{name} in place (max diff {error:.1e})"] = _time(paged, args.repeats)
     base = results["sdpa, contiguous K/V"]
     take = [ms for name, ms in results.items() if name.startswith("KVCache.take")]
@@ -113,8 +119,56 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n} rows x {length} tokens, {hq}/{hkv} heads, dim {d}, {args.threads} thread(s), {device}")
     for name, ms in results.items():
         print(f"{name:<100} " + (f"{ms:>8.2f} ms  {ms / base:>5.2f}x" if ms is not None else "not built"))
-    write_json(args.json, {"command": " ".join(sys.argv), "ms": results})
+    for bs, figures in compiles.items():
+        print(f"pool of {bs}-token blocks: {figures['compiles']} compiles for row buckets {figures['buckets']} "
+              f"in {figures['warm_up_s']} s (kernel: {figures['kernel']}{', ' + figures['reason'] if figures['reason'] else ''})")
+    bookkeeping = {}
+    if args.bookkeeping:
+        bookkeeping = host_bookkeeping([int(r) for r in args.bookkeeping.split(",")], args.bookkeeping_blocks,
+                                       args.repeats * 10)
+    write_json(args.json, {"command": " ".join(sys.argv), "ms": results, "compiles": compiles,
+                           "host_bookkeeping_ms": bookkeeping})
     return 0
+
+
+def host_bookkeeping(row_counts: list[int], pool_blocks: int, steps: int) -> dict:
+    """The host work of one decoding step as the engine does it (``KVCache.stepping`` entered and left,
+    no forward pass: the rows' new blocks, places and positions, the kernel's per-row metadata), per
+    step, for ``row_counts`` rows of a 100-token prompt in a pool of ``pool_blocks`` 128-token blocks,
+    over ``steps`` steps (across a block edge). A small random Llama: the bookkeeping does not depend on
+    the model's size. Milliseconds per step (median, and the mean with the steps that take blocks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.engines.kv_cache import KVCache
+    from pipeline.engines.rows import RowBatch
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    model = LlamaForCausalLM(config).eval()
+    out = {}
+    probe = KVCache(model, torch.device("cpu"), memory=1 << 20, decode=False)
+    probe._allocate_for_model()
+    kv = KVCache(model, torch.device("cpu"), memory=pool_blocks * probe.block_bytes, max_rows=max(row_counts))
+    prompt = [5 + i % 50 for i in range(100)]
+    with torch.inference_mode():
+        batch, _ = RowBatch.prefill(model, [prompt], 0, torch.device("cpu"))
+        for rows in row_counts:
+            handles = kv.admit(batch, [0] * rows)
+            times = []
+            tokens = torch.full((rows,), 7)
+            for _ in range(steps):
+                started = time.perf_counter()
+                with kv.stepping(handles, tokens):
+                    pass
+                times.append(time.perf_counter() - started)
+            kv.release(handles)
+            kv.collect()
+            out[rows] = {"median": round(statistics.median(times) * 1e3, 3),
+                         "mean": round(statistics.mean(times) * 1e3, 3)}
+            print(f"host bookkeeping per step, {rows} rows, pool of {kv.num_blocks} blocks: "
+                  f"{out[rows]['median']:.3f} ms median, {out[rows]['mean']:.3f} ms mean over {steps} steps "
+                  f"(kernel {kv.kernel.kernel}, {kv.kernel.compiles} compiles for buckets {kv.kernel.buckets})")
+    return out
 
 
 if __name__ == "__main__":

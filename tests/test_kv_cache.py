@@ -534,6 +534,113 @@ def test_a_reward_feed_that_raises_gives_back_its_blocks_and_the_scorer_serves_o
     assert kv.used_blocks == 0
 
 
+def _prompt(length: int, salt: int) -> list[int]:
+    return [3 + (salt * 31 + i * 7) % 400 for i in range(length)]
+
+
+def _session_rows(engine, name, prompt, rows, cap, seed):
+    engine.open(name, [prompt], rows, [seed + k for k in range(rows)], SamplingParams(max_new_tokens=cap,
+                                                                                       ignore_eos=True))
+    try:
+        return [r.token_ids for r in engine.extend(name, until=cap)]
+    finally:
+        engine.close(name)
+
+
+def _mixed(engine, sessions, cap, stagger):
+    """Sessions (prompt, rows, seed) on concurrent threads, started in order with ``stagger`` seconds
+    between them; each one's rows' tokens, or the error it raised."""
+    import time
+
+    out = {}
+
+    def run(i, prompt, rows, seed):
+        try:
+            out[i] = _session_rows(engine, f"m{i}", prompt, rows, cap, seed)
+        except Exception as exc:  # noqa: BLE001 - the test names it
+            out[i] = exc
+
+    threads = []
+    for i, session in enumerate(sessions):
+        threads.append(threading.Thread(target=run, args=(i, *session)))
+        threads[-1].start()
+        time.sleep(stagger)
+    for t in threads:
+        t.join()
+    return out
+
+
+def _pool_engine(base, blocks):
+    probe = HFEngine(base.model, base.tokenizer)
+    probe.generate([ids(base, "Hi")], 1, [0], SamplingParams(max_new_tokens=2))  # allocates: block bytes
+    return lambda: HFEngine(base.model, base.tokenizer, kv_cache_memory=f"{blocks * probe.runner.kv.block_bytes}B")
+
+
+@pytest.mark.parametrize("blocks", [50, 26])
+def test_sessions_that_complete_alone_complete_together_after_preemption(tiny_models, monkeypatch, blocks):
+    """The issue's cases: a pool of 4-token blocks, two sessions of 8 rows on a 41-token prompt, 12 new
+    tokens (one alone peaks at 34 blocks). A preempted session comes back with its prompt's blocks
+    written once and shared (not once per row), so both complete with every row, the tokens they give
+    alone; in 26 blocks each completes alone and both complete together (no false KVBudgetError)."""
+    monkeypatch.setattr(kv_cache, "BLOCK_SIZE", 4)
+    monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")  # scheduling, not the kernel
+    base = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    make = _pool_engine(base, blocks)
+    rows = 8 if blocks == 50 else 4
+    sessions = [(_prompt(41, 1), rows, 10), (_prompt(41, 2), rows, 20)]
+    alone = [_session_rows(make(), "a", *session[:2], 12, session[2]) for session in sessions]
+    engine = make()
+    got = _mixed(engine, sessions, 12, 0.0)
+    assert [got[i] for i in range(2)] == alone
+    engine.runner.kv.collect()
+    assert engine.runner.kv.used_blocks == 0
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blocks=st.integers(12, 60), cap=st.integers(2, 14), stagger=st.sampled_from([0.0, 0.002]),
+       sessions=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 6)), min_size=2, max_size=4))
+def test_every_session_that_completes_alone_completes_mixed_with_every_row(tiny_models, blocks, cap, stagger,
+                                                                              sessions):
+    """Property (pool sizes, session mixes, prompt lengths across block boundaries, N, arrival order):
+    every session that completes alone in a pool completes, with every row and the same tokens, when
+    it runs beside the others in a pool of the same size; the pool is empty after."""
+    import os
+
+    old = kv_cache.BLOCK_SIZE, os.environ.get(kv_cache.KERNEL_ENV)
+    kv_cache.BLOCK_SIZE, os.environ[kv_cache.KERNEL_ENV] = 4, "gather"
+    try:
+        base = _base_engine(tiny_models)
+        make = _pool_engine(base, blocks)
+        specs = [(_prompt(length, i), rows, 100 * i) for i, (length, rows) in enumerate(sessions)]
+        alone = {}
+        for i, spec in enumerate(specs):
+            try:
+                alone[i] = _session_rows(make(), "a", spec[0], spec[1], cap, spec[2])
+            except KVBudgetError:
+                continue
+        fitting = sorted(alone)
+        engine = make()
+        got = _mixed(engine, [specs[i] for i in fitting], cap, stagger)
+        assert {fitting[k]: v for k, v in got.items()} == alone
+        engine.runner.kv.collect()
+        assert engine.runner.kv.used_blocks == 0
+    finally:
+        kv_cache.BLOCK_SIZE = old[0]
+        if old[1] is None:
+            os.environ.pop(kv_cache.KERNEL_ENV, None)
+        else:
+            os.environ[kv_cache.KERNEL_ENV] = old[1]
+
+
+_bases: dict = {}
+
+
+def _base_engine(tiny_models):
+    if "engine" not in _bases:
+        _bases["engine"] = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    return _bases["engine"]
+
+
 def test_initial_candidates_auto_is_refused_off_the_hf_backend_and_checked_as_a_value():
     """``auto`` reads the HF engine's pool: with vLLM it is a one-line config error; other strings too."""
     base = {"models": {"generator": "g", "reward": ["r"], "backend": "vllm"},
