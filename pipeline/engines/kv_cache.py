@@ -11,7 +11,7 @@ keys and values live in a pool of fixed-size blocks allocated once, sized by a m
     out = kv.feed(rows, chunks)                # several tokens per row (the reward model's sessions)
     kv.truncate(rows, keep)                    # rows cut back (a shared block is copied first)
 
-Blocks (``BlockPool``, which KVCache extends with its rows). ``block_size`` tokens of every layer's
+Blocks (``BlockPool``, which the KV manager KVCache composes with its rows). ``block_size`` tokens of every layer's
 keys and values; a block is taken when a row's next token starts one (a step's ``grow``) and given
 back when the last row holding it is released.
 Free blocks are handed out lowest first: on a CPU, where the pool is ``torch.empty`` (its pages are
@@ -251,24 +251,12 @@ class _Rows:
 
 
 class BlockPool:
-    """The memory of a KV cache: every layer's keys and values in fixed-size blocks allocated once
-    (sized by the budget, at the first use), the blocks' reference counts and the free list, lowest
-    block first. KVCache keeps its rows on it."""
+    """The memory of one model's KV cache, as vLLM v1's BlockPool: every layer's keys and values in
+    fixed-size blocks allocated once, the blocks' reference counts and the free list (lowest block
+    first). It knows blocks, not rows; the KV manager (KVCache) keeps the rows' tables on it."""
 
-    def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
-                 decode: bool = True, max_rows: int = MAX_ROWS):
-        """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
-        device); the pool is allocated at the first admission, after the weights are in memory.
-        ``decode``: whether rows will ``step`` (the attention kernel is compiled and checked at the
-        allocation); a pool only ever fed chunks (the reward model's) compiles nothing.
-        ``max_rows``: the most rows a step's compiled kernel serves (its largest row bucket)."""
-        self.model, self.device, self.memory, self.block_size = model, device, memory, block_size or BLOCK_SIZE
-        self.decode = decode
-        self.max_rows = max_rows
-        self.kernel: AttentionKernel | None = None
-        """The decoding steps' attention (pipeline.engines.attention_kernel), made at the allocation of a
-        ``decode`` pool; None: every pass gathers (a chunked feed always does)."""
-        self.row_blocks = 0
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size, self.device = block_size, device
         self.keys: list[torch.Tensor] = []  # per layer [1, H, NB * bs, D]
         self.values: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -297,6 +285,110 @@ class BlockPool:
         """Bytes of the blocks rows hold now (a shared block once)."""
         return self.used_blocks * self.block_bytes
 
+    def allocate(self, layers: int, heads: int, dim: int, dtype: torch.dtype, total: int) -> None:
+        """The pool, once: as many blocks as ``total`` bytes hold (at least one; no other cap)."""
+        bs = self.block_size
+        self.block_bytes = 2 * layers * heads * bs * dim * torch.empty((), dtype=dtype).element_size()
+        self.num_blocks = int(max(1, total // self.block_bytes))
+        # torch.empty: blocks are zeroed as they are taken (on a CPU, untouched pages stay out of memory).
+        try:
+            for _ in range(layers):
+                self.keys.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=dtype, device=self.device))
+                self.values.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=dtype, device=self.device))
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            self.keys, self.values, self.num_blocks = [], [], 0
+            raise KVBudgetError(f"KV cache: cannot allocate {total / 2**30:.2f} GiB for the pool "
+                                f"({type(exc).__name__}); lower runtime.kv_cache_memory") from None
+        self.refs = np.zeros(self.num_blocks, dtype=np.int32)
+        self._free = list(range(self.num_blocks))
+        heapq.heapify(self._free)
+
+    def take(self, count: int) -> list[int]:
+        """``count`` free blocks, lowest first, zeroed, each held once."""
+        blocks = [heapq.heappop(self._free) for _ in range(count)]
+        self.refs[blocks] = 1
+        if blocks:  # places past a row's length are masked; garbage there (a NaN) must not reach a score
+            places = self.places_of(blocks)
+            for tensor in self.keys + self.values:
+                tensor[0].index_fill_(1, places, 0)
+        self.peak_blocks = max(self.peak_blocks, self.used_blocks)
+        return blocks
+
+    def drop(self, blocks) -> None:
+        """One reference less to each of ``blocks``; a block is free at zero."""
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                heapq.heappush(self._free, int(block))
+
+    def places_of(self, blocks: list[int]) -> torch.Tensor:
+        """The pool places (token indices) of ``blocks``, in order: [len(blocks) * bs] on the device."""
+        bs = self.block_size
+        index = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        return torch.from_numpy(index).to(self.device)
+
+    def room_for(self, need: int) -> bool:
+        """Whether ``need`` blocks are free, beside a watermark of WATERMARK of the pool (vLLM's) while
+        any block is in use."""
+        watermark = WATERMARK * self.num_blocks if self.used_blocks else 0
+        return need + watermark <= self.free_blocks
+
+
+class KVCache:
+    """One model's KV cache manager (see the module docstring): it composes a BlockPool (the blocks)
+    and, for a decoding pool, an AttentionKernel (the steps' attention), and keeps the rows: their
+    block tables, admission (a prompt's whole blocks shared), release, truncation (copy on write), a
+    row's blocks taken back out, and the model inputs of a decoding step (``stepping``) or a chunked
+    feed (``feeding``) for the caller's forward pass. When and whom to admit or preempt is the
+    scheduler's (pipeline.engines.step_loop and the model runner's residency)."""
+
+    def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
+                 counted_by: tuple = (), decode: bool = True, max_rows: int = MAX_ROWS):
+        """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
+        device); the pool is allocated at the first admission, after the weights are in memory.
+        ``decode``: whether rows will ``step`` (the attention kernel is compiled and checked at the
+        allocation); a pool only ever fed chunks (the reward model's) compiles nothing.
+        ``max_rows``: the most rows a step's compiled kernel serves (its largest row bucket)."""
+        _register()
+        self.model, self.device, self.memory = model, device, memory
+        self.block_size = block_size or BLOCK_SIZE
+        self.decode, self.max_rows = decode, max_rows
+        self.pool = BlockPool(self.block_size, device)
+        self.kernel: AttentionKernel | None = None
+        """The decoding steps' attention (pipeline.engines.attention_kernel), made at the allocation of a
+        ``decode`` pool; None: every pass gathers (a chunked feed always does)."""
+        self.row_blocks = 0
+        """A row's block table's width: the model's context in blocks (a row past it is refused)."""
+        self.counted_by = counted_by
+        self._rows = _Rows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.int32),
+                           np.zeros(0, bool))
+        self._spare_rows: list[int] = []
+        self._released: list[int] = []  # released by callers outside the loop, freed at the next collect
+        self._lock = threading.Lock()
+        self.forward_passes = 0
+        self.shared_bytes = 0
+        """Bytes a prompt's shared blocks saved: (samples - 1) x its whole blocks, summed over admissions."""
+        self.preemptions = 0
+        """Sessions preempted for blocks (counted by the model runner)."""
+
+    # -- the pool's figures ----------------------------------------------------------------------
+
+    allocated = property(lambda self: self.pool.allocated)
+    num_blocks = property(lambda self: self.pool.num_blocks)
+    block_bytes = property(lambda self: self.pool.block_bytes)
+    free_blocks = property(lambda self: self.pool.free_blocks)
+    used_blocks = property(lambda self: self.pool.used_blocks)
+    peak_blocks = property(lambda self: self.pool.peak_blocks)
+    refs = property(lambda self: self.pool.refs)
+    keys = property(lambda self: self.pool.keys)
+    values = property(lambda self: self.pool.values)
+
+    def nbytes(self) -> int:
+        return self.pool.nbytes()
+
+    def held_bytes(self) -> int:
+        return self.pool.held_bytes()
+
     def _allocate_for_model(self) -> None:
         """The pool before any admission, shaped from the model's config (``rows_that_fit`` needs it)."""
         config = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
@@ -306,70 +398,26 @@ class BlockPool:
         self._allocate(torch.empty((1, kv_heads, 0, dim), dtype=next(self.model.parameters()).dtype, device="meta"))
 
     def _allocate(self, like: torch.Tensor) -> None:
-        """The pool, once: as many blocks as the budget holds (at least one)."""
+        """The pool, once, shaped like ``like`` (a layer's keys), sized by the budget; then the
+        decoding kernel, compiled and checked."""
         _, heads, _, dim = like.shape
-        layers = len(_new_cache(self.model).layers)
         bs = self.block_size
-        self.block_bytes = 2 * layers * heads * bs * dim * like.element_size()
-        total = budget_bytes(self.memory, self.device)
-        self.num_blocks = int(max(1, total // self.block_bytes))
-        # torch.empty: blocks are zeroed as they are taken (on a CPU, untouched pages stay out of memory).
-        try:
-            for _ in range(layers):
-                self.keys.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
-                                             device=self.device))
-                self.values.append(torch.empty((1, heads, self.num_blocks * bs, dim), dtype=like.dtype,
-                                               device=self.device))
-        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            self.keys, self.values, self.num_blocks = [], [], 0
-            raise KVBudgetError(f"KV cache: cannot allocate {total / 2**30:.2f} GiB for the pool "
-                                f"({type(exc).__name__}); lower runtime.kv_cache_memory") from None
+        self.pool.allocate(len(_new_cache(self.model).layers), heads, dim, like.dtype,
+                           budget_bytes(self.memory, self.device))
         config = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
         context = getattr(config, "max_position_embeddings", None) or self.num_blocks * bs
         self.row_blocks = int(min(self.num_blocks, -(-context // bs) + 1))
-        """A row's block table's width: the model's context in blocks (a row past it is refused)."""
-        self.refs = np.zeros(self.num_blocks, dtype=np.int32)
-        self._free = list(range(self.num_blocks))
-        heapq.heapify(self._free)
         self._rows.tables = np.zeros((len(self._rows.length), self.row_blocks), dtype=np.int32)
-        if self.decode and self.keys[0].device.type != "meta":
+        if self.decode:
             self.kernel = AttentionKernel(self.keys[0], self.values[0], config.num_attention_heads, bs,
                                           self.row_blocks, self.max_rows)
             self.kernel.warm_up()
-            self._sync(np.flatnonzero(self._rows.live))
         log.info("KV cache: %d blocks of %d tokens, %.2f GiB", self.num_blocks, bs, self.nbytes() / 2**30)
-
-    def _take_blocks(self, count: int) -> list[int]:
-        blocks = [heapq.heappop(self._free) for _ in range(count)]
-        self.refs[blocks] = 1
-        if blocks:  # places past a row's length are masked; garbage there (a NaN) must not reach a score
-            places = self._places_of(blocks)
-            for tensor in self.keys + self.values:
-                tensor[0].index_fill_(1, places, 0)
-        self.peak_blocks = max(self.peak_blocks, self.used_blocks)
-        return blocks
-
-    def _drop(self, blocks) -> None:
-        for block in blocks:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                heapq.heappush(self._free, int(block))
-
-    def _places_of(self, blocks: list[int]) -> torch.Tensor:
-        bs = self.block_size
-        index = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-        return torch.from_numpy(index).to(self.device)
 
     def room_for(self, need: int) -> bool:
         """Whether ``need`` blocks fit now, with the watermark while any block is in use."""
         self.collect()
-        if not self.allocated:
-            return True
-        return self._room_for(need)
-
-    def _room_for(self, need: int) -> bool:
-        watermark = WATERMARK * self.num_blocks if self.used_blocks else 0
-        return need + watermark <= self.free_blocks
+        return not self.allocated or self.pool.room_for(need)
 
     def rows_that_fit(self, lengths: list[int], tokens: int) -> int:
         """Rows per prompt that the pool holds, each prompt (of ``lengths`` tokens) with that many
@@ -384,30 +432,6 @@ class BlockPool:
         per_row = sum(-(-(length + tokens) // bs) - length // bs for length in lengths)
         room = (1 - WATERMARK) * self.num_blocks - shared
         return max(0, int(room // max(per_row, 1)))
-
-
-class _RowTables(BlockPool):
-    """The rows of a KV cache, each with a block table, on a BlockPool: admission (a prompt's whole
-    blocks shared), release, truncation (copy on write), and a row's blocks taken back out."""
-
-    def __init__(self, model, device: torch.device, memory=None, block_size: int | None = None,
-                 counted_by: tuple = (), decode: bool = True, max_rows: int = MAX_ROWS):
-        """``memory``: runtime.kv_cache_memory as ``parse_memory`` returns it (None: a default per
-        device); the pool is allocated at the first admission, after the weights are in memory.
-        ``decode``, ``max_rows``: see BlockPool."""
-        _register()
-        super().__init__(model, device, memory, block_size, decode, max_rows)
-        self.counted_by = counted_by
-        self._rows = _Rows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.int32),
-                           np.zeros(0, bool))
-        self._spare_rows: list[int] = []
-        self._released: list[int] = []  # released by callers outside the loop, freed at the next collect
-        self._lock = threading.Lock()
-        self.forward_passes = 0
-        self.shared_bytes = 0
-        """Bytes a prompt's shared blocks saved: (samples - 1) x its whole blocks, summed over admissions."""
-        self.preemptions = 0
-        """Sessions preempted for blocks (counted by the model runner)."""
 
     @staticmethod
     def supports(model) -> bool:
@@ -471,7 +495,7 @@ class _RowTables(BlockPool):
         self.collect()
         if not self.allocated:
             return True
-        return self._room_for(self.blocks_for(lengths, samples))
+        return self.pool.room_for(self.blocks_for(lengths, samples))
 
     @torch.inference_mode()
     def admit(self, batch: RowBatch, sources: list[int] | None = None) -> list[int] | None:
@@ -489,7 +513,7 @@ class _RowTables(BlockPool):
         used = sorted(set(sources))
         samples = {p: sources.count(p) for p in used}
         need = self.blocks_for([len(columns[p]) for p in used], [samples[p] for p in used])
-        if need > self.num_blocks or not self._room_for(need):
+        if need > self.num_blocks or not self.pool.room_for(need):
             if need > self.num_blocks:
                 raise KVBudgetError(f"KV cache: {len(sources)} rows need {need} blocks of {self.block_size} "
                                     f"tokens but the pool has {self.num_blocks} "
@@ -505,17 +529,17 @@ class _RowTables(BlockPool):
         whole: dict[int, list[int]] = {}
         for p in used:
             count = len(columns[p]) // bs
-            whole[p] = self._take_blocks(count)
-            self.refs[whole[p]] = samples[p]
+            whole[p] = self.pool.take(count)
+            self.pool.refs[whole[p]] = samples[p]
             self.shared_bytes += (samples[p] - 1) * count * self.block_bytes
             if count:
                 src.append(p * width + columns[p][:count * bs])
-                dst.append(self._places_of(whole[p]).cpu().numpy())
+                dst.append(self.pool.places_of(whole[p]).cpu().numpy())
         for handle, p in zip(handles, sources):
             length = len(columns[p])
             table = list(whole[p])
             if length % bs:
-                (tail,) = self._take_blocks(1)
+                (tail,) = self.pool.take(1)
                 table.append(tail)
                 src.append(p * width + columns[p][len(whole[p]) * bs:])
                 dst.append(tail * bs + np.arange(length % bs))
@@ -526,7 +550,7 @@ class _RowTables(BlockPool):
             if src:
                 source = torch.from_numpy(np.concatenate(src)).to(self.device)
                 target = torch.from_numpy(np.concatenate(dst)).to(self.device)
-                for pool_keys, pool_values, layer in zip(self.keys, self.values, layers):
+                for pool_keys, pool_values, layer in zip(self.pool.keys, self.pool.values, layers):
                     heads, dim = layer.keys.shape[1], layer.keys.shape[3]
                     flat_k = layer.keys.transpose(0, 1).reshape(heads, -1, dim)  # [H, P * W, D]
                     flat_v = layer.values.transpose(0, 1).reshape(heads, -1, dim)
@@ -553,7 +577,7 @@ class _RowTables(BlockPool):
             if not rows.live[handle]:
                 continue
             count = -(-int(rows.length[handle]) // self.block_size)
-            self._drop(rows.tables[handle, :count])
+            self.pool.drop(rows.tables[handle, :count])
             rows.live[handle] = False
             rows.length[handle] = 0
             self._spare_rows.append(handle)
@@ -581,7 +605,7 @@ class _RowTables(BlockPool):
             mask[i, width - length:] = 1
         index = torch.from_numpy(places.reshape(-1)).to(self.device)
         layers = []
-        for keys, values in zip(self.keys, self.values):
+        for keys, values in zip(self.pool.keys, self.pool.values):
             heads, dim = keys.shape[1], keys.shape[3]
             layers.append(tuple(t[0].index_select(1, index).view(heads, len(handles), width, dim).transpose(0, 1)
                                 .contiguous() for t in (keys, values)))
@@ -616,7 +640,7 @@ class _RowTables(BlockPool):
         need = 0
         for handle, kept, count in zip(handles, keep, counts):
             need += -(-(kept + count) // bs) - -(-kept // bs)
-            if kept < rows.length[handle] and kept % bs and self.refs[rows.tables[handle, kept // bs]] > 1:
+            if kept < rows.length[handle] and kept % bs and self.pool.refs[rows.tables[handle, kept // bs]] > 1:
                 need += 1
         return need
 
@@ -634,26 +658,22 @@ class _RowTables(BlockPool):
                 raise ValueError(f"KV cache: cannot keep {kept} tokens of a row that holds {length}")
             if kept == length:
                 continue
-            self._drop(rows.tables[handle, -(-kept // bs):-(-length // bs)])
+            self.pool.drop(rows.tables[handle, -(-kept // bs):-(-length // bs)])
             shared = int(rows.tables[handle, kept // bs]) if kept % bs else -1
-            if shared >= 0 and self.refs[shared] > 1:
-                if not self._free:
+            if shared >= 0 and self.pool.refs[shared] > 1:
+                if not self.pool.free_blocks:
                     raise KVBudgetError("KV cache: a truncation's copy on write needs a free block, none is "
                                         "(the caller makes room first; this is a bug)")
-                (own,) = self._take_blocks(1)
-                source, target = self._places_of([shared]), self._places_of([own])
-                for tensor in self.keys + self.values:
+                (own,) = self.pool.take(1)
+                source, target = self.pool.places_of([shared]), self.pool.places_of([own])
+                for tensor in self.pool.keys + self.pool.values:
                     tensor[0].index_copy_(1, target, tensor[0].index_select(1, source))
-                self._drop([shared])
+                self.pool.drop([shared])
                 rows.tables[handle, kept // bs] = own
             rows.position[handle] -= length - kept
             rows.length[handle] = kept
         self._sync(handles)
 
-
-class KVCache(_RowTables):
-    """One model's paged KV cache (see the module docstring): its rows' model inputs, a decoding
-    step's (``stepping``) or a chunked feed's (``feeding``), for the caller's forward pass."""
 
     # -- a decoding step ------------------------------------------------------------------------
 
@@ -669,7 +689,7 @@ class KVCache(_RowTables):
         columns = self._rows.length[starting] // bs
         if int(columns.max()) >= self.row_blocks:
             self._check_width(int(self._rows.length[starting].max()) + 1)
-        blocks = self._take_blocks(len(starting))
+        blocks = self.pool.take(len(starting))
         self._rows.tables[starting, columns] = blocks
         if self.kernel is not None:
             self.kernel.write_blocks(starting, columns, np.asarray(blocks))
@@ -711,7 +731,7 @@ class KVCache(_RowTables):
                                       torch.from_numpy(places).to(self.device), int(lengths.max())) as inputs:
                 yield inputs
         except BaseException:
-            self._drop(taken)  # the rows did not advance: their new blocks go back
+            self.pool.drop(taken)  # the rows did not advance: their new blocks go back
             raise
         rows.length[handles] += 1
         rows.position[handles] += 1
@@ -736,7 +756,7 @@ class KVCache(_RowTables):
         attention as ``step`` (a _StepCall or _FeedCall) says (the model's attention implementation is
         PAGED_ATTENTION meanwhile)."""
         cache = DynamicCache()
-        cache.layers = [_BlockLayer(k, v, places, seen, written) for k, v in zip(self.keys, self.values)]
+        cache.layers = [_BlockLayer(k, v, places, seen, written) for k, v in zip(self.pool.keys, self.pool.values)]
         config = self.model.config
         configured, config._attn_implementation = config._attn_implementation, PAGED_ATTENTION
         try:
@@ -771,7 +791,7 @@ class KVCache(_RowTables):
         try:
             for handle, start, count in zip(handles, starts, counts):
                 first, last = -(-int(start) // bs), -(-int(start + count) // bs)
-                blocks = self._take_blocks(last - first)
+                blocks = self.pool.take(last - first)
                 taken += blocks
                 rows.tables[handle, first:last] = blocks
             self._sync(handles)
@@ -795,7 +815,7 @@ class KVCache(_RowTables):
                               written=to(np.flatnonzero(real))) as inputs:
                 yield inputs
         except BaseException:
-            self._drop(taken)  # the rows did not advance: the blocks the feed took go back
+            self.pool.drop(taken)  # the rows did not advance: the blocks the feed took go back
             raise
         rows.length[handles] += counts
         rows.position[handles] += counts
