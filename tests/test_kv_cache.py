@@ -641,6 +641,38 @@ def _base_engine(tiny_models):
     return _bases["engine"]
 
 
+def test_initial_candidates_auto_without_a_row_limit_starts_what_the_pool_holds_to_the_cap(tiny_models, scorer,
+                                                                                             monkeypatch):
+    """``auto`` without max_live_candidates: the first batch is as wide as the pool holds to the first
+    decision token AND whose survivors (half of them at rejection_rate 0.5) it holds to the length cap,
+    so the build completes without a preemption; a pool that cannot hold num_samples rows fails with
+    one line naming the setting instead of silently starting them."""
+    from pipeline.decoding.domain import PromptInput
+    from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+
+    monkeypatch.setattr(kv_cache, "BLOCK_SIZE", 4)
+    monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")  # sizing, not the kernel
+    base = HFEngine.from_pretrained(str(tiny_models["generator"]))
+    text = TEXTS[1]
+    prompt = PromptInput("p0", text, text, ids(base, text))
+    cap, tau = 40, 4
+    sampling = SamplingParams(max_new_tokens=cap, ignore_eos=True)
+    params = SpeculativeRejectionParams(decision_token=tau, rejection_rate=0.5, initial_candidates="auto")
+    engine = _pool_engine(base, 60)()
+    first = engine.capacity([prompt.token_ids], tau)
+    last = engine.capacity([prompt.token_ids], cap)
+    assert first > 2 * last  # the first decision token's rows alone would outgrow the pool by the cap
+    (result,) = speculative_rejection([prompt], engine, scorer, params, sampling, 2, seed=3)
+    width = result.stats["initial_candidates"]
+    survivors = [round(w / 2) + 1 for w in (width, width + 1)]  # Eq. 3's half, and keep_lowest's row
+    assert survivors[0] <= last < survivors[1] and width <= first
+    assert engine.stats()["kv_preemptions"] == 0 and len(result.candidates) == 2
+    small = _pool_engine(base, 14)()
+    with pytest.raises(ValueError, match="strategy.initial_candidates: auto: the generator's KV pool holds") as error:
+        speculative_rejection([prompt], small, scorer, params, sampling, 4, seed=3)
+    assert "\n" not in str(error.value)
+
+
 def test_initial_candidates_auto_is_refused_off_the_hf_backend_and_checked_as_a_value():
     """``auto`` reads the HF engine's pool: with vLLM it is a one-line config error; other strings too."""
     base = {"models": {"generator": "g", "reward": ["r"], "backend": "vllm"},

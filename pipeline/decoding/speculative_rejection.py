@@ -68,9 +68,11 @@ Extensions, each from the paper's sections 6.3 and 7:
   ``initial_candidates: auto`` is the paper's sizing: "start with as many utterances in parallel
   as memory allows" (section 6.3): each batch starts as many rows per prompt as its share of the
   generator's KV pool holds up to the first decision token (Generator.capacity: the pool's blocks,
-  the prompt's shared once, over runtime.batches_in_flight, and within runtime.rows_in_flight),
-  at least num_samples and at most AUTO_MAX_CANDIDATES. The kept rows then hold what the
-  discarded ones freed.
+  the prompt's shared once), at most AUTO_MAX_CANDIDATES, and no more than those whose survivors
+  (``max_live_candidates``, or Eq. 3's 1 - rejection_rate share and keep_lowest's row; rows tied at
+  the cutoff may add more) the pool also holds to
+  max_new_tokens, so the kept rows never outgrow the pool. Where that is fewer than num_samples,
+  the batch fails with one line naming the setting (never more rows than the pool holds).
 - Prompt-dependent stopping (section 7, ``adaptive_rejection`` = z): from the second decision
   token on, each prompt fits the least-squares line of its current partial rewards on those of
   the previous decision token (the OLS fit and confidence band of the paper's Figure 2), and keeps
@@ -376,8 +378,10 @@ def _width(generator: Generator, prompts: list[PromptInput], params: Speculative
         first = min(generator.capacity(ids, points[0]), AUTO_MAX_CANDIDATES)  # every row to the first tau
         last = generator.capacity(ids, sampling.max_new_tokens)  # the survivors to the length cap
 
-        def survivors(width: int) -> int:  # the rows past the first decision token (Eq. 3's keep)
-            return min(width, params.max_live_candidates or math.ceil((1 - params.rejection_rate) * width))
+        def survivors(width: int) -> int:  # the rows past the first decision token: Eq. 3's keep and the floor
+            if params.max_live_candidates:
+                return min(width, params.max_live_candidates)
+            return min(width, max(1, round((1 - params.rejection_rate) * width)) + bool(params.keep_lowest))
 
         width = first
         while width > num_samples and survivors(width) > last:

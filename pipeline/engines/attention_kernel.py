@@ -68,6 +68,11 @@ at most 4x null rows, which attend no block."""
 MAX_ROWS = 1024
 """The most rows one step's kernel call serves when the pool is not told (``max_rows``); a step
 with a higher slot gathers (counted in ``stats``)."""
+INDEX_BYTES = 64 << 20
+"""The most bytes of the partial blocks' index (``kv_indices``: [rows, pool blocks] int32, which
+inductor's CPU template wants as wide as the pool and materializes once) a pool's kernel may take:
+its largest bucket is cut to fit (4,096 blocks: 1,024 rows). A pool of millions of tiny blocks (a
+toy model at a default budget) keeps small buckets and gathers the steps past them."""
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 """The largest absolute difference from the gather the self-check accepts, per dtype (others: 5e-2,
 half precision); the check's keys, values and queries are standard normal."""
@@ -146,7 +151,9 @@ class AttentionKernel:
         self.device = keys.device
         self.num_blocks = keys.shape[2] // block_size
         self.row_blocks = row_blocks
-        self.buckets = row_buckets(max(1, max_rows))
+        fit = INDEX_BYTES // (4 * self.num_blocks)
+        self.buckets = [b for b in row_buckets(max(1, max_rows)) if b <= fit] or [1]
+        self._too_wide = fit < 1
         self.kernel = "gather"
         """What steps run: "flex_attention" (compiled, checked) or "gather"."""
         self.reason = "not warmed up"
@@ -246,6 +253,10 @@ class AttentionKernel:
         on a failure or a mismatch the pool gathers, with one warning line."""
         if gathers():
             self.reason = f"{KERNEL_ENV}=gather"
+            return
+        if self._too_wide:
+            self._off(f"a pool of {self.num_blocks} blocks is too wide for the kernel's block index "
+                      f"(INDEX_BYTES {INDEX_BYTES >> 20} MiB)")
             return
         started = time.perf_counter()
         self._flex = _own_flex()

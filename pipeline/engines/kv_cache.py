@@ -262,7 +262,8 @@ class BlockPool:
         self.num_blocks = 0
         self.block_bytes = 0
         self.refs = np.zeros(0, dtype=np.int32)  # [NB] rows holding each block
-        self._free: list[int] = []  # a heap: lowest block first
+        self._free: list[int] = []  # a heap of the blocks given back, all below _fresh
+        self._fresh = 0  # blocks from here on were never taken (free): a pool of millions costs no list
         self.peak_blocks = 0
 
     @property
@@ -271,11 +272,11 @@ class BlockPool:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.free_blocks
 
     def nbytes(self) -> int:
         """Bytes of the pool's buffers (every block, used or not)."""
@@ -300,12 +301,17 @@ class BlockPool:
             raise KVBudgetError(f"KV cache: cannot allocate {total / 2**30:.2f} GiB for the pool "
                                 f"({type(exc).__name__}); lower runtime.kv_cache_memory") from None
         self.refs = np.zeros(self.num_blocks, dtype=np.int32)
-        self._free = list(range(self.num_blocks))
-        heapq.heapify(self._free)
+        self._free, self._fresh = [], 0
 
     def take(self, count: int) -> list[int]:
         """``count`` free blocks, lowest first, zeroed, each held once."""
-        blocks = [heapq.heappop(self._free) for _ in range(count)]
+        if count > self.free_blocks:
+            raise KVBudgetError(f"KV cache: {count} blocks asked, {self.free_blocks} free (a caller's check "
+                                "missed it; this is a bug)")
+        given_back = min(count, len(self._free))  # every block given back is below every fresh one
+        blocks = [heapq.heappop(self._free) for _ in range(given_back)]
+        blocks += range(self._fresh, self._fresh + count - given_back)
+        self._fresh += count - given_back
         self.refs[blocks] = 1
         if blocks:  # places past a row's length are masked; garbage there (a NaN) must not reach a score
             places = self.places_of(blocks)
