@@ -644,11 +644,12 @@ def _base_engine(tiny_models):
 def test_initial_candidates_auto_without_a_row_limit_starts_what_the_pool_holds_to_the_cap(tiny_models, scorer,
                                                                                              monkeypatch):
     """``auto`` without max_live_candidates: the first batch is as wide as the pool holds to the first
-    decision token AND whose survivors (half of them at rejection_rate 0.5) it holds to the length cap,
-    so the build completes without a preemption; a pool that cannot hold num_samples rows fails with
-    one line naming the setting instead of silently starting them."""
+    decision token AND whose survivors (half of them at rejection_rate 0.5, and keep_lowest's row) it
+    holds to the length cap, so the build completes without a preemption (on f1848a8 it started every
+    row the first decision token allowed, and the survivors outgrew the pool: KVBudgetError); a pool
+    that holds fewer than num_samples rows starts num_samples, no more."""
     from pipeline.decoding.domain import PromptInput
-    from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, speculative_rejection
+    from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, _width, speculative_rejection
 
     monkeypatch.setattr(kv_cache, "BLOCK_SIZE", 4)
     monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")  # sizing, not the kernel
@@ -667,10 +668,9 @@ def test_initial_candidates_auto_without_a_row_limit_starts_what_the_pool_holds_
     survivors = [round(w / 2) + 1 for w in (width, width + 1)]  # Eq. 3's half, and keep_lowest's row
     assert survivors[0] <= last < survivors[1] and width <= first
     assert engine.stats()["kv_preemptions"] == 0 and len(result.candidates) == 2
-    small = _pool_engine(base, 14)()
-    with pytest.raises(ValueError, match="strategy.initial_candidates: auto: the generator's KV pool holds") as error:
-        speculative_rejection([prompt], small, scorer, params, sampling, 4, seed=3)
-    assert "\n" not in str(error.value)
+    small = _pool_engine(base, 6)()  # fewer rows than num_samples fit: num_samples start, no more
+    assert small.capacity([prompt.token_ids], tau) < 4
+    assert _width(small, [prompt], params, 4, [tau], sampling) == 4
 
 
 def test_initial_candidates_auto_is_refused_off_the_hf_backend_and_checked_as_a_value():

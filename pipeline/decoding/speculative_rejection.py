@@ -71,8 +71,10 @@ Extensions, each from the paper's sections 6.3 and 7:
   the prompt's shared once), at most AUTO_MAX_CANDIDATES, and no more than those whose survivors
   (``max_live_candidates``, or Eq. 3's 1 - rejection_rate share and keep_lowest's row; rows tied at
   the cutoff may add more) the pool also holds to
-  max_new_tokens, so the kept rows never outgrow the pool. Where that is fewer than num_samples,
-  the batch fails with one line naming the setting (never more rows than the pool holds).
+  max_new_tokens, so the kept rows never outgrow the pool; never fewer than num_samples (the
+  capacity is the batch's share of the pool and of runtime.rows_in_flight, which a batch of
+  num_samples rows may exceed, as any strategy's would; a session that outgrows the whole pool fails
+  in the step loop with one line).
 - Prompt-dependent stopping (section 7, ``adaptive_rejection`` = z): from the second decision
   token on, each prompt fits the least-squares line of its current partial rewards on those of
   the previous decision token (the OLS fit and confidence band of the paper's Figure 2), and keeps
@@ -369,8 +371,8 @@ def _width(generator: Generator, prompts: list[PromptInput], params: Speculative
            num_samples: int, points: list[int], sampling: SamplingParams) -> int:
     """Rows started per prompt: num_samples, or memory-budget mode's initial_candidates (``auto``:
     the most rows the generator's KV pool holds to the first decision token whose survivors,
-    ``max_live_candidates`` or the (1 - rejection_rate) share, it also holds to max_new_tokens;
-    ValueError naming the setting when that is fewer than num_samples)."""
+    ``max_live_candidates`` or Eq. 3's share and keep_lowest's row, it also holds to max_new_tokens;
+    at least num_samples)."""
     if not points:  # no decision point: plain Best-of-N (memory-budget mode has nothing to screen by)
         return num_samples
     if params.initial_candidates == "auto":
@@ -383,15 +385,9 @@ def _width(generator: Generator, prompts: list[PromptInput], params: Speculative
                 return min(width, params.max_live_candidates)
             return min(width, max(1, round((1 - params.rejection_rate) * width)) + bool(params.keep_lowest))
 
-        width = first
+        width = max(first, num_samples)  # never fewer than num_samples: the strategy's own floor
         while width > num_samples and survivors(width) > last:
             width -= 1
-        if width < num_samples or survivors(width) > last:
-            raise ValueError(f"strategy.initial_candidates: auto: the generator's KV pool holds {first} rows per "
-                             f"prompt to the first decision token and {last} to max_new_tokens "
-                             f"({sampling.max_new_tokens}), fewer than num_samples ({num_samples}) or their "
-                             "survivors need; raise runtime.kv_cache_memory or lower num_samples, "
-                             "max_new_tokens or runtime.batch_size")
         return width
     return params.initial_candidates or num_samples
 

@@ -56,7 +56,7 @@ import logging
 import os
 import threading
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
@@ -242,12 +242,34 @@ class _BlockLayer(DynamicLayer):
 
 @dataclass
 class _Rows:
-    """Host bookkeeping of the rows (handles index it); grown by doubling (host memory only)."""
+    """Host bookkeeping of the rows (handles index it), vLLM v1's block table: grown by doubling
+    (host memory only); a new row takes the lowest spare handle (its slot in the kernel's buckets)."""
 
     length: np.ndarray  # [R] tokens held (the next write's logical place)
     position: np.ndarray  # [R] position id of the next token
-    tables: np.ndarray  # [R, NB] block ids, in logical order (the first ceil(length / bs) are real)
+    tables: np.ndarray  # [R, MB] block ids, in logical order (the first ceil(length / bs) are real)
     live: np.ndarray  # [R] bool: the handle is in use
+    spare: list = field(default_factory=list)  # free handles, highest first (pop: the lowest)
+
+    def new(self, count: int) -> list[int]:
+        while len(self.spare) < count:
+            old = len(self.length)
+            new = max(16, 2 * old)
+            self.length = np.concatenate([self.length, np.zeros(new - old, np.int64)])
+            self.position = np.concatenate([self.position, np.zeros(new - old, np.int64)])
+            self.live = np.concatenate([self.live, np.zeros(new - old, bool)])
+            self.tables = np.concatenate([self.tables, np.zeros((new - old, self.tables.shape[1]), np.int32)])
+            self.spare.extend(range(old, new))
+            self.spare.sort(reverse=True)
+        handles = [self.spare.pop() for _ in range(count)]
+        self.live[handles] = True
+        return handles
+
+    def retire(self, handles: list[int]) -> None:
+        self.live[handles] = False
+        self.length[handles] = 0
+        self.spare.extend(handles)
+        self.spare.sort(reverse=True)
 
 
 class BlockPool:
@@ -333,6 +355,20 @@ class BlockPool:
         index = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
         return torch.from_numpy(index).to(self.device)
 
+    def blocks_for(self, lengths: list[int], samples: list[int]) -> int:
+        """Blocks an admission takes: per prompt (``lengths`` tokens, ``samples`` rows), its whole
+        blocks once and its partial block once per row."""
+        bs = self.block_size
+        return sum(length // bs + (s if length % bs else 0) for length, s in zip(lengths, samples))
+
+    def rows_that_fit(self, lengths: list[int], tokens: int) -> int:
+        """Rows per prompt the whole pool holds with ``tokens`` generated tokens each (KVCache's)."""
+        bs = self.block_size
+        shared = sum(length // bs for length in lengths)
+        per_row = sum(-(-(length + tokens) // bs) - length // bs for length in lengths)
+        room = (1 - WATERMARK) * self.num_blocks - shared
+        return max(0, int(room // max(per_row, 1)))
+
     def room_for(self, need: int) -> bool:
         """Whether ``need`` blocks are free, beside a watermark of WATERMARK of the pool (vLLM's) while
         any block is in use."""
@@ -368,7 +404,6 @@ class KVCache:
         self.counted_by = counted_by
         self._rows = _Rows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.int32),
                            np.zeros(0, bool))
-        self._spare_rows: list[int] = []
         self._released: list[int] = []  # released by callers outside the loop, freed at the next collect
         self._lock = threading.Lock()
         self.forward_passes = 0
@@ -376,6 +411,17 @@ class KVCache:
         """Bytes a prompt's shared blocks saved: (samples - 1) x its whole blocks, summed over admissions."""
         self.preemptions = 0
         """Sessions preempted for blocks (counted by the model runner)."""
+        self.passes = PagedPasses(self)
+
+    # -- the passes (PagedPasses) ---------------------------------------------------------------
+
+    stepping = property(lambda self: self.passes.stepping)
+    step = property(lambda self: self.passes.step)
+    feeding = property(lambda self: self.passes.feeding)
+    feed = property(lambda self: self.passes.feed)
+    truncate = property(lambda self: self.passes.truncate)
+    take = property(lambda self: self.passes.take)
+    blocks_to_extend = property(lambda self: self.passes.blocks_to_extend)
 
     # -- the pool's figures ----------------------------------------------------------------------
 
@@ -433,11 +479,7 @@ class KVCache:
         one row per prompt fits. Allocates the pool if no admission has."""
         if not self.allocated:
             self._allocate_for_model()
-        bs = self.block_size
-        shared = sum(length // bs for length in lengths)
-        per_row = sum(-(-(length + tokens) // bs) - length // bs for length in lengths)
-        room = (1 - WATERMARK) * self.num_blocks - shared
-        return max(0, int(room // max(per_row, 1)))
+        return self.pool.rows_that_fit(lengths, tokens)
 
     @staticmethod
     def supports(model) -> bool:
@@ -472,28 +514,8 @@ class KVCache:
             handles = np.asarray(handles, dtype=np.int64)
             self.kernel.write_rows(handles, self._rows.tables[handles])
 
-    # -- rows ------------------------------------------------------------------------------------
-
-    def _new_rows(self, count: int) -> list[int]:
-        rows = self._rows
-        while len(self._spare_rows) < count:
-            old = len(rows.length)
-            new = max(16, 2 * old)
-            rows.length = np.concatenate([rows.length, np.zeros(new - old, np.int64)])
-            rows.position = np.concatenate([rows.position, np.zeros(new - old, np.int64)])
-            rows.live = np.concatenate([rows.live, np.zeros(new - old, bool)])
-            rows.tables = np.concatenate([rows.tables, np.zeros((new - old, rows.tables.shape[1]), np.int32)])
-            self._spare_rows.extend(range(old, new))
-            self._spare_rows.sort(reverse=True)
-        handles = [self._spare_rows.pop() for _ in range(count)]
-        rows.live[handles] = True
-        return handles
-
     def blocks_for(self, lengths: list[int], samples: list[int]) -> int:
-        """Blocks an admission takes: per prompt (``lengths`` tokens, ``samples`` rows), its whole
-        blocks once and its partial block once per row."""
-        bs = self.block_size
-        return sum(length // bs + (s if length % bs else 0) for length, s in zip(lengths, samples))
+        return self.pool.blocks_for(lengths, samples)
 
     def fits(self, lengths: list[int], samples: list[int]) -> bool:
         """Whether an admission of prompts of ``lengths`` tokens, ``samples`` rows each, fits now
@@ -528,7 +550,7 @@ class KVCache:
         bs = self.block_size
         self._check_width(max(len(columns[p]) for p in used))
         width = mask.shape[1]
-        handles = self._new_rows(len(sources))
+        handles = self._rows.new(len(sources))
         rows = self._rows
         src: list[np.ndarray] = []
         dst: list[np.ndarray] = []
@@ -579,47 +601,15 @@ class KVCache:
         with self._lock:
             released, self._released = self._released, []
         rows = self._rows
-        for handle in released:
-            if not rows.live[handle]:
-                continue
-            count = -(-int(rows.length[handle]) // self.block_size)
-            self.pool.drop(rows.tables[handle, :count])
-            rows.live[handle] = False
-            rows.length[handle] = 0
-            self._spare_rows.append(handle)
-        if released:
-            self._spare_rows.sort(reverse=True)
+        gone = [h for h in dict.fromkeys(released) if rows.live[h]]
+        for handle in gone:
+            self.pool.drop(rows.tables[handle, :-(-int(rows.length[handle]) // self.block_size)])
+        rows.retire(gone)
 
     def needed(self, handles: list[int]) -> int:
         """Blocks the next step of ``handles`` takes: one for each row whose next token starts a block."""
         self.collect()
         return int((self._rows.length[handles] % self.block_size == 0).sum()) if handles else 0
-
-    @torch.inference_mode()
-    def take(self, handles: list[int]) -> RowBatch:
-        """The rows in ``handles`` as a RowBatch of their own (a copy, left-padded), and their blocks
-        freed: for model work that needs rows of its own (speculative decoding's draft-and-verify steps)."""
-        self.collect()
-        rows, bs = self._rows, self.block_size
-        lengths = rows.length[handles]
-        width = int(lengths.max())
-        places = np.zeros((len(handles), width), dtype=np.int64)
-        mask = np.zeros((len(handles), width), dtype=np.int64)
-        for i, (handle, length) in enumerate(zip(handles, lengths)):
-            logical = np.arange(length)
-            places[i, width - length:] = rows.tables[handle, logical // bs].astype(np.int64) * bs + logical % bs
-            mask[i, width - length:] = 1
-        index = torch.from_numpy(places.reshape(-1)).to(self.device)
-        layers = []
-        for keys, values in zip(self.pool.keys, self.pool.values):
-            heads, dim = keys.shape[1], keys.shape[3]
-            layers.append(tuple(t[0].index_select(1, index).view(heads, len(handles), width, dim).transpose(0, 1)
-                                .contiguous() for t in (keys, values)))
-        batch = RowBatch(self.model, _cache_of(self.model, layers), torch.from_numpy(mask).to(self.device),
-                         torch.from_numpy(rows.position[handles].copy()).to(self.device), self.counted_by)
-        self.release(handles)
-        self.collect()
-        return batch
 
     # -- rows for chunked feeds (the reward model's streaming rows) ----------------------------
 
@@ -628,7 +618,7 @@ class KVCache:
         self.collect()
         if not self.allocated:
             self._allocate_for_model()
-        handles = self._new_rows(count)
+        handles = self._rows.new(count)
         self._rows.length[handles] = 0
         self._rows.position[handles] = 0
         return handles
@@ -637,76 +627,18 @@ class KVCache:
         """Tokens row ``handle`` holds."""
         return int(self._rows.length[handle])
 
-    def blocks_to_extend(self, handles: list[int], keep: list[int], counts: list[int]) -> int:
-        """At most the blocks that ``truncate(handles, keep)`` then a ``feed`` of ``counts`` tokens per
-        row take: each row's new blocks, and a copy of a shared block a truncation ends inside. The
-        blocks the truncation gives back are not counted."""
-        self.collect()
-        rows, bs = self._rows, self.block_size
-        need = 0
-        for handle, kept, count in zip(handles, keep, counts):
-            need += -(-(kept + count) // bs) - -(-kept // bs)
-            if kept < rows.length[handle] and kept % bs and self.pool.refs[rows.tables[handle, kept // bs]] > 1:
-                need += 1
-        return need
-
-    @torch.inference_mode()
-    def truncate(self, handles: list[int], keep: list[int]) -> None:
-        """Row ``handles[i]`` keeps its first ``keep[i]`` tokens; the blocks past them go back. A kept
-        last block that another row shares (a prompt's whole block) is copied first, so the row's next
-        tokens never write where another row reads (copy on write: one block, ``blocks_to_extend``
-        counts it)."""
-        self.collect()
-        rows, bs = self._rows, self.block_size
-        for handle, kept in zip(handles, keep):
-            length = int(rows.length[handle])
-            if not 0 <= kept <= length:
-                raise ValueError(f"KV cache: cannot keep {kept} tokens of a row that holds {length}")
-            if kept == length:
-                continue
-            self.pool.drop(rows.tables[handle, -(-kept // bs):-(-length // bs)])
-            shared = int(rows.tables[handle, kept // bs]) if kept % bs else -1
-            if shared >= 0 and self.pool.refs[shared] > 1:
-                if not self.pool.free_blocks:
-                    raise KVBudgetError("KV cache: a truncation's copy on write needs a free block, none is "
-                                        "(the caller makes room first; this is a bug)")
-                (own,) = self.pool.take(1)
-                source, target = self.pool.places_of([shared]), self.pool.places_of([own])
-                for tensor in self.pool.keys + self.pool.values:
-                    tensor[0].index_copy_(1, target, tensor[0].index_select(1, source))
-                self.pool.drop([shared])
-                rows.tables[handle, kept // bs] = own
-            rows.position[handle] -= length - kept
-            rows.length[handle] = kept
-        self._sync(handles)
 
 
-    # -- a decoding step ------------------------------------------------------------------------
+class PagedPasses:
+    """The model inputs of one KV manager's passes over its blocks, in the spirit of vLLM v1's model
+    runner input preparation: a decoding step (``stepping``: one token per row, attention by the
+    manager's AttentionKernel), a chunked feed (``feeding``: several tokens per row, gathered), and
+    the row edits that go with them (``truncate``: copy on write; ``take``: rows out into a RowBatch
+    of their own). Each pass takes its blocks before the forward and gives them back if it raises;
+    the rows advance after it. KVCache hands these through (``kv.stepping`` is ``kv.passes.stepping``)."""
 
-    def _grow(self, handles: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, list[int]]:
-        """A new block for each row whose next token starts one: (those rows, their blocks)."""
-        bs = self.block_size
-        starting = handles[lengths % bs == 0]
-        if len(starting) > self.free_blocks:
-            raise KVBudgetError(f"KV cache: the step needs {len(starting)} new blocks, {self.free_blocks} are free "
-                                "(the step loop preempts before a step; this is a bug)")
-        if not len(starting):
-            return starting, []
-        columns = self._rows.length[starting] // bs
-        if int(columns.max()) >= self.row_blocks:
-            self._check_width(int(self._rows.length[starting].max()) + 1)
-        blocks = self.pool.take(len(starting))
-        self._rows.tables[starting, columns] = blocks
-        if self.kernel is not None:
-            self.kernel.write_blocks(starting, columns, np.asarray(blocks))
-        return starting, blocks
-
-    def _step_call(self, handles: np.ndarray, lengths: np.ndarray) -> _StepCall:
-        """The step's attention: each row attends ``lengths`` tokens (the one this step writes included)."""
-        if self.kernel is not None:
-            return _StepCall(self.kernel, self.kernel.step(handles, lengths, self._rows.tables))
-        index = torch.from_numpy(handles).to(self.device)
-        return _StepCall(None, Step(index, HostRows(self._rows.tables, handles, self.block_size), lengths, 0))
+    def __init__(self, kv: "KVCache"):
+        self.kv = kv
 
     @contextmanager
     def stepping(self, handles: list[int], tokens: torch.Tensor) -> Iterator[dict]:
@@ -723,21 +655,21 @@ class KVCache:
             with kv.stepping(handles, tokens) as inputs:
                 logits = model(**inputs, logits_to_keep=1).logits
         """
-        self.collect()
-        rows, bs = self._rows, self.block_size
+        self.kv.collect()
+        rows, bs = self.kv._rows, self.kv.block_size
         handles = np.asarray(handles, dtype=np.int64)
         lengths = rows.length[handles]
         starting, taken = self._grow(handles, lengths)
         try:
             places = rows.tables[handles, lengths // bs].astype(np.int64) * bs + lengths % bs
-            position = torch.from_numpy(rows.position[handles]).to(self.device)
+            position = torch.from_numpy(rows.position[handles]).to(self.kv.device)
             call = self._step_call(handles, lengths + 1)
             stance = torch.compiler.set_stance("fail_on_recompile") if call.step.bucket else nullcontext()
             with stance, self._inputs(call, tokens[:, None], position[:, None],
-                                      torch.from_numpy(places).to(self.device), int(lengths.max())) as inputs:
+                                      torch.from_numpy(places).to(self.kv.device), int(lengths.max())) as inputs:
                 yield inputs
         except BaseException:
-            self.pool.drop(taken)  # the rows did not advance: their new blocks go back
+            self.kv.pool.drop(taken)  # the rows did not advance: their new blocks go back
             raise
         rows.length[handles] += 1
         rows.position[handles] += 1
@@ -746,12 +678,37 @@ class KVCache:
     @torch.inference_mode()
     def step(self, handles: list[int], tokens: torch.Tensor, **model_kwargs):
         """``stepping`` with the pool's model: its output, aligned with ``handles``."""
-        with self.stepping(handles, tokens) as inputs, timed_forward(self.device):
-            return self.model(**inputs, **model_kwargs)
+        with self.stepping(handles, tokens) as inputs, timed_forward(self.kv.device):
+            return self.kv.model(**inputs, **model_kwargs)
+
+    def _grow(self, handles: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """A new block for each row whose next token starts one: (those rows, their blocks)."""
+        bs = self.kv.block_size
+        starting = handles[lengths % bs == 0]
+        if len(starting) > self.kv.free_blocks:
+            raise KVBudgetError(f"KV cache: the step needs {len(starting)} new blocks, {self.kv.free_blocks} are free "
+                                "(the step loop preempts before a step; this is a bug)")
+        if not len(starting):
+            return starting, []
+        columns = self.kv._rows.length[starting] // bs
+        if int(columns.max()) >= self.kv.row_blocks:
+            self.kv._check_width(int(self.kv._rows.length[starting].max()) + 1)
+        blocks = self.kv.pool.take(len(starting))
+        self.kv._rows.tables[starting, columns] = blocks
+        if self.kv.kernel is not None:
+            self.kv.kernel.write_blocks(starting, columns, np.asarray(blocks))
+        return starting, blocks
+
+    def _step_call(self, handles: np.ndarray, lengths: np.ndarray) -> _StepCall:
+        """The step's attention: each row attends ``lengths`` tokens (the one this step writes included)."""
+        if self.kv.kernel is not None:
+            return _StepCall(self.kv.kernel, self.kv.kernel.step(handles, lengths, self.kv._rows.tables))
+        index = torch.from_numpy(handles).to(self.kv.device)
+        return _StepCall(None, Step(index, HostRows(self.kv._rows.tables, handles, self.kv.block_size), lengths, 0))
 
     def _count(self) -> None:
-        self.forward_passes += 1
-        for owner in self.counted_by:
+        self.kv.forward_passes += 1
+        for owner in self.kv.counted_by:
             owner.forward_passes += 1
 
     @contextmanager
@@ -762,16 +719,14 @@ class KVCache:
         attention as ``step`` (a _StepCall or _FeedCall) says (the model's attention implementation is
         PAGED_ATTENTION meanwhile)."""
         cache = DynamicCache()
-        cache.layers = [_BlockLayer(k, v, places, seen, written) for k, v in zip(self.pool.keys, self.pool.values)]
-        config = self.model.config
+        cache.layers = [_BlockLayer(k, v, places, seen, written) for k, v in zip(self.kv.pool.keys, self.kv.pool.values)]
+        config = self.kv.model.config
         configured, config._attn_implementation = config._attn_implementation, PAGED_ATTENTION
         try:
             yield {"input_ids": input_ids.to(torch.long), "position_ids": position,
-                   **cache_argument(self.model, cache), "use_cache": True, "paged": step}
+                   **cache_argument(self.kv.model, cache), "use_cache": True, "paged": step}
         finally:
             config._attn_implementation = configured
-
-    # -- chunked feeds (the reward model's streaming rows) ---------------------------------------
 
     @contextmanager
     def feeding(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0) -> Iterator[dict]:
@@ -782,25 +737,25 @@ class KVCache:
         free), and each token attends its row's places up to its own, gathered per layer (a chunked
         feed comes at a decision token, not every step). The rows advance when the block exits
         without an error."""
-        self.collect()
-        rows, bs = self._rows, self.block_size
+        self.kv.collect()
+        rows, bs = self.kv._rows, self.kv.block_size
         counts = np.array([len(c) for c in chunks], dtype=np.int64)
         if len(chunks) != len(handles) or not len(chunks) or counts.min() < 1:
             raise ValueError("KV cache: feed takes one chunk of at least one token per row")
         starts = rows.length[handles].copy()
         need = int((-(-(starts + counts) // bs) - -(-starts // bs)).sum())
-        if need > self.free_blocks:
-            raise KVBudgetError(f"KV cache: the feed needs {need} new blocks, {self.free_blocks} are free "
+        if need > self.kv.free_blocks:
+            raise KVBudgetError(f"KV cache: the feed needs {need} new blocks, {self.kv.free_blocks} are free "
                                 "(the caller makes room first; this is a bug)")
-        self._check_width(int((starts + counts).max()))
+        self.kv._check_width(int((starts + counts).max()))
         taken: list[int] = []
         try:
             for handle, start, count in zip(handles, starts, counts):
                 first, last = -(-int(start) // bs), -(-int(start + count) // bs)
-                blocks = self.pool.take(last - first)
+                blocks = self.kv.pool.take(last - first)
                 taken += blocks
                 rows.tables[handle, first:last] = blocks
-            self._sync(handles)
+            self.kv._sync(handles)
             width = int(counts.max())
             column = np.arange(width)[None, :]
             pad = (width - counts)[:, None]
@@ -815,13 +770,13 @@ class KVCache:
             call = _FeedCall(tables, starts + counts, logical, bs)
 
             def to(array):
-                return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+                return torch.from_numpy(np.ascontiguousarray(array)).to(self.kv.device)
 
             with self._inputs(call, to(input_ids), to(position), to(places[real]), int((starts + counts).max()),
                               written=to(np.flatnonzero(real))) as inputs:
                 yield inputs
         except BaseException:
-            self.pool.drop(taken)  # the rows did not advance: the blocks the feed took go back
+            self.kv.pool.drop(taken)  # the rows did not advance: the blocks the feed took go back
             raise
         rows.length[handles] += counts
         rows.position[handles] += counts
@@ -830,5 +785,74 @@ class KVCache:
     @torch.inference_mode()
     def feed(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0, **model_kwargs):
         """``feeding`` with the pool's model: its output, [n, C] aligned with ``handles`` and the padded chunks."""
-        with self.feeding(handles, chunks, pad_id) as inputs, timed_forward(self.device):
-            return self.model(**inputs, **model_kwargs)
+        with self.feeding(handles, chunks, pad_id) as inputs, timed_forward(self.kv.device):
+            return self.kv.model(**inputs, **model_kwargs)
+
+    def blocks_to_extend(self, handles: list[int], keep: list[int], counts: list[int]) -> int:
+        """At most the blocks that ``truncate(handles, keep)`` then a ``feed`` of ``counts`` tokens per
+        row take: each row's new blocks, and a copy of a shared block a truncation ends inside. The
+        blocks the truncation gives back are not counted."""
+        self.kv.collect()
+        rows, bs = self.kv._rows, self.kv.block_size
+        need = 0
+        for handle, kept, count in zip(handles, keep, counts):
+            need += -(-(kept + count) // bs) - -(-kept // bs)
+            if kept < rows.length[handle] and kept % bs and self.kv.pool.refs[rows.tables[handle, kept // bs]] > 1:
+                need += 1
+        return need
+
+    @torch.inference_mode()
+    def truncate(self, handles: list[int], keep: list[int]) -> None:
+        """Row ``handles[i]`` keeps its first ``keep[i]`` tokens; the blocks past them go back. A kept
+        last block that another row shares (a prompt's whole block) is copied first, so the row's next
+        tokens never write where another row reads (copy on write: one block, ``blocks_to_extend``
+        counts it)."""
+        self.kv.collect()
+        rows, bs = self.kv._rows, self.kv.block_size
+        for handle, kept in zip(handles, keep):
+            length = int(rows.length[handle])
+            if not 0 <= kept <= length:
+                raise ValueError(f"KV cache: cannot keep {kept} tokens of a row that holds {length}")
+            if kept == length:
+                continue
+            self.kv.pool.drop(rows.tables[handle, -(-kept // bs):-(-length // bs)])
+            shared = int(rows.tables[handle, kept // bs]) if kept % bs else -1
+            if shared >= 0 and self.kv.pool.refs[shared] > 1:
+                if not self.kv.pool.free_blocks:
+                    raise KVBudgetError("KV cache: a truncation's copy on write needs a free block, none is "
+                                        "(the caller makes room first; this is a bug)")
+                (own,) = self.kv.pool.take(1)
+                source, target = self.kv.pool.places_of([shared]), self.kv.pool.places_of([own])
+                for tensor in self.kv.pool.keys + self.kv.pool.values:
+                    tensor[0].index_copy_(1, target, tensor[0].index_select(1, source))
+                self.kv.pool.drop([shared])
+                rows.tables[handle, kept // bs] = own
+            rows.position[handle] -= length - kept
+            rows.length[handle] = kept
+        self.kv._sync(handles)
+
+    @torch.inference_mode()
+    def take(self, handles: list[int]) -> RowBatch:
+        """The rows in ``handles`` as a RowBatch of their own (a copy, left-padded), and their blocks
+        freed: for model work that needs rows of its own (speculative decoding's draft-and-verify steps)."""
+        self.kv.collect()
+        rows, bs = self.kv._rows, self.kv.block_size
+        lengths = rows.length[handles]
+        width = int(lengths.max())
+        places = np.zeros((len(handles), width), dtype=np.int64)
+        mask = np.zeros((len(handles), width), dtype=np.int64)
+        for i, (handle, length) in enumerate(zip(handles, lengths)):
+            logical = np.arange(length)
+            places[i, width - length:] = rows.tables[handle, logical // bs].astype(np.int64) * bs + logical % bs
+            mask[i, width - length:] = 1
+        index = torch.from_numpy(places.reshape(-1)).to(self.kv.device)
+        layers = []
+        for keys, values in zip(self.kv.pool.keys, self.kv.pool.values):
+            heads, dim = keys.shape[1], keys.shape[3]
+            layers.append(tuple(t[0].index_select(1, index).view(heads, len(handles), width, dim).transpose(0, 1)
+                                .contiguous() for t in (keys, values)))
+        batch = RowBatch(self.kv.model, _cache_of(self.kv.model, layers), torch.from_numpy(mask).to(self.kv.device),
+                         torch.from_numpy(rows.position[handles].copy()).to(self.kv.device), self.kv.counted_by)
+        self.kv.release(handles)
+        self.kv.collect()
+        return batch
