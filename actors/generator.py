@@ -31,7 +31,7 @@ class GeneratorActor:
                  draft: str | None = None, draft_actor=None, backend: str = "hf", continuous_batching: bool = False,
                  speculative=None, prepack: bool = True, load: dict | None = None,
                  draft_load: dict | None = None, vllm: dict | None = None, kv_cache_memory=None,
-                 heap: bool = False):
+                 heap: bool = False, kv_rows: int | None = None):
         """``draft``: a draft model to load in this process (placement "colocated"); ``draft_actor``:
         a DraftActor handle to call instead (placement "actor"). Model-side strategies that draft
         (dsbd) find it as ``engine.drafter``; with neither, dsbd drafts with ADED. ``backend``
@@ -47,13 +47,14 @@ class GeneratorActor:
         generator and the draft (models.hf: revision, attn_implementation, trust_remote_code, ...);
         ``vllm``: the backend's engine keywords (models.vllm: ``vllm.LLM`` keywords) with backend "vllm".
         ``kv_cache_memory`` (runtime.kv_cache_memory): the HF engine's KV cache budget; ``heap``
-        (runtime.bound_heap): glibc heap tuning for this process."""
+        (runtime.bound_heap): glibc heap tuning for this process; ``kv_rows`` (runtime.rows_in_flight):
+        the rows a decoding step's compiled attention serves (its largest row bucket; None: 1,024)."""
         torch.set_num_threads(max(1, num_threads))
         self.backend = backend_record(backend)
         self.engine = self.backend.load_generator(model, EngineOptions(
             device=device, dtype=dtype, num_threads=max(1, num_threads), continuous_batching=continuous_batching,
             speculative=speculative, prepack=prepack, load=load, settings=vllm, kv_cache_memory=kv_cache_memory,
-            bound_heap=heap))
+            bound_heap=heap, kv_rows=kv_rows))
         if draft_actor is not None:
             from actors.remote import RemoteDrafter
 

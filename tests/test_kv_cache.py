@@ -289,6 +289,13 @@ def test_a_sliding_window_generator_is_refused_at_plan_time_on_the_hf_backend(ti
     with pytest.raises(ConfigError, match="sliding-window attention layers.*models.backend: vllm") as error:
         check_models(config)
     assert "\n" not in str(error.value)
+    from transformers import MistralForCausalLM  # past the plan (an engine built in-process): the layers named
+
+    from pipeline.engines.hf import load_tokenizer
+
+    model = MistralForCausalLM(MistralConfig.from_pretrained(tmp_path / "mistral"))
+    with pytest.raises(ValueError, match=r"not full attention \(DynamicSlidingWindowLayer: sliding-window"):
+        HFEngine(model, load_tokenizer(str(tiny_models["generator"])))
 
 
 def test_at_a_fixed_budget_memory_budget_sbon_starts_three_times_the_rows_best_of_n_fits(tiny_models, scorer,
@@ -671,6 +678,27 @@ def test_initial_candidates_auto_without_a_row_limit_starts_what_the_pool_holds_
     small = _pool_engine(base, 6)()  # fewer rows than num_samples fit: num_samples start, no more
     assert small.capacity([prompt.token_ids], tau) < 4
     assert _width(small, [prompt], params, 4, [tau], sampling) == 4
+
+
+def test_the_kernels_row_buckets_follow_rows_in_flight(tiny_models, tmp_path, monkeypatch):
+    """runtime.rows_in_flight reaches the generator's pool as its largest row bucket (fewer compiles
+    at allocation); unset (0), the default MAX_ROWS."""
+    from actors.factory import _plan_actors
+    from pipeline.engines.attention_kernel import MAX_ROWS, row_buckets
+
+    monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")  # the buckets, not their compiles
+
+    for rows, expected in ((16, [1, 4, 16]), (100, [1, 4, 16, 64, 256]), (0, row_buckets(MAX_ROWS))):
+        config = config_from_dict({"models": {"generator": str(tiny_models["generator"]),
+                                              "reward": str(tiny_models["reward"])},
+                                   "data": {"prompts": str(tmp_path / "p.jsonl"), "output": str(tmp_path / "out")},
+                                   "runtime": {"local": True, "rows_in_flight": rows}})
+        plan = _plan_actors(config)
+        assert plan.generator_kwargs["kv_rows"] == (rows or None)
+        engine = HFEngine(_base_engine(tiny_models).model, _base_engine(tiny_models).tokenizer,
+                          kv_cache_memory="8MB", kv_rows=plan.generator_kwargs["kv_rows"])
+        engine.generate([ids(engine, "Hi")], 1, [0], SamplingParams(max_new_tokens=2))
+        assert engine.stats()["kv_kernel_buckets"] == expected
 
 
 def test_initial_candidates_auto_is_refused_off_the_hf_backend_and_checked_as_a_value():

@@ -100,6 +100,9 @@ class EngineOptions:
     kv_cache_memory: Any = None
     """runtime.kv_cache_memory: the HF generator's KV cache budget (pipeline.engines.backends.parse_memory)."""
     bound_heap: bool = False
+    kv_rows: int | None = None
+    """runtime.rows_in_flight: the rows the HF generator's compiled decode attention serves in one
+    step (its largest row bucket, pipeline.engines.attention_kernel); None: MAX_ROWS."""
     """runtime.bound_heap: glibc heap tuning for the actor's process (HF engines)."""
     reward_pass_tokens: int | None = None
     """runtime.reward_pass_tokens: padded tokens per reward forward pass (None: the device's default)."""

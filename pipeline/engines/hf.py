@@ -129,11 +129,14 @@ class HFEngine:
     """Concurrent calls share the step loop's forward passes (any number of threads may call)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu",
-                 speculative: SpeculativeDecoding | None = None, kv_cache_memory=None, heap: bool = False):
+                 speculative: SpeculativeDecoding | None = None, kv_cache_memory=None, heap: bool = False,
+                 kv_rows: int | None = None):
         """``speculative``: speculative decoding of extends to the cap (pipeline.engines.model_runner);
         None or k = 0: off. ``kv_cache_memory`` (runtime.kv_cache_memory): the KV cache's budget
-        (pipeline.engines.backends.parse_memory; None: auto). ``heap``: runtime.bound_heap."""
-        self.runner = ModelRunner(model, tokenizer, device, speculative, kv_cache_memory=kv_cache_memory, heap=heap)
+        (pipeline.engines.backends.parse_memory; None: auto). ``heap``: runtime.bound_heap. ``kv_rows``: the
+        rows a step's compiled attention serves (runtime.rows_in_flight; None: attention_kernel.MAX_ROWS)."""
+        self.runner = ModelRunner(model, tokenizer, device, speculative, kv_cache_memory=kv_cache_memory, heap=heap,
+                                  kv_rows=kv_rows)
         self.loop = StepLoop(self.runner)
         self.model, self.tokenizer, self.device = self.runner.model, tokenizer, self.runner.device
         self.eos_ids, self.pad_id = self.runner.eos_ids, self.runner.pad_id
@@ -147,7 +150,8 @@ class HFEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
                         speculative: SpeculativeDecoding | None = None, prepack: bool = True,
-                        load: dict | None = None, kv_cache_memory=None, heap: bool = False) -> HFEngine:
+                        load: dict | None = None, kv_cache_memory=None, heap: bool = False,
+                        kv_rows: int | None = None) -> HFEngine:
         """Any HF causal LM; a Reward Transformer directory (pipeline.engines.reward_transformer)
         loads with its reward channel, which model-side strategies such as SLA read. ``prepack``: see
         ``for_inference``. ``load``: ``from_pretrained`` keywords (models.hf, ``load_pretrained``)."""
@@ -159,7 +163,7 @@ class HFEngine:
         else:
             model = load_pretrained(AutoModelForCausalLM, name_or_path, dtype, load)
         return cls(for_inference(model, device, dtype, prepack), tokenizer, device, speculative=speculative,
-                   kv_cache_memory=kv_cache_memory, heap=heap)
+                   kv_cache_memory=kv_cache_memory, heap=heap, kv_rows=kv_rows)
 
     @classmethod
     def from_options(cls, name_or_path: str, options) -> HFEngine:
@@ -168,7 +172,8 @@ class HFEngine:
         it serializes the calls)."""
         return cls.from_pretrained(name_or_path, device=options.device, dtype=options.dtype,
                                    speculative=options.speculative, prepack=options.prepack, load=options.load,
-                                   kv_cache_memory=options.kv_cache_memory, heap=options.bound_heap)
+                                   kv_cache_memory=options.kv_cache_memory, heap=options.bound_heap,
+                                   kv_rows=options.kv_rows)
 
     @property
     def max_context(self) -> int:

@@ -240,6 +240,11 @@ class _BlockLayer(DynamicLayer):
         return self.keys.shape[2], 0
 
 
+def unsupported_layers(model) -> list:
+    """``model``'s cache layers that are not full attention (sliding-window, chunked, ...)."""
+    return [layer for layer in _new_cache(model).layers if not isinstance(layer, _GrowingLayer)]
+
+
 @dataclass
 class _Rows:
     """Host bookkeeping of the rows (handles index it), vLLM v1's block table: grown by doubling
@@ -484,7 +489,7 @@ class KVCache:
     @staticmethod
     def supports(model) -> bool:
         """Whether every cache layer of ``model`` is full attention (the pool holds no sliding window)."""
-        return all(isinstance(layer, _GrowingLayer) for layer in _new_cache(model).layers)
+        return not unsupported_layers(model)
 
     def live_tokens(self) -> int:
         """Tokens the live rows hold (a shared prompt's tokens once per row)."""

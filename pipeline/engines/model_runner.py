@@ -45,7 +45,8 @@ from pipeline.decoding.sampling import RowStreams, SamplingParams, sample_next
 from pipeline.decoding.speculative import SpeculativeDecoding, prompt_lookup
 from pipeline.decoding.tree import TokenTree
 from pipeline.engines.backends import parse_memory
-from pipeline.engines.kv_cache import KVCache, bound_heap, trim_heap
+from pipeline.engines.attention_kernel import MAX_ROWS
+from pipeline.engines.kv_cache import KVCache, bound_heap, trim_heap, unsupported_layers
 from pipeline.engines.reward_transformer import RewardTransformer
 from pipeline.engines.rows import RowBatch, timed_forward
 
@@ -226,11 +227,11 @@ class _Residency:
 class ModelRunner(_Residency):
     """The model, its tokenizer and the sessions' model work (see the module docstring)."""
 
-    def __init__(self, model, tokenizer, device: str | torch.device = "cpu",
-                 speculative: SpeculativeDecoding | None = None, kv_cache_memory=None, heap: bool = False):
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu", speculative: SpeculativeDecoding | None = None,
+                 kv_cache_memory=None, heap: bool = False, kv_rows: int | None = None):
         """``speculative``: speculative decoding of extends to the cap; None or k = 0: off.
-        ``kv_cache_memory``: runtime.kv_cache_memory (``parse_memory``'s forms; None: auto).
-        ``heap``: runtime.bound_heap (glibc heap tuning for the process; off by default)."""
+        ``kv_cache_memory``: runtime.kv_cache_memory (``parse_memory``'s forms; None: auto). ``heap``:
+        runtime.bound_heap (glibc heap tuning). ``kv_rows``: runtime.rows_in_flight."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -244,10 +245,12 @@ class ModelRunner(_Residency):
         """Forward passes over this model's sessions (a shared step counts once)."""
         if heap:
             bound_heap()
-        if not KVCache.supports(self.model):
-            raise ValueError(f"HF engine: {type(self.model).__name__} has sliding-window attention layers, "
-                             "which the paged KV cache does not hold; use models.backend vllm")
-        self.kv = KVCache(self.model, self.device, parse_memory(kv_cache_memory), counted_by=(self,))
+        kinds = ", ".join(sorted({type(layer).__name__ for layer in unsupported_layers(self.model)}))
+        if kinds:
+            raise ValueError(f"HF engine: {type(self.model).__name__} has cache layers that are not full attention "
+                             f"({kinds}: sliding-window, chunked or other); use models.backend vllm")
+        self.kv = KVCache(self.model, self.device, parse_memory(kv_cache_memory), counted_by=(self,),
+                          max_rows=kv_rows or MAX_ROWS)
         """The sessions' KV from their admission (pipeline.engines.kv_cache)."""
         self.resident: list[Session] = []
         """Sessions holding blocks, in admission order (the newest is preempted first)."""
