@@ -100,12 +100,17 @@ def available_memory(device: torch.device) -> int:
     return 8 * 2**30
 
 
-def budget_bytes(memory, device: torch.device) -> int:
-    """The pool's bytes for runtime.kv_cache_memory ``memory`` (``parse_memory``'s result) on ``device``."""
+def budget_bytes(memory, device: torch.device, usable: int | None = None) -> int:
+    """The pool's bytes for runtime.kv_cache_memory ``memory`` (``parse_memory``'s result) on ``device``;
+    "auto" (None) at most ``usable``, what the rows could ever hold (a toy model's whole context
+    times the most rows a step serves is far less than a share of memory, and a pool of many GB
+    of address space makes the process's forks fail)."""
     if isinstance(memory, int):
         return memory
-    share = memory if memory is not None else (CUDA_BUDGET_SHARE if device.type == "cuda" else CPU_BUDGET_SHARE)
-    return int(share * available_memory(device))
+    if memory is None:
+        share = CUDA_BUDGET_SHARE if device.type == "cuda" else CPU_BUDGET_SHARE
+        return int(min(share * available_memory(device), usable or float("inf")))
+    return int(memory * available_memory(device))
 
 
 # -- the host heap -------------------------------------------------------------------------------
@@ -458,11 +463,11 @@ class KVCache:
         """The pool, once, shaped like ``like`` (a layer's keys), sized by the budget; then the
         decoding kernel, compiled and checked."""
         _, heads, _, dim = like.shape
-        bs = self.block_size
-        self.pool.allocate(len(_new_cache(self.model).layers), heads, dim, like.dtype,
-                           budget_bytes(self.memory, self.device))
+        bs, layers = self.block_size, len(_new_cache(self.model).layers)
         config = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
-        context = getattr(config, "max_position_embeddings", None) or self.num_blocks * bs
+        context = getattr(config, "max_position_embeddings", None) or 1 << 20
+        usable = self.max_rows * (-(-context // bs) + 1) * 2 * layers * heads * bs * dim * like.element_size()
+        self.pool.allocate(layers, heads, dim, like.dtype, budget_bytes(self.memory, self.device, usable))
         self.row_blocks = int(min(self.num_blocks, -(-context // bs) + 1))
         self._rows.tables = np.zeros((len(self._rows.length), self.row_blocks), dtype=np.int32)
         if self.decode:
