@@ -699,10 +699,10 @@ def test_the_kernels_row_buckets_follow_rows_in_flight(tiny_models, tmp_path, mo
                           kv_cache_memory="8MB", kv_rows=plan.generator_kwargs["kv_rows"])
         engine.generate([ids(engine, "Hi")], 1, [0], SamplingParams(max_new_tokens=2))
         assert engine.stats()["kv_kernel_buckets"] == expected
-    auto = HFEngine(_base_engine(tiny_models).model, _base_engine(tiny_models).tokenizer, kv_rows=16)
-    auto.generate([ids(auto, "Hi")], 1, [0], SamplingParams(max_new_tokens=2))
-    context = auto.model.config.max_position_embeddings  # "auto": what 16 rows of the whole context use, no more
-    assert auto.runner.kv.num_blocks == 16 * (-(-context // auto.runner.kv.block_size) + 1)
+    auto = HFEngine(_base_engine(tiny_models).model, _base_engine(tiny_models).tokenizer, kv_rows=1)
+    auto.generate([ids(auto, "Hi")], 5, list(range(5)), SamplingParams(max_new_tokens=2))  # more rows than kv_rows
+    context = auto.model.config.max_position_embeddings  # "auto": what MAX_ROWS rows of the whole context use
+    assert auto.runner.kv.num_blocks == MAX_ROWS * (-(-context // auto.runner.kv.block_size) + 1)
 
 
 def test_initial_candidates_auto_is_refused_off_the_hf_backend_and_checked_as_a_value():

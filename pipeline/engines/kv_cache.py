@@ -102,9 +102,9 @@ def available_memory(device: torch.device) -> int:
 
 def budget_bytes(memory, device: torch.device, usable: int | None = None) -> int:
     """The pool's bytes for runtime.kv_cache_memory ``memory`` (``parse_memory``'s result) on ``device``;
-    "auto" (None) at most ``usable``, what the rows could ever hold (a toy model's whole context
-    times the most rows a step serves is far less than a share of memory, and a pool of many GB
-    of address space makes the process's forks fail)."""
+    "auto" (None) at most ``usable``, what the rows could ever use (MAX_ROWS rows of a toy model's
+    whole context are far less than a share of memory, and a pool of many GB of address space makes
+    the process's forks fail)."""
     if isinstance(memory, int):
         return memory
     if memory is None:
@@ -466,7 +466,7 @@ class KVCache:
         bs, layers = self.block_size, len(_new_cache(self.model).layers)
         config = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
         context = getattr(config, "max_position_embeddings", None) or 1 << 20
-        usable = self.max_rows * (-(-context // bs) + 1) * 2 * layers * heads * bs * dim * like.element_size()
+        usable = MAX_ROWS * (-(-context // bs) + 1) * 2 * layers * heads * bs * dim * like.element_size()
         self.pool.allocate(layers, heads, dim, like.dtype, budget_bytes(self.memory, self.device, usable))
         self.row_blocks = int(min(self.num_blocks, -(-context // bs) + 1))
         self._rows.tables = np.zeros((len(self._rows.length), self.row_blocks), dtype=np.int32)
