@@ -652,9 +652,9 @@ def test_initial_candidates_auto_without_a_row_limit_starts_what_the_pool_holds_
                                                                                              monkeypatch):
     """``auto`` without max_live_candidates: the first batch is as wide as the pool holds to the first
     decision token AND whose survivors (half of them at rejection_rate 0.5, and keep_lowest's row) it
-    holds to the length cap, so the build completes without a preemption (on f1848a8 it started every
-    row the first decision token allowed, and the survivors outgrew the pool: KVBudgetError); a pool
-    that holds fewer than num_samples rows starts num_samples, no more."""
+    holds to the length cap, so the build completes without a preemption (before, it started every
+    row the first decision token allowed, whose survivors could outgrow the pool); a pool that holds
+    fewer than num_samples rows starts num_samples, no more."""
     from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.speculative_rejection import SpeculativeRejectionParams, _width, speculative_rejection
 
