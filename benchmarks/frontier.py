@@ -5,6 +5,7 @@ it the same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(
     python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [DIR2/counterfactual.json ...] [--sizes 8,16,32] \
         [--taus 16,32,64,16+64] [--alphas 0.5,0.75,0.9] [--level instruction] [--weights 0,1] [--json OUT.json] [--plot OUT.png]
         [--more-samples DIR3/counterfactual.json [DIR4/counterfactual.json ...]] [--held-out-splits 300]
+        [--prompts FILE [FILE ...]] [--reward-prompt per-prompt|per-candidate] [--leave-out-prompt]
 
 The input is jobs.counterfactual's JSON (``bon-counterfactual ... --output DIR``): per prompt, N_max
 completions with their lengths, the combined reward at each decision token and at the end, and the
@@ -21,11 +22,34 @@ N_max 64 costs a second N-32 collection, not a new one):
   pipeline.decoding.metrics (accepted_in_turn, chosen), exactly at N = N_max and averaged over
   --subsets random N-subsets below it. A tau of A+B is decision tokens A then B in turn, as a list
   in strategy.decision_token decides: each rejects alpha of the rows still in play.
-- Compute per prompt: generator tokens (a stopped row costs min(length, tau), a kept one its
-  length) plus the reward model's tokens read (a streaming session reads each generated token
-  once; Best-of-K reads its K responses once), weighted by --generator-cost and --reward-cost
-  (seconds per token, measured on your models; the defaults count tokens). Prompt tokens are not in
-  the counterfactual's data and are left out of both sides.
+- Compute per prompt: generator tokens (the prompt's prefill once, as the engine shares a prompt
+  among its samples; then a stopped row costs min(length, tau), a kept one its length) plus the reward
+  model's tokens read (a streaming session reads each generated token once; Best-of-K reads its K
+  responses once) and its reads of the prompt (below), weighted by --generator-cost and --reward-cost
+  (seconds per token, measured on your models; the defaults count tokens, a prefill token as a
+  decoded one).
+- The prompt's tokens (issue 62): the generator's are its prefill, the prompt through its chat
+  template (pipeline.data.chat.PromptFormatter); the reward model's are the head of its text before
+  the response (pipeline.data.chat.reward_prompt_tokens; summed over the collection's reward models,
+  a reward function reads none). jobs.counterfactual records both per prompt (``prompt_tokens``,
+  ``reward_prompt_tokens``); for a collection made before it did, --prompts FILE counts them with the
+  tokenizers of the models the collection names (its ``generator`` and ``reward``), each of its
+  prompts found in FILE by its ``prompt_id``, or, where it records none, as the job took them (FILE's
+  usable rows from the first; a prompt's instruction count is checked against the judge's verdicts).
+  How often the reward model reads the prompt follows its backend (--reward-prompt; default: the
+  collection's ``streaming_reward``). pipeline.engines.rewards.RewardScorer in a streaming session
+  (a decoder reward model whose cached scores match full re-scoring, with a block pool) reads a
+  prompt's head once for all its rows and shares its blocks (``shared_heads``): ``per-prompt``. An
+  encoder reward model, one whose cached scores do not match, runtime.reward_cache_mb 0 or
+  strategy.streaming_rewards false falls back to ``score``, which reads the prompt with every
+  candidate's whole text: ``per-candidate``, the prompt once per candidate (K for Best-of-K, N for
+  sbon). That is a lower bound for sbon there: such a backend reads prompt and response again at
+  every decision token, which neither side counts (the response tokens are counted once, as a
+  streaming session reads them). vLLM's reward backend
+  (pipeline.engines.vllm_reward) scores whole texts but its prefix cache serves a prompt's shared
+  blocks after the first read: about ``per-prompt``. The Reward Transformer (SLA) reads the reward in
+  the generator's own pass and does not apply here. --leave-out-prompt counts no prompt token, as
+  figures before issue 62 did.
 - Quality: the judge's prompt- and instruction-level accuracy of the chosen completion, and the
   mean final reward.
 - For each sbon point: the compute ratio at equal quality, Best-of-K's compute interpolated at
@@ -43,13 +67,15 @@ N_max 64 costs a second N-32 collection, not a new one):
   Best-of-K curve also from that half alone) and its ratio is taken on the other half; the median and
   the 2.5-97.5% range over the splits are printed and written (``held_out``) beside the headline.
 
-Prints the curve and the points; --json writes them, --plot draws quality against compute (the
+Prints the prompt tokens per prompt, the curve and the points; --json writes them (``prompt_tokens``:
+the means and each prompt's counts), --plot draws quality against compute (the
 Best-of-K curve and the sbon points; its title carries the headline and, with --held-out-splits, the
 held-out figure). Bad input prints one line and exits with code 2.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import math
@@ -70,6 +96,15 @@ class Prompt:
 
     rewards: PromptRewards
     judged: list[list[bool]]
+    prompt_tokens: int = 0
+    """The generator's prefill: the prompt through its chat template, read once per prompt."""
+    reward_prompt_tokens: int = 0
+    """What the reward models read of the prompt at each read (``reward_prompt`` says how often)."""
+
+    def prompt_reads(self, candidates: int, reward_prompt: str) -> tuple[int, int]:
+        """The prompt tokens a method with ``candidates`` candidates reads: the generator's prefill
+        once, and the reward models' once per prompt (``per-prompt``) or per candidate."""
+        return self.prompt_tokens, self.reward_prompt_tokens * (candidates if reward_prompt == "per-candidate" else 1)
 
 
 @dataclass
@@ -84,6 +119,8 @@ class Point:
     final: np.ndarray
     score: np.ndarray | None = None
     """sbon only: the normalized score (Eq. 5) against Best-of-N of the same N candidates; NaN where they tie."""
+    prompt: np.ndarray | None = None
+    """The prompt's share of ``generator`` + ``reward``: prefill and the reward models' prompt reads."""
 
 
 def read(path: str) -> dict:
@@ -100,16 +137,20 @@ def read(path: str) -> dict:
         fail(f"{path}: not a counterfactual JSON with completions ({type(exc).__name__}: {exc})")
 
 
-def load(path: str, data: dict, weights: list[float] | None = None) -> tuple[list[Prompt], dict]:
+def load(path: str, data: dict, weights: list[float] | None = None,
+         counts: list[tuple[int, int]] | None = None) -> tuple[list[Prompt], dict]:
     """The prompts of ``data`` (the counterfactual JSON at ``path``, pooled with any --more-samples: ``pool``)
     that the judge saw; one line and exit 2 otherwise. ``weights``: one per reward of the collection, its
     rewards combined anew as a build combines them (jobs.counterfactual.Collected.rewards); None: the
-    collection's own combination."""
+    collection's own combination. ``counts``: each prompt's (prefill, reward prompt) tokens, one per
+    prompt of the collection (``prompt_counts``); None: no prompt token counted."""
     try:
-        specs = data["reward"] if isinstance(data.get("reward"), list) else [data.get("reward")]
+        specs = _specs(data)
         if weights is not None and len(weights) != len(specs):
             fail(f"{path}: --weights has {len(weights)} weights for its {len(specs)} rewards ({', '.join(map(str, specs))})")
-        prompts = [Prompt(_rewards(c, specs, weights), c["judged"]) for c in data["completions"] if c.get("judged")]
+        counts = counts or [(0, 0)] * len(data["completions"])
+        prompts = [Prompt(_rewards(c, specs, weights), c["judged"], *count)
+                   for c, count in zip(data["completions"], counts) if c.get("judged")]
     except (ValueError, KeyError, TypeError) as exc:
         fail(f"{path}: not a counterfactual JSON with completions ({type(exc).__name__}: {exc})")
     if not prompts:
@@ -117,27 +158,109 @@ def load(path: str, data: dict, weights: list[float] | None = None) -> tuple[lis
     return prompts, data
 
 
+def _specs(data: dict) -> list:
+    """The collection's rewards (--reward), a list."""
+    return data["reward"] if isinstance(data.get("reward"), list) else [data.get("reward")]
+
+
 SAME = ("generator", "reward", "reward_weights", "taus", "max_new_tokens", "num_samples")
 """What the collections replayed together must share."""
 
+COUNTS = ("prompt_tokens", "reward_prompt_tokens")
+"""What jobs.counterfactual records of each prompt's tokens: the generator's prefill, and what the
+reward models read of the prompt at each read."""
 
-def load_all(paths: list[str], weights: list[float] | None = None,
-             more: list[list[str]] | None = None) -> tuple[list[Prompt], dict]:
+
+def load_all(paths: list[str], weights: list[float] | None = None, more: list[list[str]] | None = None,
+             prompt_files: list[str] | None = None, column: str = "prompt",
+             count_prompts: bool = True) -> tuple[list[Prompt], dict]:
     """``load`` of each path, the prompts concatenated; the first's settings, which the others must share
     (SAME; one line and exit 2 otherwise). ``more``: lists of collections of the same prompts under other
-    seeds, one per path in order, whose completions are pooled into that path's prompts (``pool``)."""
+    seeds, one per path in order, whose completions are pooled into that path's prompts (``pool``).
+    ``count_prompts``: each prompt's tokens as recorded, or counted from ``prompt_files`` (one for all
+    paths, or one per path in order; ``prompt_counts``); False: none counted."""
     if more and any(len(m) != len(paths) for m in more):
         fail(f"--more-samples: {' / '.join(str(len(m)) for m in more)} paths for {len(paths)} --counterfactual paths "
              "(one per --counterfactual, in order)")
+    if prompt_files and len(prompt_files) not in (1, len(paths)):
+        fail(f"--prompts: {len(prompt_files)} files for {len(paths)} --counterfactual paths (one for all, or one "
+             "per --counterfactual, in order)")
+    files = (prompt_files * len(paths) if len(prompt_files) == 1 else prompt_files) if prompt_files else [None] * len(paths)
     groups = [[path, *extra] for path, *extra in zip(paths, *(more or []))]
-    prompts, first = load(paths[0], pool(groups[0]), weights)
-    for group in groups[1:]:
-        more_prompts, data = load(group[0], pool(group), weights)
-        differ = [key for key in SAME if data.get(key) != first.get(key)]
+    prompts, first = [], None
+    for group, file in zip(groups, files):
+        data = pool(group)
+        counts = prompt_counts(group[0], data, file, column) if count_prompts else None
+        more_prompts, data = load(group[0], data, weights, counts)
+        differ = [key for key in SAME if first is not None and data.get(key) != first.get(key)]
         if differ:
             fail(f"{group[0]}: not collected as {paths[0]} was ({', '.join(differ)} differ)")
-        prompts += more_prompts
+        prompts, first = prompts + more_prompts, first or data
     return prompts, first
+
+
+def prompt_counts(path: str, data: dict, prompt_file: str | None, column: str = "prompt") -> list[tuple[int, int]]:
+    """Each prompt's (generator prefill, reward models' prompt tokens per read) of the collection
+    ``data`` at ``path``: as it records them (COUNTS), or counted from ``prompt_file`` with the
+    tokenizers of the models it names (its ``generator``; its ``reward`` models, a reward function
+    counting none): the prompt through the generator's chat template (PromptFormatter, as
+    jobs.counterfactual renders it) and the head of each reward model's text
+    (pipeline.data.chat.reward_prompt_tokens). A prompt is found by its ``prompt_id``, or, in a
+    collection that records none, is the file's usable row of the same index (as the job took the
+    file's first rows), its instruction count checked against the judge's verdicts. Counts missing
+    with no file, a prompt not found, or a tokenizer that does not load: one line, exit 2."""
+    entries = data["completions"]
+    if all(key in c for c in entries for key in COUNTS):
+        return [(int(c["prompt_tokens"]), int(c["reward_prompt_tokens"])) for c in entries]
+    if prompt_file is None:
+        fail(f"{path}: no prompt token counts (collected before jobs.counterfactual recorded them): --prompts FILE, "
+             "the prompt file it was collected from, counts them (--leave-out-prompt: none counted)")
+    from pipeline.data.chat import PromptFormatter, prompt_id, reward_prompt_tokens
+    from pipeline.engines.rewards import is_reward_function
+
+    rows = _prompt_rows(prompt_file, column)
+    by_id = {prompt_id(row.prompt): row for row in rows}
+    matched = []
+    for i, c in enumerate(entries):
+        row = by_id.get(c["prompt_id"]) if "prompt_id" in c else rows[i] if i < len(rows) else None
+        if row is None:
+            fail(f"{path}: prompt {i} ({'id ' + c['prompt_id'] if 'prompt_id' in c else 'no id: the row of its index'}) "
+                 f"is not in {prompt_file} ({len(rows)} usable rows)")
+        instructions = row.columns.get("instruction_id_list")
+        if c.get("judged") and instructions is not None and len(instructions) != len(c["judged"][0]):
+            fail(f"{path}: prompt {i} has {len(c['judged'][0])} instructions, row {row.source_row + 1} of {prompt_file} "
+                 f"{len(instructions)}: not the prompt it was collected from")
+        matched.append(row.prompt)
+    formatter = PromptFormatter(_tokenizer(str(data.get("generator"))), sys.maxsize)
+    readers = [_tokenizer(spec) for spec in _specs(data) if spec and not is_reward_function(spec)]
+    return [(len(formatter.render(prompt)[1]), sum(reward_prompt_tokens(t, prompt) for t in readers))
+            for prompt in matched]
+
+
+def _prompt_rows(path: str, column: str) -> list:
+    """The usable prompt rows of a prompt file, as jobs.counterfactual reads them (PromptSource, then
+    validate); one line and exit 2 when it cannot be read."""
+    from pipeline.data.prompts import validate
+    from pipeline.data.readers import PromptSource
+    from pipeline.errors import InputError
+
+    try:
+        records = list(PromptSource(path, column, extra_columns=None).records())
+        return validate([v for v, _ in records], column, columns=[c for _, c in records])[0]
+    except InputError as exc:
+        fail(str(exc))
+
+
+@functools.cache
+def _tokenizer(path: str):
+    """The tokenizer of the model at ``path`` (local files only: nothing is fetched); one line naming
+    the path and exit 2 when it does not load."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        fail(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})")
 
 
 def pool(paths: list[str]) -> dict:
@@ -153,7 +276,7 @@ def pool(paths: list[str]) -> dict:
         if len(other["completions"]) != len(data["completions"]):
             differ.append(f"prompts ({len(other['completions'])} against {len(data['completions'])})")
         for i, (mine, theirs) in enumerate(zip(data["completions"], other["completions"])):
-            if set(mine) - {"prompt_id"} != set(theirs) - {"prompt_id"}:
+            if set(mine) - {"prompt_id", *COUNTS} != set(theirs) - {"prompt_id", *COUNTS}:
                 differ.append(f"prompt {i}'s fields")
             elif "prompt_id" in mine and "prompt_id" in theirs and mine["prompt_id"] != theirs["prompt_id"]:
                 differ.append(f"prompt {i}'s id")
@@ -171,12 +294,14 @@ def pool(paths: list[str]) -> dict:
 
 
 def _pooled(first: dict, second: dict) -> dict:
-    """One prompt's completions of two collections, the first's then the second's (every per-completion list)."""
+    """One prompt's completions of two collections, the first's then the second's (every per-completion
+    list); of what describes the prompt (its id, COUNTS), the first's where it has it, else the second's."""
     def join(a, b):
         return {k: join(a[k], b[k]) for k in a} if isinstance(a, dict) else (a or []) + (b or [])
-    pooled = {key: join(value, second[key]) for key, value in first.items() if key != "prompt_id"}
-    prompt = first.get("prompt_id", second.get("prompt_id"))
-    return pooled if prompt is None else {"prompt_id": prompt, **pooled}
+    per_prompt = ("prompt_id", *COUNTS)
+    pooled = {key: join(value, second[key]) for key, value in first.items() if key not in per_prompt}
+    prompt = {key: first.get(key, second.get(key)) for key in per_prompt if key in first or key in second}
+    return {**prompt, **pooled}
 
 
 def _rewards(completions: dict, specs: list, weights: list[float] | None) -> PromptRewards:
@@ -200,26 +325,31 @@ def _order(rewards: PromptRewards) -> list[int]:
                       rewards.final[k]) else 0.0, k))
 
 
-def best_of_k(prompts: list[Prompt], k: int) -> Point:
-    """Best-of-K's exact expectation over the K-subsets of each prompt's completions."""
+def best_of_k(prompts: list[Prompt], k: int, reward_prompt: str = "per-prompt") -> Point:
+    """Best-of-K's exact expectation over the K-subsets of each prompt's completions; its prompt read
+    as ``Prompt.prompt_reads`` of K candidates."""
     rows = []
     for p in prompts:
         n, order = len(p.rewards.final), _order(p.rewards)
         weights = [math.comb(n - 1 - r, k - 1) / math.comb(n, k) for r in range(n)]
         tokens = k * sum(p.rewards.lengths) / n
+        prefill, reward_prompt_read = p.prompt_reads(k, reward_prompt)
         pick = list(zip(weights, order))
-        rows.append((tokens, tokens, sum(w * all(p.judged[c]) for w, c in pick),
+        rows.append((tokens + prefill, tokens + reward_prompt_read, sum(w * all(p.judged[c]) for w, c in pick),
                      sum(w * sum(p.judged[c]) for w, c in pick),
-                     sum(w * p.rewards.final[c] for w, c in pick if math.isfinite(p.rewards.final[c]))))
-    return Point(*map(np.array, zip(*rows)))
+                     sum(w * p.rewards.final[c] for w, c in pick if math.isfinite(p.rewards.final[c])),
+                     math.nan, prefill + reward_prompt_read))
+    generator, reward, level, followed, final, _, prompt = map(np.array, zip(*rows))
+    return Point(generator, reward, level, followed, final, prompt=prompt)
 
 
 def sbon(prompts: list[Prompt], n: int, tau: int | tuple[int, ...], alpha: float, subsets: int, seed: int,
-         keep_lowest: bool = True) -> Point:
+         keep_lowest: bool = True, reward_prompt: str = "per-prompt") -> Point:
     """Algorithm 1 at (tau, alpha) on N-subsets of each prompt's completions (all of them at N_max),
     averaged: per prompt, the tokens spent and the judged quality of its choice. ``tau`` a tuple:
     decision tokens in turn, each rejecting ``alpha`` of the candidates still in play
-    (pipeline.decoding.metrics.accepted_in_turn)."""
+    (pipeline.decoding.metrics.accepted_in_turn). Its prompt is read as ``Prompt.prompt_reads`` of its
+    N candidates."""
     taus = _in_turn(tau)
     rows = []
     for i, p in enumerate(prompts):
@@ -238,8 +368,12 @@ def sbon(prompts: list[Prompt], n: int, tau: int | tuple[int, ...], alpha: float
         tokens, level, followed, final = sums / len(draws)
         finite = [v for v in scores if math.isfinite(v)]
         score = sum(finite) / len(finite) if finite else math.nan
-        rows.append((tokens, tokens, level, followed, final, score))  # streaming: the reward reads each token once
-    return Point(*map(np.array, zip(*rows)))
+        prefill, reward_prompt_read = p.prompt_reads(min(n, total), reward_prompt)
+        # streaming: the reward reads each generated token once
+        rows.append((tokens + prefill, tokens + reward_prompt_read, level, followed, final, score,
+                     prefill + reward_prompt_read))
+    generator, reward, level, followed, final, score, prompt = map(np.array, zip(*rows))
+    return Point(generator, reward, level, followed, final, score, prompt)
 
 
 def aggregate(point: Point, instructions: np.ndarray, costs: tuple[float, float], index=None) -> dict:
@@ -249,6 +383,7 @@ def aggregate(point: Point, instructions: np.ndarray, costs: tuple[float, float]
     scored = point.score[index] if point.score is not None else np.array([])
     scored = scored[np.isfinite(scored)]
     return {"generator_tokens": float(generator), "reward_tokens": float(reward),
+            "prompt_tokens": float(point.prompt[index].mean()) if point.prompt is not None else 0.0,
             "compute": float(costs[0] * generator + costs[1] * reward),
             "prompt_level": float(point.prompt_level[index].mean()),
             "instruction_level": float(point.followed[index].sum() / instructions[index].sum()),
@@ -330,19 +465,21 @@ def _spread(values: list[float]) -> tuple[float, float, float]:
 
 
 def frontier(prompts: list[Prompt], sizes: list[int], taus: list[int], alphas: list[float], level: str,
-             costs: tuple[float, float], subsets: int, resamples: int, seed: int, splits: int = 0) -> dict:
+             costs: tuple[float, float], subsets: int, resamples: int, seed: int, splits: int = 0,
+             reward_prompt: str = "per-prompt") -> dict:
     """The Best-of-K curve and every sbon point with its equal-quality compute ratio and interval;
-    ``splits`` above 0: the held-out selection of the best point as well (``held_out``)."""
+    ``splits`` above 0: the held-out selection of the best point as well (``held_out``).
+    ``reward_prompt``: how often the reward models read the prompt (``Prompt.prompt_reads``)."""
     n_max = min(len(p.rewards.final) for p in prompts)
     instructions = np.array([len(p.judged[0]) for p in prompts], dtype=float)
-    curve_points = [best_of_k(prompts, k) for k in range(1, n_max + 1)]
+    curve_points = [best_of_k(prompts, k, reward_prompt) for k in range(1, n_max + 1)]
     rng = np.random.default_rng(seed)
     samples = [rng.integers(0, len(prompts), len(prompts)) for _ in range(resamples)]
     points, replayed = [], []
     for n in (s for s in sizes if s <= n_max):
         for tau in taus:
             for alpha in alphas:
-                point = sbon(prompts, n, tau, alpha, subsets, seed)
+                point = sbon(prompts, n, tau, alpha, subsets, seed, reward_prompt=reward_prompt)
                 value, above = ratio(curve_points, point, instructions, costs, level)
                 spread = sorted(ratio(curve_points, point, instructions, costs, level, s)[0] for s in samples)
                 low, high = (spread[int(0.025 * len(spread))], spread[int(0.975 * len(spread)) - 1]) if spread \
@@ -354,6 +491,11 @@ def frontier(prompts: list[Prompt], sizes: list[int], taus: list[int], alphas: l
                                "same_n_ratio": same_n})
                 replayed.append(point)
     result = {"prompts": len(prompts), "n_max": n_max, "level": level, "costs_per_token": list(costs),
+              "prompt_tokens": {"reward_prompt": reward_prompt,
+                                "generator": float(np.mean([p.prompt_tokens for p in prompts])),
+                                "reward": float(np.mean([p.reward_prompt_tokens for p in prompts])),
+                                "per_prompt": {"generator": [p.prompt_tokens for p in prompts],
+                                               "reward": [p.reward_prompt_tokens for p in prompts]}},
               "best_of_k": [{"k": k, **aggregate(p, instructions, costs)} for k, p in enumerate(curve_points, 1)],
               "sbon": points}
     if splits > 0 and points:
@@ -430,7 +572,10 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(__name__, __doc__, json=None, plot=None, seed=0)
+    parser = bench_parser(__name__, __doc__, json=None, plot=None, seed=0, prompts=dict(
+        nargs="+", metavar="FILE", help="the prompt file(s) a collection was made from (jobs.counterfactual's "
+        "--prompts), one for all --counterfactual or one per --counterfactual in order: its prompt tokens counted "
+        "where it does not record them (collections before issue 62)"))
     parser.add_argument("--counterfactual", required=True, nargs="+",
                         help="jobs.counterfactual's counterfactual.json; several: their prompts replayed as one set "
                              "(collections of the same generator, rewards, taus and cap, e.g. a prompt file's two halves)")
@@ -454,10 +599,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--more-samples", nargs="+", action="append", metavar="PATH",
                         help="counterfactual JSONs of the same prompts under another --seed, one per --counterfactual "
                              "in order: each prompt's completions pooled (N_max their sum); repeat for more")
+    parser.add_argument("--prompt-column", default="prompt", help="the column of --prompts that holds the prompt")
+    parser.add_argument("--reward-prompt", choices=["per-prompt", "per-candidate"], default=None,
+                        help="how often the reward model reads the prompt: once per prompt (a streaming reward "
+                             "session), or once per candidate (whole-text scoring); default: per-prompt where the "
+                             "collection's reward streamed (streaming_reward), per-candidate where it did not")
+    parser.add_argument("--leave-out-prompt", action="store_true",
+                        help="count no prompt token on either side (the figures before issue 62)")
     args = parse(parser, argv)
     if args.held_out_splits < 0:
         fail(f"--held-out-splits {args.held_out_splits}: a count of splits, 0 or more")
-    prompts, data = load_all(args.counterfactual, _floats(args.weights) or None, args.more_samples)
+    prompts, data = load_all(args.counterfactual, _floats(args.weights) or None, args.more_samples, args.prompts,
+                             args.prompt_column, not args.leave_out_prompt)
+    reward_prompt = args.reward_prompt or ("per-prompt" if data.get("streaming_reward", True) else "per-candidate")
     n_max = min(len(p.rewards.final) for p in prompts)
     taus = _taus(args.taus) or data.get("taus") or sorted(prompts[0].rewards.partial)
     needed = sorted({t for tau in taus for t in _in_turn(tau)})
@@ -467,9 +621,10 @@ def main(argv: list[str] | None = None) -> int:
     result = frontier(prompts, [int(s) for s in _floats(args.sizes)] or [n_max], taus,
                       _floats(args.alphas) or data.get("alphas") or [0.75], args.level,
                       (args.generator_cost, args.reward_cost), args.subsets, args.bootstrap, args.seed,
-                      args.held_out_splits)
+                      args.held_out_splits, reward_prompt)
     report(result, args.level)
     write_json(args.json, {"counterfactual": args.counterfactual, "more_samples": args.more_samples,
+                           "prompt_files": args.prompts,
                            "reward_weights": _floats(args.weights) or data.get("reward_weights"), **result}, args)
     write_png(args.plot, draw(result, args.level))
     return 0
@@ -477,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(result: dict, level: str) -> None:
     print(f"{result['prompts']} prompts, N_max {result['n_max']}; quality: {level}")
+    counted = result["prompt_tokens"]
+    reads = "once per prompt" if counted["reward_prompt"] == "per-prompt" else "once per candidate"
+    print(f"prompt tokens per prompt (in the compute below): the generator's prefill {counted['generator']:.1f} "
+          f"(once per prompt), the reward model's {counted['reward']:.1f} per read ({counted['reward_prompt']}: {reads})")
     print("Best-of-K:  K  compute  prompt  instruction")
     for c in result["best_of_k"]:
         print(f"          {c['k']:>3} {c['compute']:>8.0f}  {c['prompt_level']:.3f}   {c['instruction_level']:.3f}")

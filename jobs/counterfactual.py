@@ -24,8 +24,11 @@ partial rewards at tau, and its final rewards, z-scored across the prompt's comp
 weighted sum): the comparison behind a build's raw sum (docs/design.md, "Composite rewards").
 
 Writes DIR/counterfactual.json (the settings under the flags' names, the grid, the correlations,
-every prompt's id and its completions' rewards under each reward, and ``combinations``: each weighting's
-grid; benchmarks.frontier replays it, and pools collections of the same prompts under other --seed),
+every prompt's id, its tokens as the models read them (``prompt_tokens``: the generator's prefill, the
+prompt through its chat template; ``reward_prompt_tokens``: the reward models' text before the
+response, pipeline.data.chat.reward_prompt_tokens, summed over them, a reward function reading none)
+and its completions' rewards under each reward, and ``combinations``: each weighting's grid;
+benchmarks.frontier replays it, and pools collections of the same prompts under other --seed),
 DIR/summary.json (the same without the per-prompt data: ``report_summary``; what
 benchmarks/results keeps),
 DIR/tradeoff.png (score and token rate against alpha, one line per tau, as the paper's Figure 3)
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                   ",".join(map(str, wrong[0])), len(args.reward))
         return 2
 
-    from pipeline.data.chat import PromptFormatter, prompt_id
+    from pipeline.data.chat import PromptFormatter, prompt_id, reward_prompt_tokens
     from pipeline.data.prompts import validate
     from pipeline.data.readers import PromptSource
     from pipeline.errors import InputError
@@ -323,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
               "reward_tokens_read": sum(int(s.stats().get("tokens_read", 0)) for s in scorers),
               **{k: v for k, v in summary.items() if k not in ("weights", "standardized")},
               "combinations": combinations,
-              "completions": [{"prompt_id": prompt.prompt_id, "lengths": p.lengths, "final": p.final,
+              "completions": [{"prompt_id": prompt.prompt_id, "prompt_tokens": len(prompt.token_ids),
+                               "reward_prompt_tokens": sum(reward_prompt_tokens(s.tokenizer, prompt.reward_input)
+                                                           for s in scorers if hasattr(s, "tokenizer")),
+                               "lengths": p.lengths, "final": p.final,
                                "partial": {str(t): v for t, v in p.partial.items()},
                                "rewards": {spec: {"final": c.final[k], "partial": {str(t): c.partial[t][k] for t in taus}}
                                            for k, spec in enumerate(args.reward)},

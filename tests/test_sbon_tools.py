@@ -167,7 +167,7 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
     from pipeline.data.chat import PromptFormatter, prompt_id
     from pipeline.decoding.sampling import SamplingParams, row_seed
     from pipeline.engines.hf import HFEngine
-    from pipeline.engines.rewards import RewardScorer
+    from pipeline.engines.rewards import RewardScorer, common_prefix
 
     engine = HFEngine.from_pretrained(str(tiny_models["generator"]))
     scorer = RewardScorer.from_pretrained(str(tiny_models["reward"]))
@@ -177,6 +177,12 @@ def test_counterfactual_job_writes_json_and_plots(tiny_models, tmp_path):
         rows = engine.generate([formatter.render(text)[1]], 4, seeds, SamplingParams(max_new_tokens=12))
         assert completions["lengths"] == [len(r.token_ids) for r in rows]
         assert completions["prompt_id"] == prompt_id(text)  # what benchmarks.frontier --more-samples matches
+        # The prompt's tokens as the models read them: the generator's prefill, and the reward model's
+        # text before the response (what two responses share in RewardScorer.encode's own text).
+        assert completions["prompt_tokens"] == len(formatter.render(text)[1])
+        head = common_prefix(scorer.encode(text, "Yes, it is."), scorer.encode(text, "No."))
+        assert completions["reward_prompt_tokens"] == head and scorer.encode(text, rows[0].text)[:head] == \
+            scorer.encode(text, "")[:head] and 0 < head < len(scorer.encode(text, rows[0].text))
         assert completions["final"] == pytest.approx(scorer.score([text] * 4, [r.text for r in rows]), abs=1e-4)
         # The partial rewards that drive the grid: each row's first tau tokens (all of them if it
         # ended earlier) as text, scored afresh in full by the reward model, not streamed.
@@ -396,7 +402,8 @@ def test_frontier_same_n_figures_are_eq5_against_best_of_n_of_the_same_candidate
 def _collection(prompts, keep, seed: int, ids=None) -> dict:
     """A counterfactual JSON of ``prompts`` with only the completions ``keep`` of each (``ids``: prompt ids)."""
     return {"taus": [8, 16], "alphas": [0.5], "num_samples": len(keep), "seed": seed, "completions": [
-        {**({"prompt_id": ids[i]} if ids else {}), "lengths": [p.rewards.lengths[k] for k in keep],
+        {**({"prompt_id": ids[i]} if ids else {}), "prompt_tokens": 0, "reward_prompt_tokens": 0,
+         "lengths": [p.rewards.lengths[k] for k in keep],
          "final": [p.rewards.final[k] for k in keep],
          "partial": {str(t): [v[k] for k in keep] for t, v in p.rewards.partial.items()},
          "judged": [p.judged[k] for k in keep]} for i, p in enumerate(prompts)]}
@@ -436,7 +443,7 @@ def test_frontier_cli_writes_json_and_png_and_refuses_bad_input(tmp_path, capsys
 
     prompts = _frontier_prompts(3, n=6)
     data = {"taus": [8, 16], "alphas": [0.5], "completions": [
-        {"lengths": p.rewards.lengths, "final": p.rewards.final,
+        {"prompt_tokens": 0, "reward_prompt_tokens": 0, "lengths": p.rewards.lengths, "final": p.rewards.final,
          "partial": {str(t): v for t, v in p.rewards.partial.items()}, "judged": p.judged} for p in prompts]}
     path = tmp_path / "counterfactual.json"
     path.write_text(json.dumps(data))
@@ -469,7 +476,7 @@ def test_frontier_weights_recombine_the_collections_own_rewards(tmp_path, capsys
     taus = sorted(first[0].rewards.partial)
 
     def entry(p, q, combined):
-        return {"lengths": p.rewards.lengths, "final": combined.rewards.final,
+        return {"prompt_tokens": 0, "reward_prompt_tokens": 0, "lengths": p.rewards.lengths, "final": combined.rewards.final,
                 "partial": {str(t): v for t, v in combined.rewards.partial.items()}, "judged": p.judged,
                 "ended": {str(t): [False] * 6 for t in taus},
                 "rewards": {spec: {"final": r.rewards.final, "partial": {str(t): v for t, v in r.rewards.partial.items()}}
@@ -603,3 +610,102 @@ def test_frontier_held_out_splits_in_the_json_and_plot_beside_the_fixed_point_in
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--held-out-splits", "-1"])
     assert exit_.value.code == 2 and "--held-out-splits -1" in capsys.readouterr().err
+
+
+# -- the prompt's tokens in the frontier's compute (benchmarks.frontier, issue 62) -------------------
+
+
+def _by_hand(prompts: int, **settings) -> dict:
+    """A collection of ``prompts`` alike prompts: 4 completions of 10 tokens, final rewards 1..4 that
+    the partial reward at tau 2 already shows; 30 prefill tokens and 20 reward prompt tokens each."""
+    entry = {"prompt_tokens": 30, "reward_prompt_tokens": 20, "lengths": [10] * 4, "final": [1.0, 2.0, 3.0, 4.0],
+             "partial": {"2": [1.0, 2.0, 3.0, 4.0]}, "judged": [[True]] * 4}
+    return {"taus": [2], "alphas": [0.75], "num_samples": 4, "seed": 0, **settings, "completions": [entry] * prompts}
+
+
+def test_frontier_counts_the_prompt_once_per_prompt_or_once_per_candidate(tmp_path, capsys):
+    """By hand. sbon at N 4, tau 2, alpha 0.75 keeps the best row and (keep_lowest) the worst and stops
+    two at 2 tokens: 24 generated tokens, each read once by the streaming reward, 48 in all; it
+    chooses final 4, Best-of-4's, whose compute is 4 x (10 + 10) = 80. Without the prompt 80 / 48.
+    With 30 prefill tokens (once per prompt, both methods: the engine shares the prompt among its
+    samples) and 20 reward prompt tokens per read: read once per prompt, (80 + 50) / (48 + 50); once
+    per candidate (4 each), (80 + 30 + 80) / (48 + 30 + 80). The held-out figure (every prompt
+    alike) is the same ratio; the default follows the collection's streaming_reward."""
+    from benchmarks.frontier import main
+
+    cases = {"streaming": ({"streaming_reward": True}, [], 130 / 98, "per-prompt"),
+             "whole": ({"streaming_reward": False}, [], 190 / 158, "per-candidate"),
+             "whole-as-streaming": ({"streaming_reward": False}, ["--reward-prompt", "per-prompt"], 130 / 98, "per-prompt"),
+             "streaming-as-whole": ({"streaming_reward": True}, ["--reward-prompt", "per-candidate"], 190 / 158,
+                                    "per-candidate"),
+             "left-out": ({"streaming_reward": True}, ["--leave-out-prompt"], 80 / 48, "per-prompt")}
+    for name, (settings, flags, expected, reads) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(_by_hand(4, **settings)))
+        assert main(["--counterfactual", str(path), "--level", "final_reward", "--bootstrap", "0",
+                     "--held-out-splits", "5", *flags, "--json", str(tmp_path / f"{name}-out.json")]) == 0
+        out = capsys.readouterr().out
+        result = json.loads((tmp_path / f"{name}-out.json").read_text())
+        (point,) = result["sbon"]
+        assert point["final_reward"] == 4.0 and point["ratio"] == pytest.approx(expected), name
+        assert result["held_out"]["ratio_median"] == pytest.approx(expected), name
+        assert result["prompt_tokens"]["reward_prompt"] == reads
+        counted = 0 if name == "left-out" else 1
+        candidates = 4 if reads == "per-candidate" else 1
+        assert point["generator_tokens"] == pytest.approx(24 + 30 * counted)
+        assert point["reward_tokens"] == pytest.approx(24 + 20 * candidates * counted)
+        assert point["prompt_tokens"] == pytest.approx((30 + 20 * candidates) * counted)
+        assert [c["compute"] for c in result["best_of_k"]] == pytest.approx(
+            [20 * k + (30 + 20 * (k if reads == "per-candidate" else 1)) * counted for k in range(1, 5)])
+        assert result["prompt_tokens"]["per_prompt"] == {"generator": [30 * counted] * 4, "reward": [20 * counted] * 4}
+        assert f"the generator's prefill {30.0 * counted:.1f} (once per prompt), the reward model's " \
+               f"{20.0 * counted:.1f} per read ({reads}: once per {reads.split('-')[1]})" in out
+
+
+def test_frontier_counts_an_older_collections_prompt_tokens_from_its_prompt_file(tiny_models, tmp_path, capsys):
+    """A collection made before jobs.counterfactual recorded the counts: --prompts counts them with the
+    tokenizers of the models it names (the generator's chat template; the reward model's text before
+    the response; the reward function reads none), a prompt found by its id, or, without one, as the
+    file's row of its index. A file whose row does not match, no file, or a tokenizer that does not
+    load: one line, exit 2."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.frontier import main
+    from pipeline.data.chat import PromptFormatter, prompt_id, reward_prompt_tokens
+
+    texts = ["Review the lamp for me.", "A row between, with three instructions of its own.",
+             "How good is the camera? Answer in one word, please."]
+    prompt_file = tmp_path / "p.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": t, "instruction_id_list": ["x"] * n}) + "\n"
+                                   for t, n in zip(texts, (1, 3, 2))))
+    entry = {"lengths": [10] * 4, "final": [1.0, 2.0, 3.0, 4.0], "partial": {"2": [1.0, 2.0, 3.0, 4.0]}}
+    collection = {"generator": str(tiny_models["generator"]), "reward": ["pipeline.judge:ifeval_reward",
+                  str(tiny_models["reward"])], "taus": [2], "alphas": [0.75], "completions": [
+                      {**entry, "judged": [[True]] * 4},  # no id: the file's row 0
+                      {**entry, "prompt_id": prompt_id(texts[2]), "judged": [[True, False]] * 4}]}  # row 2, by id
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(collection))
+    assert main(["--counterfactual", str(path), "--prompts", str(prompt_file), "--bootstrap", "0",
+                 "--json", str(tmp_path / "out.json")]) == 0
+    generator = AutoTokenizer.from_pretrained(str(tiny_models["generator"]))
+    reward = AutoTokenizer.from_pretrained(str(tiny_models["reward"]))
+    expected = {"generator": [len(PromptFormatter(generator, 10**6).render(t)[1]) for t in (texts[0], texts[2])],
+                "reward": [reward_prompt_tokens(reward, t) for t in (texts[0], texts[2])]}
+    counted = json.loads((tmp_path / "out.json").read_text())["prompt_tokens"]
+    assert counted["per_prompt"] == expected and counted["reward_prompt"] == "per-prompt"
+    assert expected["generator"][0] != expected["generator"][1] and min(expected["reward"]) > 0
+    capsys.readouterr()
+    wrong_row = tmp_path / "wrong.jsonl"
+    wrong_row.write_text("".join(prompt_file.read_text().splitlines(keepends=True)[1:]))
+    missing = tmp_path / "missing-model"
+    for argv, message in (([str(path)], "old.json: no prompt token counts"),
+                          ([str(path), "--prompts", str(wrong_row)], "prompt 0 has 1 instructions, row 1 of"),
+                          ([str(path), "--prompts", str(prompt_file), str(prompt_file)], "--prompts: 2 files for 1"),
+                          ([str(tmp_path / "lost.json"), "--prompts", str(prompt_file)],
+                           f"{missing}: cannot load the tokenizer")):
+        if "lost.json" in argv[0]:
+            (tmp_path / "lost.json").write_text(json.dumps({**collection, "generator": str(missing)}))
+        with pytest.raises(SystemExit) as exit_:
+            main(["--counterfactual", *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err

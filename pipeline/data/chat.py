@@ -89,6 +89,27 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) ->
     return text, ids
 
 
+def reward_prompt_tokens(tokenizer, prompt: str | list[dict]) -> int:
+    """How many tokens of a reward model's text come before the response: the text that
+    pipeline.engines.rewards.RewardScorer.encode builds (the conversation, then the response as the
+    assistant's turn, through the chat template; without one, the prompt's text, then the response,
+    with the tokenizer's special tokens), less the response and what follows it. That is what a
+    reward model reads of the prompt: a streaming reward session once per prompt (its rows' shared
+    head), whole-text scoring once with every candidate. Counted as the common prefix of two texts
+    that differ in their response only."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+    def encode(response: str) -> list[int]:
+        if getattr(tokenizer, "chat_template", None):
+            return encode_chat(tokenizer, turns + [{"role": "assistant", "content": response}],
+                               add_generation_prompt=False)[1]
+        text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in turns) + "\n\n"
+        return encode_text(tokenizer, text + response, add_special_tokens=True)
+
+    first, second = encode("0"), encode("1")
+    return next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
+
+
 class PromptFormatter:
     """Turns a prompt into generator tokens: chat template when the tokenizer has one (and
     chat_template is "auto"), else the raw text (a conversation without a template: its messages'
