@@ -5,7 +5,9 @@ the blocks in place as the engine runs it (pipeline.engines.attention_kernel.Att
 static row buckets, compiled and self-checked at the pool's allocation; the compile count and
 warm-up time per pool are printed), for each block size. Rows' blocks are scattered at random over
 the pool. Prints milliseconds per call (median of --repeats) and each kernel's ratio to contiguous
-SDPA; then the host bookkeeping of one decoding step (``KVCache.stepping`` without the forward pass)
+SDPA; on CPU also the compiled kernel over rows of mixed lengths with each of inductor's CPU
+templates (the general one the engine keeps, and the decoding one inductor would pick for a static
+row count: ``pipeline.engines.attention_kernel.kernel_options``); then the host bookkeeping of one decoding step (``KVCache.stepping`` without the forward pass)
 at --bookkeeping rows in a pool of --bookkeeping-blocks blocks.
 
     python -m benchmarks.paged_attention --rows 128 --length 356 --threads 1 --json out/bench/paged-attention.json
@@ -104,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         kernel.write_rows(slots, tables)
         step = kernel.step(slots, lengths, tables)
 
-        def paged(keys=keys, values=values, kernel=kernel, step=step):
-            with torch.compiler.set_stance("fail_on_recompile"):
+        def paged(keys=keys, values=values, kernel=kernel, step=step):  # as the engine's steps run
+            with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
                 return kernel.attend(query, keys, values, step, d ** -0.5)
 
         error = (paged() - gathered_step()).abs().max().item()
         results[f"{name} in place (max diff {error:.1e})"] = _time(paged, args.repeats)
+        assert kernel.gathered_steps == 0, "the compiled kernel was not called (a guard failed): not measured"
+        if device.type == "cpu":
+            results.update(_templates(kernel, query, tables, length, args.repeats))
     base = results["sdpa, contiguous K/V"]
     take = [ms for name, ms in results.items() if name.startswith("KVCache.take")]
     flex = [ms for name, ms in results.items() if name.startswith("flex_attention") and ms is not None]
@@ -129,6 +134,42 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, {"command": " ".join(sys.argv), "ms": results, "compiles": compiles,
                            "host_bookkeeping_ms": bookkeeping})
     return 0
+
+
+def _templates(kernel, query, tables: np.ndarray, length: int, repeats: int) -> dict:
+    """Rows of mixed lengths (length / 2 to length, as a real step's), one layer, in ``kernel``'s pool,
+    at all the query's rows and at a sixteenth of them (a pruned step, a smaller bucket): the CPU
+    template the engine keeps (``kernel_options``: general) against the one inductor picks by itself
+    for a static row count (decoding, where the pool's tokens over the bucket's rows reach 512), which
+    spans the whole pool once rows differ."""
+    from pipeline.engines.attention_kernel import AttentionKernel, gather_attention
+
+    bs, scale = kernel.block_size, query.shape[-1] ** -0.5
+    kernels = {}
+    for label, options in (("general template (the engine's)", kernel.options), ("decoding template", {})):
+        own = AttentionKernel(kernel.keys, kernel.values, kernel.heads, bs, kernel.row_blocks, max_rows=len(query))
+        own.options = options
+        own.warm_up()
+        own.write_rows(np.arange(len(query)), tables)
+        kernels[label] = own
+    out = {}
+    for n in sorted({len(query), max(1, len(query) // 16)}, reverse=True):
+        lengths = np.random.default_rng(n).integers(max(1, length // 2), length + 1, n)
+        slots = np.arange(n)
+        reference = gather_attention(query[:n], kernel.keys, kernel.values, tables[:n], lengths, bs, scale)
+        for label, own in kernels.items():
+            step = own.step(slots, lengths, tables)
+
+            def paged(own=own, step=step):
+                with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+                    return own.attend(query[:n], own.keys, own.values, step, scale)
+
+            error = (paged() - reference).abs().max().item()
+            name = (f"flex_attention, {n} rows of mixed lengths (bucket {step.bucket}), {bs}-token blocks, "
+                    f"{own.num_blocks}-block pool, CPU {label} (max diff {error:.1e})")
+            out[name] = _time(paged, repeats) if own.kernel == "flex_attention" else None
+            assert own.gathered_steps == 0, "the compiled kernel was not called (a guard failed): not measured"
+    return out
 
 
 def host_bookkeeping(row_counts: list[int], pool_blocks: int, steps: int) -> dict:

@@ -14,7 +14,9 @@ smallest of a few static sizes (powers of BUCKET_BASE up to ``max_rows``) above 
 stepping slot; slots that do not step attend no block (a null row: no work, output unused). So
 every call has a static shape: inductor builds each bucket once, at ``warm_up`` (never during a
 build), and on CUDA flex_attention takes its decoding kernel, which it uses for a static batch only
-(torch/_inductor/kernel/flex/flex_decoding.py). The metadata lives on the device and is written by
+(torch/_inductor/kernel/flex/flex_decoding.py). On CPU the pool keeps inductor's general template,
+whose work follows each row's own blocks; the CPU decoding template spans the whole pool once rows
+differ in length (``kernel_options``). The metadata lives on the device and is written by
 slot: a step writes its rows' block counts (n values), a new block one table entry, an admission
 its rows' tables; nothing per step grows with the pool's block count.
 
@@ -61,10 +63,13 @@ KERNEL_ENV = "BON_KV_KERNEL"
 """Set to ``gather`` to make every pool gather its rows' blocks for SDPA rather than compile
 flex_attention: a diagnostic switch (and the rest of the test suite's setting: each new pool shape
 costs a compile per bucket, seconds each on a CPU; the kernel's own tests run the compiled kernel)."""
-BUCKET_BASE = 4
-"""Row buckets are powers of this (1, 4, 16, 64, 256, 1024, ...) up to the pool's ``max_rows``: few
-compiles per pool (inside dynamo's default recompile limit of 8 per function up to 4,096 rows),
-at most 4x null rows, which attend no block."""
+BUCKET_BASE = {"cpu": 16}
+"""Row buckets are powers of this, per device type (others: 4), up to the pool's ``max_rows``: few
+compiles per pool (inside dynamo's default recompile limit of 8 per function). On CPU a null row
+costs little in the general template (measured, 978 blocks of 128 tokens, SmolLM2-135M's heads: one
+row 0.60 ms per layer in a 256-row bucket against 0.22-0.41 ms in 1- to 64-row ones, 8 rows 1.39
+against 1.18 ms), so 1, 16, 256, 4,096: three compiles for 128 rows in flight instead of five, each
+seconds of warm-up. On CUDA (not measured here): 1, 4, 16, 64, ..., at most 4x null rows."""
 MAX_ROWS = 1024
 """The most rows one step's kernel call serves when the pool is not told (``max_rows``); a step
 with a higher slot gathers (counted in ``stats``)."""
@@ -83,12 +88,12 @@ def gathers() -> bool:
     return os.environ.get(KERNEL_ENV, "").strip().lower() == "gather"
 
 
-def row_buckets(max_rows: int) -> list[int]:
-    """The static row counts a pool's kernel is compiled for: powers of BUCKET_BASE from 1 up to the
-    first at or above ``max_rows``."""
-    sizes = [1]
+def row_buckets(max_rows: int, device: str = "cpu") -> list[int]:
+    """The static row counts a pool's kernel is compiled for on ``device`` (a device type): powers of
+    its BUCKET_BASE from 1 up to the first at or above ``max_rows``."""
+    sizes, base = [1], BUCKET_BASE.get(device, 4)
     while sizes[-1] < max_rows:
-        sizes.append(sizes[-1] * BUCKET_BASE)
+        sizes.append(sizes[-1] * base)
     return sizes
 
 
@@ -127,13 +132,33 @@ class Step:
 _copies = itertools.count()
 
 
-def _own_flex():
+def kernel_options(device: torch.device, block_size: int) -> dict:
+    """flex_attention's kernel options for a pool: on CPU, a PARTITION_SIZE that is not a multiple of
+    the block size, which keeps inductor on its general CPU template.
+
+    With a static row count and one query per row, inductor's CPU template picks its decoding variant
+    where the pool's tokens over the bucket's rows reach 512 (torch/_inductor/codegen/
+    cpp_flex_attention_template.py, ``choose_flex_template``; PARTITION_SIZE a multiple of the KV
+    block size). That variant splits each row's keys into partitions of PARTITION_SIZE tokens, but as
+    soon as two rows attend different numbers of blocks (rows of different lengths, or a null row:
+    every real step) it spans the whole pool instead: rows x heads x (pool tokens / PARTITION_SIZE)
+    partitions, each zero-filled, with a scratch buffer that large allocated per call. Measured
+    (``benchmarks.paged_attention``; docs/benchmarks.md, "The CPU template"): 8 rows of mixed lengths
+    in a 978-block pool, 50 ms per layer against 1.1 ms with the general template; it made speculative
+    rejection, whose pruned steps fall into small buckets, twice as slow. PARTITION_SIZE is read by
+    the decoding variant only (for 1-token blocks every size is a multiple). On CUDA inductor's own
+    choice stands (its decoding kernel for a static row count)."""
+    return {"PARTITION_SIZE": block_size + 1} if device.type == "cpu" else {}
+
+
+def _own_flex(options: dict):
     """A compiled flex_attention call of its own: a fresh code object, so that dynamo's cache entries
-    and recompile limit are this pool's alone."""
+    and recompile limit are this pool's alone. ``options``: ``kernel_options``."""
     from torch.nn.attention.flex_attention import flex_attention
 
     def call(query, key, value, block_mask, scale):
-        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True,
+                              kernel_options=options or None)
 
     code = call.__code__.replace(co_name=f"paged_flex_{next(_copies)}")
     own = types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
@@ -152,7 +177,7 @@ class AttentionKernel:
         self.num_blocks = keys.shape[2] // block_size
         self.row_blocks = row_blocks
         fit = INDEX_BYTES // (4 * self.num_blocks)
-        self.buckets = [b for b in row_buckets(max(1, max_rows)) if b <= fit] or [1]
+        self.buckets = [b for b in row_buckets(max(1, max_rows), self.device.type) if b <= fit] or [1]
         self._too_wide = fit < 1
         self.kernel = "gather"
         """What steps run: "flex_attention" (compiled, checked) or "gather"."""
@@ -175,6 +200,8 @@ class AttentionKernel:
         self._filled = torch.zeros(capacity, **i32)  # [C] tokens of it attended
         self._masks: dict[int, object] = {}
         self._flex = None
+        self.options = kernel_options(self.device, block_size)
+        """flex_attention's kernel options (``kernel_options``; {}: inductor's own template choice)."""
 
     # -- metadata --------------------------------------------------------------------------------
 
@@ -259,7 +286,7 @@ class AttentionKernel:
                       f"(INDEX_BYTES {INDEX_BYTES >> 20} MiB)")
             return
         started = time.perf_counter()
-        self._flex = _own_flex()
+        self._flex = _own_flex(self.options)
         self.kernel, self.reason = "flex_attention", ""
         rng = np.random.default_rng(0)
         written = self._scratch_blocks(rng)
