@@ -62,11 +62,9 @@ def parse_args(argv: list[str] | None):
 
 def held_out_rows(prompt_file: str) -> list:
     """The usable prompt rows of ``prompt_file`` (pipeline.data.prompts.validate), with their IFEval columns."""
-    from pipeline.data.prompts import validate
-    from pipeline.data.readers import PromptSource
+    from pipeline.data.prompts import read_prompt_file
 
-    records = list(PromptSource(prompt_file, "prompt", extra_columns=None).records())
-    return validate([v for v, _ in records], "prompt", columns=[c for _, c in records])[0]
+    return read_prompt_file(prompt_file)[0]
 
 
 def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: int, chat_template: str) -> dict:

@@ -238,15 +238,13 @@ def prompt_counts(path: str, data: dict, prompt_file: str | None, column: str = 
 
 
 def _prompt_rows(path: str, column: str) -> list:
-    """The usable prompt rows of a prompt file, as jobs.counterfactual reads them (PromptSource, then
-    validate); one line and exit 2 when it cannot be read."""
-    from pipeline.data.prompts import validate
-    from pipeline.data.readers import PromptSource
+    """The usable prompt rows of a prompt file, as jobs.counterfactual reads them
+    (pipeline.data.prompts.read_prompt_file); one line and exit 2 when it cannot be read."""
+    from pipeline.data.prompts import read_prompt_file
     from pipeline.errors import InputError
 
     try:
-        records = list(PromptSource(path, column, extra_columns=None).records())
-        return validate([v for v, _ in records], column, columns=[c for _, c in records])[0]
+        return read_prompt_file(path, column)[0]
     except InputError as exc:
         fail(str(exc))
 
@@ -338,8 +336,8 @@ def best_of_k(prompts: list[Prompt], k: int, reward_prompt: str = "per-prompt") 
         rows.append((tokens + prefill, tokens + reward_prompt_read, sum(w * all(p.judged[c]) for w, c in pick),
                      sum(w * sum(p.judged[c]) for w, c in pick),
                      sum(w * p.rewards.final[c] for w, c in pick if math.isfinite(p.rewards.final[c])),
-                     math.nan, prefill + reward_prompt_read))
-    generator, reward, level, followed, final, _, prompt = map(np.array, zip(*rows))
+                     prefill + reward_prompt_read))
+    generator, reward, level, followed, final, prompt = map(np.array, zip(*rows))
     return Point(generator, reward, level, followed, final, prompt=prompt)
 
 

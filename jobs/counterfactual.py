@@ -274,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from pipeline.data.chat import PromptFormatter, prompt_id, reward_prompt_tokens
-    from pipeline.data.prompts import validate
-    from pipeline.data.readers import PromptSource
+    from pipeline.data.prompts import read_prompt_file
     from pipeline.errors import InputError
     from pipeline.decoding.domain import PromptInput
     from pipeline.decoding.sampling import SamplingParams
@@ -283,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.engines.rewards import RewardScorer, is_reward_function, load_rewards
 
     try:
-        records = list(PromptSource(args.prompts, args.prompt_column, extra_columns=None).records())
-        rows, _rejects = validate([v for v, _ in records], args.prompt_column, columns=[c for _, c in records])
+        rows, _rejects = read_prompt_file(args.prompts, args.prompt_column)
     except InputError as exc:
         log.error("%s", exc)
         return 2

@@ -143,3 +143,12 @@ def validate(values: list[Any], column: str, start: int = 0, first_rows: FirstRo
             rejects.append(Reject(i, f"duplicate prompt (same as row {first})", shown[:1000], pid))
     rejects.sort(key=lambda r: r.source_row)
     return rows, rejects
+
+
+def read_prompt_file(path: str, column: str = "prompt") -> tuple[list[PromptRow], list[Reject]]:
+    """A whole prompt file (``PromptSource``, every other column kept on its rows) validated in one
+    piece: its usable rows and its rejects. Raises InputError when it cannot be read."""
+    from pipeline.data.readers import PromptSource
+
+    records = list(PromptSource(path, column, extra_columns=None).records())
+    return validate([v for v, _ in records], column, columns=[c for _, c in records])
