@@ -67,9 +67,11 @@ def held_out_rows(prompt_file: str) -> list:
     return read_prompt_file(prompt_file)[0]
 
 
-def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: int, chat_template: str) -> dict:
+def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: int, chat_template: str,
+                   texts: bool = False) -> dict:
     """IFEval's strict figures of ``samples`` responses per prompt of ``prompt_file`` from ``model``
-    (rows seeded as a build seeds its candidates 0 .. samples - 1)."""
+    (rows seeded as a build seeds its candidates 0 .. samples - 1); with ``texts``, also each
+    response's text and token count (``texts``, ``tokens``: per prompt, per response)."""
     from pipeline.data.chat import PromptFormatter
     from pipeline.decoding.sampling import row_seed
     from pipeline.engines.hf import HFEngine
@@ -85,7 +87,10 @@ def judged_samples(model: str, prompt_file: str, samples: int, sampling, seed: i
               for i, o in enumerate(out)]
     return {"prompts": len(prompts), "responses": len(judged), **accuracy(judged),
             "mean_tokens": round(sum(len(o.token_ids) for o in out) / max(1, len(out)), 1),
-            "verdicts": [judged[i * samples:(i + 1) * samples] for i in range(len(prompts))]}
+            "verdicts": [judged[i * samples:(i + 1) * samples] for i in range(len(prompts))],
+            **({"texts": [[o.text for o in out[i * samples:(i + 1) * samples]] for i in range(len(prompts))],
+                "tokens": [[len(o.token_ids) for o in out[i * samples:(i + 1) * samples]] for i in range(len(prompts))]}
+               if texts else {})}
 
 
 BRIEF_REPLY = "Yes."

@@ -3,9 +3,12 @@ job, and the scheduling example in infra/."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 from jobs.evaluate import main as evaluate_main
@@ -47,6 +50,16 @@ def files(directory: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in directory.rglob("*") if p.is_file() and p.name != "progress.json"}
 
 
+def weight_digests(model: Path) -> dict:
+    """Each tensor of a model directory's safetensors files, by name, as the sha256 of its bytes."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    return {name: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for f in sorted(model.glob("*.safetensors")) for name, t in load_file(f).items()}
+
+
 def test_two_rounds_then_resume(tiny_models, tmp_path, capsys):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:4]])
     out = tmp_path / "ei"
@@ -71,12 +84,14 @@ def test_two_rounds_then_resume(tiny_models, tmp_path, capsys):
     assert "round 0: up to date, skipped" in err and "round 1: up to date, skipped" in err
     assert files(out) == before
 
-    # Interrupted after round 1's build: the rerun trains round 1 only.
+    # Interrupted after round 1's build: the rerun trains round 1 only, to the same model.
+    weights = weight_digests(sdir / "round-01" / "model")
     (sdir / "round-01" / "model" / "training_metrics.json").unlink()
     assert main(args(tiny_models, prompts, out)) == 0
     err = capsys.readouterr().err
     assert "round 0: up to date, skipped" in err and "round 1: build up to date, skipped" in err
     assert (sdir / "round-01" / "model" / "training_metrics.json").exists()
+    assert weight_digests(sdir / "round-01" / "model") == weights
     assert {p: t for p, t in before.items() if "round-00" in str(p)} == {p: t for p, t in files(out).items()
                                                                          if "round-00" in str(p)}
 
@@ -95,6 +110,61 @@ def test_two_rounds_then_resume(tiny_models, tmp_path, capsys):
     assert all(0 <= m["win_rate"] <= 1 and abs(m["win"] + m["tie"] + m["loss"] - 1) < 1e-9 for m in methods.values())
     assert all(m["prompt_level_strict"] <= 3 / 4 and m["instruction_level_strict"] <= 3 / 4 for m in methods.values())
     assert methods["sla"]["token_cost_vs_greedy"] > 1
+
+    judge_the_rounds(tiny_models, out, tmp_path, capsys)
+
+
+def judge_the_rounds(tiny_models, out: Path, tmp_path: Path, capsys):
+    """benchmarks.ei_rounds on the schedule: the start and both rounds' policies judged on the same
+    held-out prompts with the same seeds, every figure recomputable from the kept data alone."""
+    from benchmarks.ei_rounds import main as ei_rounds
+    from pipeline.judge import accuracy
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join((root / "prompts" / "ifeval-eval.jsonl").read_text().splitlines(True)[:3]))
+    data = tmp_path / "ei-data"
+    common = ["--config", str(root / "real.yaml"), "--set", "sampling.chat_template=never", "--eval-prompts",
+              str(held_out), "--data", str(data), "--resamples", "200"]
+    argv = [*common, "--schedule", str(out), "--reward", str(tiny_models["reward"]), "--eval-samples", "2",
+            "--eval-max-new-tokens", "8"]
+    assert ei_rounds([*argv, "--json", str(tmp_path / "rounds.json"), "--plot", str(tmp_path / "rounds.png")]) == 0
+    figures = json.loads((tmp_path / "rounds.json").read_text())
+    assert [r["policy"] for r in figures["policies"]] == ["start", "round 1", "round 2"]
+    assert (tmp_path / "rounds.png").stat().st_size > 0
+    sdir, _ = schedule(out)
+    for name, row in zip(("start", "round-1", "round-2"), figures["policies"]):
+        kept = json.loads(gzip.decompress((data / f"policy-{name}.json.gz").read_bytes()))
+        assert [len(v) for v in kept["verdicts"]] == [2, 2, 2] and [len(s) for s in kept["reward_scores"]] == [2, 2, 2]
+        judged = accuracy([v for per_prompt in kept["verdicts"] for v in per_prompt])
+        for key in ("prompt_level_strict", "instruction_level_strict"):
+            assert row[key]["value"] == pytest.approx(judged[key])
+            assert row[key]["low"] <= row[key]["value"] <= row[key]["high"]
+        scores = [x for s in kept["reward_scores"] for x in s]
+        assert row["mean_reward"]["value"] == pytest.approx(sum(scores) / len(scores))
+        assert row["mean_tokens"]["value"] == pytest.approx(sum(map(sum, kept["tokens"])) / 6)
+    assert json.loads(gzip.decompress((data / "policy-round-2.json.gz").read_bytes()))["model"] == str(
+        sdir / "round-01" / "model")
+    for previous, row in zip(figures["policies"], figures["policies"][1:]):
+        assert row["over_optimization"] == (row["mean_reward"]["value"] > previous["mean_reward"]["value"]
+                                            and row["prompt_level_strict"]["value"]
+                                            < previous["prompt_level_strict"]["value"])
+    gain = figures["policies"][2]["gain_over_start"]["prompt_level_strict"]
+    assert gain["gain"] == pytest.approx(figures["policies"][2]["prompt_level_strict"]["value"]
+                                         - figures["policies"][0]["prompt_level_strict"]["value"])
+    capsys.readouterr()
+
+    # A rerun reuses every policy's responses; --replay gives the same figures with no model at all.
+    assert ei_rounds([*argv, "--json", str(tmp_path / "again.json")]) == 0
+    assert capsys.readouterr().out.count("reused") == 3
+    assert ei_rounds([*common, "--replay", "--json", str(tmp_path / "replay.json")]) == 0
+    replayed = json.loads((tmp_path / "replay.json").read_text())
+    assert {k: v for k, v in replayed.items() if k != "environment"} == {
+        k: v for k, v in figures.items() if k != "environment"}
+    with pytest.raises(SystemExit) as stop:
+        ei_rounds([*common, "--replay", "--data", str(tmp_path / "none")])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --replay:")
 
 
 def test_a_changed_input_or_config_is_new_work_never_skipped(tiny_models, tmp_path, capsys):

@@ -709,3 +709,59 @@ def test_frontier_counts_an_older_collections_prompt_tokens_from_its_prompt_file
             main(["--counterfactual", *argv])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_equal_reward_match_interpolates_between_the_bracketing_sizes_and_claims_nothing_outside():
+    from benchmarks.equal_reward import at, match
+
+    assert match([16, 24, 32], [4.0, 4.4, 4.6], 4.5) == (pytest.approx(28.0), "within")
+    assert match([16, 24, 32], [4.0, 4.4, 4.6], 4.0) == (16.0, "within")
+    assert match([24, 32], [4.5, 4.5], 4.5) == (24.0, "within")
+    # Noise can make the curve dip: the first bracketing pair counts.
+    assert match([16, 24, 32], [4.0, 4.6, 4.4], 4.5) == (pytest.approx(16 + 8 * 5 / 6), "within")
+    assert match([24, 32], [4.4, 4.6], 4.7) == (None, "above")
+    assert match([24, 32], [4.4, 4.6], 4.3) == (None, "below")
+    assert at([24, 32], [100.0, 140.0], 28.0) == pytest.approx(120.0)
+    with pytest.raises(ValueError):
+        at([24, 32], [100.0, 140.0], 33.0)
+
+
+def test_equal_reward_live_on_the_tiny_models(tiny_models, tmp_path, capsys):
+    """Best-of-K at two K and sbon through the build job, one seed: Best-of-3's candidates are
+    Best-of-2's and one more (row seeds), so its chosen reward is never lower on any prompt; each
+    figure is the builds' own, and sbon's ratios are Best-of-K*'s interpolated run time and tokens."""
+    from benchmarks.equal_reward import at, main
+    from benchmarks.real_sbon import read_pairs
+
+    out = tmp_path / "eq"
+    argv = ["--config", "configs/demo.yaml", "--prompts", "configs/prompts/demo.jsonl", "--skip", "2",
+            "--num-prompts", "3", "--seeds", "7", "--sizes", "3", "2", "--output", str(out),
+            "--reward", str(tiny_models["reward"]), "--set", f"models.generator={tiny_models['generator']}",
+            "--set", "runtime.local=true", "--set", "sampling.max_new_tokens=12",
+            "--sbon-set", "sampling.num_samples=4", "--sbon-set", "strategy.decision_token=4",
+            "--sbon-set", "strategy.rejection_rate=0.5", "--json", str(tmp_path / "eq.json")]
+    assert main(argv) == 0
+    figures = json.loads((tmp_path / "eq.json").read_text())
+    assert figures["sizes"] == [2, 3] and figures["prompts"] == 3
+    seed = figures["per_seed"][0]
+    two, three = (read_pairs(out / "seed-7" / f"best_of_{k}") for k in (2, 3))
+    assert all(three[p]["chosen_score"] >= two[p]["chosen_score"] - 1e-6 for p in two if p in three)
+    for name in ("best_of_2", "best_of_3", "sbon"):
+        report = json.loads((out / "seed-7" / name / "_report.json").read_text())
+        assert seed["builds"][name]["run_seconds"] == report["run_seconds"]
+        assert seed["builds"][name]["generated_tokens"] == report["generated_tokens"]
+    if seed["k_star"] is not None:
+        assert 2 <= seed["k_star"] <= 3
+        b = seed["builds"]
+        assert seed["run_seconds_ratio"] == pytest.approx(
+            at([2, 3], [b["best_of_2"]["run_seconds"], b["best_of_3"]["run_seconds"]], seed["k_star"])
+            / b["sbon"]["run_seconds"])
+    else:
+        assert seed["k_star_is"] in ("below", "above") and figures["summary"]["seeds_without_k_star"] == [7]
+    # A rerun reuses the finished builds: the same figures.
+    assert main(argv) == 0
+    again = json.loads((tmp_path / "eq.json").read_text())
+    assert again["per_seed"] == figures["per_seed"]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--sizes", "4"])
+    assert stop.value.code == 2

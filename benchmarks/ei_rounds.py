@@ -1,0 +1,272 @@
+"""Expert iteration's rounds judged: each round's policy on the held-out IFEval prompts, beside its
+length and the build's reward model's score of the same responses (issue 62, item 5).
+
+    python -m benchmarks.ei_rounds --schedule OUT [--config configs/real.yaml]
+        [--reward .cache/real-models/reward] [--eval-prompts configs/prompts/ifeval-eval.jsonl]
+        [--eval-samples 8] [--eval-max-new-tokens 256] [--data benchmarks/results/ei-rounds]
+        [--resamples 10000] [--json FILE] [--plot FILE.png]
+    python -m benchmarks.ei_rounds --replay [--data DIR] [--json FILE] [--plot FILE.png]
+
+OUT is a ``bon-expert-iteration --dpo`` output (its progress.json names the current schedule). The
+policies are the schedule's starting generator and the model after each finished round. Each one
+writes ``--eval-samples`` responses per held-out prompt with the config's sampling and the same row
+seeds (pipeline.decoding.sampling.row_seed, as benchmarks.dpo_loop), judged by IFEval's strict
+checkers (pipeline.judge) and scored by ``--reward`` (pipeline.engines.rewards.RewardScorer). Every
+policy's responses, verdicts and scores are kept in DATA/policy-K.json.gz (reused while the model,
+the prompts and the settings are the same) and the schedule's record in DATA/schedule.json, so
+``--replay`` recomputes every figure from DATA alone, with no model.
+
+The figures, per policy: prompt- and instruction-level accuracy with a 95% bootstrap interval over
+prompts, the same on the instructions a one-word reply fails (benchmarks.dpo_loop.beyond_brevity),
+the mean response length in tokens, the reward model's mean score with its interval; per round, the
+gain over the starting policy (paired bootstrap, pipeline.judge.accuracy_gain), the last round over
+the first, and a flag where the reward model's mean score rises while the judge's prompt level falls
+(over-optimization of the reward model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import bench_parser, fail, parse, write_json, write_png
+from benchmarks.dpo_loop import brief_reply_passes, beyond_brevity, gains, judged_samples, print_gains
+
+DATA = "benchmarks/results/ei-rounds"
+
+
+def parse_args(argv: list[str] | None):
+    parser = bench_parser("benchmarks.ei_rounds", __doc__, config="configs/real.yaml",
+                          reward=dict(default=".cache/real-models/reward",
+                                      help="the reward model that scores every policy's responses (the build's)"),
+                          set=dict(default=[], help="config overrides (sampling, seed, chat template)"),
+                          json=None, plot=None)
+    parser.add_argument("--schedule", help="a bon-expert-iteration --output directory (its current schedule)")
+    parser.add_argument("--replay", action="store_true", help="the figures from --data alone: no model is loaded")
+    parser.add_argument("--data", default=DATA, help="where each policy's judged responses are kept (compressed)")
+    parser.add_argument("--eval-prompts", default="configs/prompts/ifeval-eval.jsonl")
+    parser.add_argument("--eval-samples", type=int, default=8, help="responses per held-out prompt and policy")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=256)
+    parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples of the held-out prompts")
+    args = parse(parser, argv)
+    if bool(args.schedule) == args.replay:
+        fail("give --schedule OUT (evaluate its rounds) or --replay (the figures from --data)")
+    return args
+
+
+def read_json_gz(path: Path) -> dict:
+    return json.loads(gzip.decompress(path.read_bytes()))
+
+
+def write_json_gz(path: Path, record: dict) -> None:
+    """Whole or not at all; the same record gives the same bytes (no time in the gzip header)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_bytes(gzip.compress(json.dumps(record, separators=(",", ":")).encode(), mtime=0))
+    tmp.replace(path)
+
+
+def schedule_policies(out: Path) -> tuple[list[tuple[str, str]], dict]:
+    """The starting generator and each finished round's model of OUT's current schedule (name, path),
+    and the schedule's record with each round's training metrics; one line and exit 2 otherwise."""
+    try:
+        progress = json.loads((out / "progress.json").read_text())
+        sid = progress["current"]
+        schedule = progress["schedules"][sid]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        fail(f"--schedule {out}: no bon-expert-iteration progress.json with a current schedule "
+             f"({type(exc).__name__}: {exc})")
+    policies = [("start", schedule["generator"])]
+    record = {"schedule": sid, "key": schedule["key"], "rounds": {}}
+    for r in sorted(schedule["rounds"], key=int):
+        model = out / f"schedule-{sid}" / f"round-{int(r):02d}" / "model"
+        metrics = model / "training_metrics.json"
+        if "train" not in schedule["rounds"][r] or not metrics.exists():
+            break  # an unfinished round, and every round after it
+        policies.append((f"round {int(r) + 1}", str(model)))
+        record["rounds"][r] = {**schedule["rounds"][r], "training_metrics": json.loads(metrics.read_text())}
+    if len(policies) == 1:
+        fail(f"--schedule {out}: schedule {sid} has no finished round yet")
+    return policies, record
+
+
+def evaluate(name: str, model: str, args, config, rows: list) -> dict:
+    """``name``'s responses on the held-out prompts, judged and scored, as kept in DATA."""
+    from jobs.expert_iteration import model_stamp
+    from pipeline.coordinator import sampling_params
+    from pipeline.engines.rewards import RewardScorer
+
+    sampling = dataclasses.replace(sampling_params(config), max_new_tokens=args.eval_max_new_tokens)
+    settings = {"model_stamp": model_stamp(model), "reward_stamp": model_stamp(args.reward),
+                "prompts_sha256": hashlib.sha256(Path(args.eval_prompts).read_bytes()).hexdigest(),
+                "samples": args.eval_samples, "sampling": dataclasses.asdict(sampling), "seed": config.seed,
+                "chat_template": config.sampling.chat_template}
+    path = Path(args.data) / f"policy-{name.replace(' ', '-')}.json.gz"
+    if path.exists():
+        kept = read_json_gz(path)
+        if kept.get("settings") == json.loads(json.dumps(settings)):
+            print(f"{name}: reused {path}", flush=True)
+            return kept
+    start = time.perf_counter()
+    result = judged_samples(model, args.eval_prompts, args.eval_samples, sampling, config.seed,
+                            config.sampling.chat_template, texts=True)
+    generated = time.perf_counter() - start
+    scorer = RewardScorer.from_pretrained(args.reward)
+    n = args.eval_samples
+    flat = scorer.score([rows[i // n].prompt for i in range(len(rows) * n)], [t for ts in result["texts"] for t in ts])
+    record = {"policy": name, "model": model, "settings": settings, **result,
+              "reward_scores": [flat[i * n:(i + 1) * n] for i in range(len(rows))],
+              "seconds": {"generate_and_judge": round(generated, 1),
+                          "reward": round(time.perf_counter() - start - generated, 1)}}
+    write_json_gz(path, record)
+    print(f"{name}: {result['responses']} responses in {record['seconds']['generate_and_judge']}s, scored in "
+          f"{record['seconds']['reward']}s: {path}", flush=True)
+    return record
+
+
+def intervals(verdicts: list, scores: list, tokens: list, resamples: int, seed: int) -> dict:
+    """Prompt and instruction level, the mean reward and the mean length, each with a 95% percentile
+    bootstrap interval over prompts (a prompt's responses drawn together)."""
+    import numpy as np
+
+    per = np.array([[sum(map(all, v)), len(v), sum(map(sum, v)), sum(map(len, v)), sum(s), len(s), sum(t)]
+                    for v, s, t in zip(verdicts, scores, tokens)], dtype=float)
+    draws = per[np.random.default_rng(seed).integers(0, len(per), size=(resamples, len(per)))].sum(axis=1)
+    total = per.sum(axis=0)
+    out = {}
+    for key, hit, of in (("prompt_level_strict", 0, 1), ("instruction_level_strict", 2, 3), ("mean_reward", 4, 5),
+                         ("mean_tokens", 6, 5)):
+        values = draws[:, hit] / draws[:, of]
+        out[key] = {"value": float(total[hit] / total[of]), "low": float(np.quantile(values, 0.025)),
+                    "high": float(np.quantile(values, 0.975))}
+    return out
+
+
+def reward_gain(before: list, after: list, resamples: int, seed: int) -> dict:
+    """The mean reward's change, paired by prompt, with its 95% bootstrap interval."""
+    import numpy as np
+
+    b = np.array([sum(s) / len(s) for s in before])
+    a = np.array([sum(s) / len(s) for s in after])
+    draws = np.random.default_rng(seed).integers(0, len(b), size=(resamples, len(b)))
+    deltas = a[draws].mean(axis=1) - b[draws].mean(axis=1)
+    return {"gain": float(a.mean() - b.mean()), "low": float(np.quantile(deltas, 0.025)),
+            "high": float(np.quantile(deltas, 0.975))}
+
+
+def figures_of(policies: list[dict], brief: list, resamples: int, seed: int) -> dict:
+    """Every figure of the module docstring from the kept records, in round order."""
+    rows = []
+    for p in policies:
+        hard, _ = beyond_brevity(p["verdicts"], brief)
+        rows.append({"policy": p["policy"], "responses": p["responses"],
+                     **intervals(p["verdicts"], p["reward_scores"], p["tokens"], resamples, seed),
+                     "beyond_brevity": {k: v["value"] for k, v in intervals(
+                         hard, [s for i, s in enumerate(p["reward_scores"]) if not all(brief[i])],
+                         [t for i, t in enumerate(p["tokens"]) if not all(brief[i])], resamples, seed).items()
+                         if k.endswith("_strict")}})
+    start = policies[0]
+    for row, p in zip(rows[1:], policies[1:]):
+        row["gain_over_start"] = gains(start["verdicts"], p["verdicts"], brief, resamples, seed)
+        row["reward_gain_over_start"] = reward_gain(start["reward_scores"], p["reward_scores"], resamples, seed)
+    for previous, row in zip(rows, rows[1:]):
+        up = row["mean_reward"]["value"] - previous["mean_reward"]["value"]
+        judge = row["prompt_level_strict"]["value"] - previous["prompt_level_strict"]["value"]
+        row["over_optimization"] = up > 0 and judge < 0  # the reward model's score up, the judge's down
+    figures = {"policies": rows}
+    if len(policies) > 2:
+        figures["last_over_first_round"] = gains(policies[1]["verdicts"], policies[-1]["verdicts"], brief, resamples,
+                                                 seed)
+    figures["length_ratio_last_to_start"] = rows[-1]["mean_tokens"]["value"] / rows[0]["mean_tokens"]["value"]
+    return figures
+
+
+def print_figures(figures: dict, schedule: dict) -> None:
+    print(f"{'policy':<9} {'prompt-level [95%]':>20} {'instruction-level [95%]':>24} {'tokens':>7} "
+          f"{'RM score [95%]':>22}  pairs  DPO loss")
+    for row in figures["policies"]:
+        p, i, t, s = (row[k] for k in ("prompt_level_strict", "instruction_level_strict", "mean_tokens", "mean_reward"))
+        r = str(int(row["policy"].split()[-1]) - 1) if row["policy"] != "start" else None
+        build = schedule["rounds"].get(r, {}) if r else {}
+        loss = build.get("training_metrics", {}).get("dpo_train_loss")
+        print(f"{row['policy']:<9} {100 * p['value']:6.1f} [{100 * p['low']:4.1f}, {100 * p['high']:4.1f}] "
+              f"{100 * i['value']:10.1f} [{100 * i['low']:4.1f}, {100 * i['high']:4.1f}] {t['value']:7.1f} "
+              f"{s['value']:8.3f} [{s['low']:.3f}, {s['high']:.3f}]  {build.get('build', {}).get('pairs', ''):>5}  "
+              + (f"{loss:.4f}" if loss is not None else "") + ("  over-optimization: RM up, judge down"
+                                                              if row.get("over_optimization") else ""))
+    for row in figures["policies"][1:]:
+        print_gains(f"{row['policy']} over start", row["gain_over_start"])
+        g = row["reward_gain_over_start"]
+        print(f"{row['policy']} over start: reward model's mean score {g['gain']:+.3f} [{g['low']:+.3f}, {g['high']:+.3f}]")
+    if "last_over_first_round" in figures:
+        print_gains(f"{figures['policies'][-1]['policy']} over round 1", figures["last_over_first_round"])
+    print(f"mean length, last policy / start: {figures['length_ratio_last_to_start']:.2f}")
+
+
+def draw(figures: dict):
+    def plot(plt):
+        rows = figures["policies"]
+        x = list(range(len(rows)))
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        for key, label in (("prompt_level_strict", "prompt level"), ("instruction_level_strict", "instruction level")):
+            values = [100 * r[key]["value"] for r in rows]
+            errors = [[v - 100 * r[key]["low"] for v, r in zip(values, rows)],
+                      [100 * r[key]["high"] - v for v, r in zip(values, rows)]]
+            axes[0].errorbar(x, values, yerr=errors, marker="o", capsize=4, label=label)
+        axes[0].set(title="held-out IFEval (strict), 95% interval", ylabel="%")
+        axes[0].legend()
+        for ax, key, title in ((axes[1], "mean_reward", "reward model's mean score"),
+                               (axes[2], "mean_tokens", "mean response length (tokens)")):
+            values = [r[key]["value"] for r in rows]
+            ax.errorbar(x, values, yerr=[[v - r[key]["low"] for v, r in zip(values, rows)],
+                                         [r[key]["high"] - v for v, r in zip(values, rows)]], marker="o", capsize=4)
+            ax.set(title=title)
+        for ax in axes:
+            ax.set_xticks(x, [r["policy"] for r in rows])
+        fig.suptitle("Expert iteration with DPO on the real models: sbon pairs, the reward model alone")
+        return fig
+    return plot
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.config import ConfigError, load_config
+
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        fail(str(e))
+    data = Path(args.data)
+    brief = brief_reply_passes(args.eval_prompts)
+    if args.replay:
+        try:
+            schedule = json.loads((data / "schedule.json").read_text())
+            records = [read_json_gz(data / f"policy-{name.replace(' ', '-')}.json.gz") for name in schedule["policies"]]
+        except (OSError, ValueError, KeyError) as exc:
+            fail(f"--replay: {data} does not hold a run of this benchmark ({type(exc).__name__}: {exc})")
+    else:
+        from benchmarks.dpo_loop import held_out_rows
+
+        policies, schedule = schedule_policies(Path(args.schedule))
+        schedule["policies"] = [name for name, _ in policies]
+        rows = held_out_rows(args.eval_prompts)
+        records = [evaluate(name, model, args, config, rows) for name, model in policies]
+        data.mkdir(parents=True, exist_ok=True)
+        (data / "schedule.json").write_text(json.dumps(schedule, indent=2) + "\n")
+    if any(len(r["verdicts"]) != len(brief) for r in records):
+        fail(f"{data}: its policies were judged on other prompts than {args.eval_prompts}")
+    figures = {"schedule": schedule, "eval_prompts": args.eval_prompts,
+               **figures_of(records, brief, args.resamples, config.seed)}
+    print_figures(figures, schedule)
+    write_json(args.json, figures, args)
+    write_png(args.plot, draw(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
