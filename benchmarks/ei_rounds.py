@@ -89,10 +89,25 @@ def schedule_policies(out: Path) -> tuple[list[tuple[str, str]], dict]:
         if "train" not in schedule["rounds"][r] or not metrics.exists():
             break  # an unfinished round, and every round after it
         policies.append((f"round {int(r) + 1}", str(model)))
-        record["rounds"][r] = {**schedule["rounds"][r], "training_metrics": json.loads(metrics.read_text())}
+        record["rounds"][r] = {**schedule["rounds"][r], "training_metrics": json.loads(metrics.read_text()),
+                               "pairs": pair_figures(model.parent / "pairs")}
     if len(policies) == 1:
         fail(f"--schedule {out}: schedule {sid} has no finished round yet")
     return policies, record
+
+
+def pair_figures(pairs: Path) -> dict:
+    """A round's pairs: their count, the mean reward of chosen and rejected, and their mean length in
+    characters (what DPO's preference leans on besides the content)."""
+    from benchmarks.real_sbon import read_pairs
+    from pipeline.judge import completion_text
+
+    rows = list(read_pairs(pairs).values())
+    mean = lambda key: sum(key(r) for r in rows) / len(rows)  # noqa: E731
+    return {"pairs": len(rows), "mean_chosen_reward": mean(lambda r: r["chosen_score"]),
+            "mean_rejected_reward": mean(lambda r: r["rejected_score"]),
+            "mean_chosen_chars": mean(lambda r: len(completion_text(r["chosen"]))),
+            "mean_rejected_chars": mean(lambda r: len(completion_text(r["rejected"])))}
 
 
 def evaluate(name: str, model: str, args, config, rows: list) -> dict:
@@ -194,11 +209,16 @@ def print_figures(figures: dict, schedule: dict) -> None:
         r = str(int(row["policy"].split()[-1]) - 1) if row["policy"] != "start" else None
         build = schedule["rounds"].get(r, {}) if r else {}
         loss = build.get("training_metrics", {}).get("dpo_train_loss")
+        pairs = build.get("pairs")
         print(f"{row['policy']:<9} {100 * p['value']:6.1f} [{100 * p['low']:4.1f}, {100 * p['high']:4.1f}] "
               f"{100 * i['value']:10.1f} [{100 * i['low']:4.1f}, {100 * i['high']:4.1f}] {t['value']:7.1f} "
               f"{s['value']:8.3f} [{s['low']:.3f}, {s['high']:.3f}]  {build.get('build', {}).get('pairs', ''):>5}  "
               + (f"{loss:.4f}" if loss is not None else "") + ("  over-optimization: RM up, judge down"
                                                               if row.get("over_optimization") else ""))
+        if pairs:
+            print(f"{'':<9} its pairs: chosen reward {pairs['mean_chosen_reward']:.3f}, rejected "
+                  f"{pairs['mean_rejected_reward']:.3f}; {pairs['mean_chosen_chars']:.0f} against "
+                  f"{pairs['mean_rejected_chars']:.0f} characters")
     for row in figures["policies"][1:]:
         print_gains(f"{row['policy']} over start", row["gain_over_start"])
         g = row["reward_gain_over_start"]

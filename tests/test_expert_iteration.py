@@ -145,6 +145,11 @@ def judge_the_rounds(tiny_models, out: Path, tmp_path: Path, capsys):
         assert row["mean_tokens"]["value"] == pytest.approx(sum(map(sum, kept["tokens"])) / 6)
     assert json.loads(gzip.decompress((data / "policy-round-2.json.gz").read_bytes()))["model"] == str(
         sdir / "round-01" / "model")
+    rounds = json.loads((data / "schedule.json").read_text())["rounds"]
+    for r in "01":
+        pairs = json.loads((sdir / f"round-0{r}" / "pairs" / "_manifest.json").read_text())["pairs"]
+        assert rounds[r]["pairs"]["pairs"] == pairs == rounds[r]["build"]["pairs"]
+        assert rounds[r]["pairs"]["mean_chosen_reward"] > rounds[r]["pairs"]["mean_rejected_reward"]
     for previous, row in zip(figures["policies"], figures["policies"][1:]):
         assert row["over_optimization"] == (row["mean_reward"]["value"] > previous["mean_reward"]["value"]
                                             and row["prompt_level_strict"]["value"]
