@@ -16,7 +16,8 @@ Per seed, over the prompts every build paired:
 - each build's mean chosen reward, run time (``_report.json``'s run_seconds: first batch to last
   shard, startup left out) and generated tokens;
 - K*, where Best-of-K's mean chosen reward reaches sbon's: linear in K between the two sizes that
-  bracket it (``match``); outside the sizes no K* is claimed ("below" or "above" them);
+  bracket it (``match``); outside the sizes no K* is claimed ("below" or "above" them; above, the
+  largest K's cost over sbon's is a lower bound on the ratios);
 - Best-of-K*'s run time and tokens, linear in K between the same two builds, and sbon's ratios:
   Best-of-K* / sbon.
 Over the seeds: each seed's ratios, their mean and their range (the spread). The prompts used are
@@ -117,6 +118,9 @@ def one_seed(args, seed: int, prompts: Path) -> dict:
             equal = at(args.sizes, [b[key] for b in bon], k_star)
             result[f"best_of_k_star_{key}"] = equal
             result[f"{key}_ratio"] = equal / figures["sbon"][key]
+    elif where == "above":  # Best-of-K at sbon's reward costs more than the largest K: a lower bound
+        for key in ("run_seconds", "generated_tokens"):
+            result[f"{key}_ratio_at_least"] = bon[-1][key] / figures["sbon"][key]
     return result
 
 
@@ -143,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed {seed} {name:<12} mean chosen reward {b['mean_chosen_reward']:.4f}, run "
                   f"{b['run_seconds']:.1f}s, {b['generated_tokens']} tokens, {b['pairs']} pairs", flush=True)
         if r["k_star"] is None:
-            print(f"seed {seed}: sbon's reward is {r['k_star_is']} every Best-of-K's: no K* within {args.sizes}")
+            print(f"seed {seed}: sbon's reward is {r['k_star_is']} every Best-of-K's: no K* within {args.sizes}"
+                  + (f"; against Best-of-{args.sizes[-1]}, at least {r['run_seconds_ratio_at_least']:.2f}x run time, "
+                     f"{r['generated_tokens_ratio_at_least']:.2f}x generated tokens" if r["k_star_is"] == "above" else ""))
         else:
             print(f"seed {seed}: equal reward at K* {r['k_star']:.1f}: Best-of-K* / sbon run time "
                   f"{r['run_seconds_ratio']:.2f}x, generated tokens {r['generated_tokens_ratio']:.2f}x", flush=True)

@@ -758,6 +758,11 @@ def test_equal_reward_live_on_the_tiny_models(tiny_models, tmp_path, capsys):
             / b["sbon"]["run_seconds"])
     else:
         assert seed["k_star_is"] in ("below", "above") and figures["summary"]["seeds_without_k_star"] == [7]
+        b = seed["builds"]
+        assert ("generated_tokens_ratio_at_least" in seed) == (seed["k_star_is"] == "above")
+        if seed["k_star_is"] == "above":  # Best-of-K at sbon's reward costs more than Best-of-3
+            assert seed["generated_tokens_ratio_at_least"] == pytest.approx(
+                b["best_of_3"]["generated_tokens"] / b["sbon"]["generated_tokens"])
     # A rerun reuses the finished builds: the same figures.
     assert main(argv) == 0
     again = json.loads((tmp_path / "eq.json").read_text())
