@@ -86,6 +86,7 @@ def test_two_rounds_then_resume(tiny_models, tmp_path, capsys):
 
     # Interrupted after round 1's build: the rerun trains round 1 only, to the same model.
     weights = weight_digests(sdir / "round-01" / "model")
+    assert weights  # the policy's tensors at least
     (sdir / "round-01" / "model" / "training_metrics.json").unlink()
     assert main(args(tiny_models, prompts, out)) == 0
     err = capsys.readouterr().err
