@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None):
     return args
 
 
+def policy_file(data: Path, name: str) -> Path:
+    """Where a policy's judged responses are kept in DATA ("round 2": policy-round-2.json.gz)."""
+    return data / f"policy-{name.replace(' ', '-')}.json.gz"
+
+
 def read_json_gz(path: Path) -> dict:
     return json.loads(gzip.decompress(path.read_bytes()))
 
@@ -121,7 +126,7 @@ def evaluate(name: str, model: str, args, config, rows: list) -> dict:
                 "prompts_sha256": hashlib.sha256(Path(args.eval_prompts).read_bytes()).hexdigest(),
                 "samples": args.eval_samples, "sampling": dataclasses.asdict(sampling), "seed": config.seed,
                 "chat_template": config.sampling.chat_template}
-    path = Path(args.data) / f"policy-{name.replace(' ', '-')}.json.gz"
+    path = policy_file(Path(args.data), name)
     if path.exists():
         kept = read_json_gz(path)
         if kept.get("settings") == json.loads(json.dumps(settings)):
@@ -266,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay:
         try:
             schedule = json.loads((data / "schedule.json").read_text())
-            records = [read_json_gz(data / f"policy-{name.replace(' ', '-')}.json.gz") for name in schedule["policies"]]
+            records = [read_json_gz(policy_file(data, name)) for name in schedule["policies"]]
         except (OSError, ValueError, KeyError) as exc:
             fail(f"--replay: {data} does not hold a run of this benchmark ({type(exc).__name__}: {exc})")
     else:
