@@ -27,18 +27,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from actors.faults import parse_faults, with_faults
-from actors.remote import CONCURRENCY_GROUPS, RemoteProxy, SecretEnv, with_call_clock
-from pipeline.config import ActorResources, Config, RuntimeConfig
+from actors.remote import (CONCURRENCY_GROUPS, ROOM_NOTICE_S, ROOM_WAIT_S, RemoteProxy, SecretEnv, cluster_capacity,
+                           with_call_clock)
+from pipeline.config import ActorResources, Config, ConfigError, RuntimeConfig
 from pipeline.decoding.domain import RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.errors import WorkerFailure
 from pipeline.observability import CallLedger
 from pipeline.strategies import lookup
+
+log = logging.getLogger(__name__)
 
 # The AWS settings that are not secret: a worker sees the same endpoint and region as the driver.
 # Credentials never travel with an actor: Ray keeps each actor's runtime_env in its state API and
@@ -72,6 +77,7 @@ class InProcess:
     reach, so it is its own pinned view, and it is never restarted."""
 
     restarts = 0
+    lost = None
 
     def __init__(self, worker: Any, concurrent: bool = False):
         self.worker = worker
@@ -110,6 +116,11 @@ class _Handle:
     def restarts(self) -> int:
         """Replacement actors the slot has started (0 in-process)."""
         return self.transport.restarts
+
+    @property
+    def lost(self) -> str | None:
+        """Why the slot was given up (a lost node whose actor no other node had room for), or None."""
+        return getattr(self.transport, "lost", None)
 
     def pinned(self):
         """This handle bound to the actor its transport reaches now, timed into the same ledger;
@@ -407,25 +418,35 @@ def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
     import ray
 
     rt = config.runtime
-    _attach_ray()
-    place = _RayPlacement(ray_runtime_env(config.data.storage_options), _reserve_placement_group(rt, plan),
-                          secret_env())
+    started_here = _attach_ray()
+    _check_capacity(plan, rt, grows=not started_here)
+    group = _reserve_placement_group(rt, plan)
+    place = _RayPlacement(ray_runtime_env(config.data.storage_options), group, secret_env())
     drafts: dict[int, Any] = {}  # generator index -> its current DraftActor (placement "actor")
     gens = [RemoteProxy(spawn=_generator_spawner(plan, rt, place, i, drafts), name=f"generator {i}",
-                        timeout_s=rt.call_timeout_s) for i in range(rt.generator_actors)]
+                        timeout_s=rt.call_timeout_s, request=_request(plan.generator_resources))
+            for i in range(rt.generator_actors)]
     rewards = [RemoteProxy(spawn=place.spawner(plan.reward_cls, plan.reward_args, plan.reward_resources,
                                                rt.generator_actors + i, plan.reward_kwargs),
-                           name=f"reward {i}", timeout_s=rt.call_timeout_s) for i in range(rt.reward_actors)]
+                           name=f"reward {i}", timeout_s=rt.call_timeout_s, request=_request(plan.reward_resources))
+               for i in range(rt.reward_actors)]
     proxies = gens + rewards
-    # Surface model-loading errors now, not on the first call.
-    ray.get([p.handle.stats.remote() for p in proxies])
+    # Surface model-loading errors now, not on the first call; an actor no node takes within
+    # ROOM_WAIT_S is a one-line error, not a wait for ever.
+    try:
+        for proxy in proxies:
+            proxy.await_start()
+    except WorkerFailure as exc:
+        _shutdown_ray(proxies, drafts, group)
+        raise ConfigError(f"{exc}; lower runtime.<role>.num_cpus / num_gpus or the actor counts") from None
     return Workers([GeneratorHandle(g, CallLedger()) for g in gens], [ScorerHandle(r, CallLedger()) for r in rewards],
                    [p.handle for p in proxies] + list(drafts.values()),
                    functools.partial(_shutdown_ray, proxies, drafts, place.group))
 
 
-def _attach_ray() -> None:
-    """Join the cluster RAY_ADDRESS names, or start a local one, unless Ray is already up.
+def _attach_ray() -> bool:
+    """Join the cluster RAY_ADDRESS names, or start a local one, unless Ray is already up; True when
+    this call started the cluster (it then has this machine's resources and cannot grow).
 
     The workers' environment (ray_runtime_env) goes with each actor, not here: under ``ray job
     submit --runtime-env-json`` the job's runtime_env already holds the variables the driver sees,
@@ -434,10 +455,10 @@ def _attach_ray() -> None:
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
-        return
+        return False
     # With no cluster to attach to we start a local one. Its dashboard (the Jobs API) listens on
     # 127.0.0.1 (ray.init's default), but Ray binds its gRPC servers (GCS, raylet, workers, agents)
     # to every interface and advertises the node's address whatever _node_ip_address says (Ray
@@ -447,6 +468,33 @@ def _attach_ray() -> None:
     # the driver's Ray core has read its mode by now and would connect without the token.
     # address="local": never attach to whatever cluster a stale address file points at.
     ray.init(address="local", _node_ip_address="127.0.0.1")
+    return True
+
+
+def _request(resources: ActorResources) -> dict[str, float]:
+    """The Ray resources one actor asks for, as Ray names them."""
+    return {"CPU": resources.num_cpus, **({"GPU": resources.num_gpus} if resources.num_gpus else {})}
+
+
+def _check_capacity(plan: _ActorPlan, rt: RuntimeConfig, grows: bool) -> None:
+    """Before any actor starts: refuse (ConfigError, one line, exit 2) actors the cluster's live nodes
+    could never hold (pipeline.preflight.check_placement) on a cluster that cannot grow (``grows``
+    false: the build started it); on one an autoscaler may grow, say so on the progress line, and
+    the actors' start waits ROOM_WAIT_S for room (RemoteProxy.await_start)."""
+    import ray
+
+    from pipeline.preflight import check_placement
+
+    requests = [("runtime.generator", rt.generator_actors, _request(plan.generator_resources)),
+                ("runtime.reward", rt.reward_actors, _request(plan.reward_resources))]
+    if plan.draft_actor_args is not None:
+        requests.append(("runtime.draft", rt.generator_actors, _request(rt.draft)))
+    reason = check_placement(requests, [n["Resources"] for n in ray.nodes() if n.get("Alive")], rt.placement_strategy)
+    if reason is None:
+        return
+    if not grows:
+        raise ConfigError(f"{reason} (a local cluster this build started; it cannot grow)")
+    log.warning(f"{reason}; waiting up to {ROOM_WAIT_S:g} s for the cluster to grow (an autoscaler)")
 
 
 def _reserve_placement_group(rt: RuntimeConfig, plan: _ActorPlan):
@@ -460,9 +508,18 @@ def _reserve_placement_group(rt: RuntimeConfig, plan: _ActorPlan):
     resources = [plan.generator_resources] * rt.generator_actors + [plan.reward_resources] * rt.reward_actors
     if plan.draft_actor_args is not None:
         resources += [rt.draft] * rt.generator_actors
-    bundles = [{"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})} for r in resources]
-    group = placement_group(bundles, strategy=rt.placement_strategy)
-    ray.get(group.ready(), timeout=rt.call_timeout_s)
+    group = placement_group([_request(r) for r in resources], strategy=rt.placement_strategy)
+    ready, _ = ray.wait([group.ready()], timeout=ROOM_NOTICE_S)
+    if not ready:
+        log.warning(f"runtime.placement_strategy {rt.placement_strategy}: the placement group is not placed yet; "
+                    f"waiting up to {ROOM_WAIT_S:g} s (the cluster has {cluster_capacity()})")
+        ready, _ = ray.wait([group.ready()], timeout=ROOM_WAIT_S)
+    if not ready:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(group)
+        raise ConfigError(f"runtime.placement_strategy {rt.placement_strategy}: no placement of its "
+                          f"{len(resources)} bundles within {ROOM_WAIT_S:g} s; the cluster has {cluster_capacity()}")
     return group
 
 

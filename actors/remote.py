@@ -6,6 +6,20 @@ When its actor dies (RayActorError) or a call runs longer than ``runtime.call_ti
 is killed), the proxy raises WorkerFailure, whose recovery starts a replacement actor with the same
 options and swaps it into the slot. The coordinator then resubmits the batch.
 
+A lost node is told apart from a dead actor before the replacement starts. The driver hears of the
+actor's death (its calls fail) seconds before Ray declares the node dead (missed health checks:
+about 15-30 s at Ray's defaults); a replacement started in between is placed on the dead node (its
+placement-group bundle is still there, or no other node has room), dies, and costs the batch a
+second attempt. So the recovery first waits, up to NODE_VERDICT_WAIT_S, until Ray's actor table
+says the actor is dead: at once for an actor that exited or was killed, and once the node is
+declared dead for a lost node, whose placement-group bundles Ray then moves to live nodes. Only
+then does it start the replacement, and it names the lost node. A replacement that no live node
+has room for is reported on the progress line after ROOM_NOTICE_S, with what the cluster has; after
+ROOM_WAIT_S the slot is given up (``lost``): the coordinator goes on with the role's other actors,
+or, where none is left, fails the batch with one line naming the lost capacity. While a
+replacement is under way the slot's new calls wait for it (bounded by the same waits) instead of
+failing on the dead actor, so a node loss costs only the batches that were on it, one attempt each.
+
 A call's timeout runs from when the actor STARTS it, not from when the driver sent it: an actor
 serves its calls one at a time (or a few), so a call may wait in the actor's queue behind other
 batches' slow calls (model-side searches, a long extend) for longer than the timeout while the
@@ -28,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 import time
 from typing import Any, Callable
@@ -36,7 +51,21 @@ from pipeline.decoding.domain import DraftLayer
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import WorkerFailure, WorkersShutDown
 
+log = logging.getLogger(__name__)
+
 STARTUP_TIMEOUT_S = 300.0
+"""The least time a placed replacement actor gets to load its model and answer."""
+NODE_VERDICT_WAIT_S = 90.0
+"""How long a recovery waits for Ray's actor table to say the failed actor is dead (its node declared
+dead, for a lost node) before it starts the replacement anyway. Ray declares a node dead after
+health_check_failure_threshold missed checks of health_check_period_ms (5 x 3 s, plus a 10 s
+timeout, at its defaults)."""
+ROOM_NOTICE_S = 3.0
+"""A replacement that no node has taken after this long is reported on the progress line (a warning
+naming what it asks for and what the cluster has)."""
+ROOM_WAIT_S = 120.0
+"""How long a replacement may wait for a node with room (its bundle moved, its resources freed, a
+node added by an autoscaler) before its slot is given up (RemoteProxy.lost)."""
 CLOCK_GROUP = "call_clock"
 """The Ray concurrency group that serves ``calls_running`` beside the actor's work calls."""
 CONCURRENCY_GROUPS = {CLOCK_GROUP: 1}
@@ -122,9 +151,11 @@ class RemoteProxy:
     thread blocks on its own call; many calls are in flight at once."""
 
     def __init__(self, handle: Any = None, *, spawn: Callable[[], Any] | None = None, name: str = "actor",
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, request: dict[str, float] | None = None):
         """Either an actor ``handle`` (no replacement: a dead actor stays dead and its batches fail
-        after their attempts) or ``spawn``, which starts the actor now and again after each failure."""
+        after their attempts) or ``spawn``, which starts the actor now and again after each failure.
+        ``request``: the Ray resources one actor asks for ({"CPU": 2, "GPU": 1}), for the messages
+        that say why a replacement cannot be placed."""
         if (handle is None) == (spawn is None):
             raise ValueError("give an actor handle or a spawn function")
         self._spawn = spawn
@@ -132,17 +163,30 @@ class RemoteProxy:
         self._lock = threading.Lock()
         self.name = name
         self.timeout_s = timeout_s
+        self.request = dict(request or {})
         self.restarts = 0
         """Replacement actors started so far."""
+        self.lost: str | None = None
+        """Why the slot was given up (no node had room for a replacement within ROOM_WAIT_S), or None.
+        A lost slot takes no more calls; the coordinator goes on without it."""
         self._retired = False
 
     @property
     def handle(self) -> Any:
         return self._handle
 
+    def _current(self) -> Any:
+        """The slot's actor; while a replacement is under way, the replacement once it has started
+        (the lock is held for the whole replacement, whose waits are bounded). WorkerFailure, with no
+        recovery, once the slot is lost."""
+        with self._lock:
+            if self.lost:
+                raise WorkerFailure(self.lost)
+            return self._handle
+
     def call(self, method: str, *args, **kwargs) -> Any:
         """``method`` of the slot's current actor, called with these arguments."""
-        return self.call_on(self._handle, method, args, kwargs)
+        return self.call_on(self._current(), method, args, kwargs)
 
     def retire(self) -> None:
         """No more calls and no more replacements: from now on every call raises WorkersShutDown, and
@@ -153,7 +197,7 @@ class RemoteProxy:
         """A view bound to the current actor, for a stateful sequence of calls (a decoding session
         lives in one actor's memory): once that actor is replaced, its calls fail instead of
         reaching the new actor, which never saw the session."""
-        return PinnedActor(self, self._handle)
+        return PinnedActor(self, self._current())
 
     def call_on(self, handle: Any, name: str, args: tuple, kwargs: dict) -> Any:
         """``name`` of actor ``handle`` (one of this slot's), under the call clock: its result, or
@@ -167,7 +211,7 @@ class RemoteProxy:
             ref = getattr(handle, name).remote(*args, **kwargs)
             return ray.get(ref) if self.timeout_s is None else self._result(handle, ref)
         except RayActorError as exc:
-            cause = f"{self.name} actor died during {name}() ({type(exc).__name__})"
+            cause = f"{self.name} actor died during {name}(){_where(handle)} ({type(exc).__name__})"
         except GetTimeoutError:
             ray.kill(handle, no_restart=True)
             cause = f"{self.name} actor hung: {name}() ran over {self.timeout_s:g}s after it started; killed"
@@ -211,26 +255,139 @@ class RemoteProxy:
         return ray.get(getattr(self._handle, method).options(concurrency_group=CLOCK_GROUP).remote(),
                        timeout=GLANCE_TIMEOUT_S)
 
-    def replace(self, failed: Any) -> None:
-        """Start a new actor in place of ``failed``, unless another thread already did."""
+    def replace(self, failed: Any) -> str | None:
+        """Start a new actor in place of ``failed``, unless another thread already did; returns a note
+        for the retry's log line (the lost node, where the replacement went), or None.
+
+        Waits first for Ray's verdict on ``failed`` (the module docstring says why), then for the
+        replacement to be placed and to load. WorkerFailure when the replacement dies while it
+        starts (the next attempt retries it), or when no node had room for it within ROOM_WAIT_S
+        (the slot is then ``lost``)."""
         import ray
 
         with self._lock:
             if self._handle is not failed or self._spawn is None or self._retired:
-                return
+                return None
+            if self.lost:
+                raise WorkerFailure(self.lost)
+            gone = self._await_verdict(failed)
             ray.kill(failed, no_restart=True)
             self._handle = self._spawn()
             self.restarts += 1
             if self._retired:  # shut down while it was being spawned: the shutdown may have missed it
                 ray.kill(self._handle, no_restart=True)
                 raise WorkersShutDown(f"{self.name}: replacement abandoned, the workers were shut down")
-            try:  # a fresh actor loads its model first: give it at least STARTUP_TIMEOUT_S
-                ray.get(self._handle.stats.remote(), timeout=max(self.timeout_s or 0, STARTUP_TIMEOUT_S))
+            lost = f"its node {gone} is gone" if gone else ""
+            try:
+                self.await_start(lost)
+            except WorkerFailure:
+                raise
             except Exception as exc:  # noqa: BLE001 - a replacement that cannot start is one more failure
                 if self._retired:
                     raise WorkersShutDown(f"{self.name}: replacement ended by the workers' shutdown") from None
                 raise WorkerFailure(f"replacement {self.name} actor failed to start ({exc})",
                                     lambda: self.replace(self._handle)) from None
+            return f"{self.name}: {lost}; replacement started on node {_node_of(self._handle)}" if gone else None
+
+    def _await_verdict(self, failed: Any) -> str | None:
+        """Wait (NODE_VERDICT_WAIT_S at most) until Ray's actor table says ``failed`` is dead; the
+        node it ran on ("id8 at ip") when that node is dead too, else None. The wait is what keeps
+        the replacement off a node that is gone but not yet declared dead."""
+        import ray
+
+        started, told, info = time.monotonic(), False, {}
+        while True:
+            info = _actor_info(failed)
+            if info is None or info.get("State") == "DEAD" or time.monotonic() - started > NODE_VERDICT_WAIT_S:
+                break
+            if not told and time.monotonic() - started > ROOM_NOTICE_S:
+                log.warning(f"{self.name}: its actor on node {_node_name(info)} does not answer and Ray has not "
+                            f"declared it dead; waiting up to {NODE_VERDICT_WAIT_S:g} s for Ray's verdict on the "
+                            f"node before a replacement is placed")
+                told = True
+            time.sleep(0.2)
+        if not info:
+            return None
+        node_id = info.get("Address", {}).get("NodeID")
+        node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+        return _node_name(info) if node is None or not node["Alive"] else None
+
+    def await_start(self, lost: str = "") -> None:
+        """Wait for the slot's current actor to answer: as long as it takes to load once a node has
+        taken it (max(timeout_s, STARTUP_TIMEOUT_S)); ROOM_WAIT_S while no node has room for it,
+        saying so on the progress line after ROOM_NOTICE_S; past that the slot is ``lost`` and
+        WorkerFailure names the capacity. ``lost``: what was lost ("its node ... is gone"), for the
+        messages. Whatever the actor raised while it started (its model failed to load) propagates."""
+        import ray
+
+        handle, started, told = self._handle, time.monotonic(), False
+        ref = handle.stats.remote()
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.5)
+            if ready:
+                ray.get(ref)
+                return
+            waited = time.monotonic() - started
+            if _placed(handle):
+                if waited > max(self.timeout_s or 0, STARTUP_TIMEOUT_S):
+                    raise TimeoutError(f"it did not answer within {waited:.0f} s of its start")
+                continue
+            why = f"{self.name}: {lost + '; ' if lost else ''}no node has room for its actor ({_resources(self.request)})"
+            if not told and waited > ROOM_NOTICE_S:
+                log.warning(f"{why}; waiting up to {ROOM_WAIT_S:g} s (the cluster has {cluster_capacity()})")
+                told = True
+            if waited > ROOM_WAIT_S:
+                ray.kill(handle, no_restart=True)
+                self.lost = f"{why} within {ROOM_WAIT_S:g} s; the cluster has {cluster_capacity()}"
+                raise WorkerFailure(self.lost)
+
+
+def _actor_info(handle: Any) -> dict | None:
+    """The actor's row of Ray's actor table (State, Address.NodeID, Pid), or None where it cannot be
+    read (an actor handle of another kind, or a Ray whose table reads otherwise)."""
+    try:
+        from ray._private import state
+
+        return state.actors(handle._actor_id.hex()) or None
+    except Exception:  # noqa: BLE001 - without the table, recovery works as it did without the verdict
+        return None
+
+
+def _placed(handle: Any) -> bool:
+    """Whether a node has taken the actor (a worker process runs it: its pid is known), even if it is
+    still loading; True where the table cannot be read (then only the load timeout applies)."""
+    info = _actor_info(handle)
+    return info is None or info.get("State") in ("ALIVE", "DEAD") or bool(info.get("Pid"))
+
+
+def _node_name(info: dict) -> str:
+    address = info.get("Address", {})
+    return f"{address.get('NodeID', '?')[:8]} at {address.get('IPAddress') or '?'}"
+
+
+def _node_of(handle: Any) -> str:
+    info = _actor_info(handle)
+    return _node_name(info) if info else "?"
+
+
+def _where(handle: Any) -> str:
+    """" on node ID8 at IP" for an actor the table knows, so that a failure names the node."""
+    info = _actor_info(handle)
+    return f" on node {_node_name(info)}" if info and info.get("Address", {}).get("NodeID") else ""
+
+
+def _resources(request: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in request.items() if v) or "no resources"
+
+
+def cluster_capacity() -> str:
+    """What the live nodes of the cluster have, for a message: "2 live node(s): CPU 4 (1 free), GPU 0"."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    total, free = ray.cluster_resources(), ray.available_resources()
+    return (f"{len(nodes)} live node(s): " + ", ".join(f"{k} {total.get(k, 0):g} ({free.get(k, 0):g} free)"
+                                                       for k in ("CPU", "GPU")))
 
 
 class PinnedActor:

@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     except ShardFailed as exc:  # a shard out of retries: loud, named, and resumable
         log.error("%s", exc)
         return 1
-    except (InputError, OutputConflict) as exc:
-        # The input, read again shard by shard, changed or became unreadable; or the output's lease
-        # was lost, or another config's shards turned up in it (verify).
+    except (ConfigError, InputError, OutputConflict) as exc:
+        # Actors the cluster cannot hold (actors.factory: checked once the cluster is up); the input,
+        # read again shard by shard, changed or became unreadable; or the output's lease was lost, or
+        # another config's shards turned up in it (verify).
         log.error("%s", exc)
         return 2
     finally:

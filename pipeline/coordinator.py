@@ -25,6 +25,11 @@ batching, up to the rare token that differs when the batch shares its passes wit
 runtime.continuous_batching in pipeline.config). This wraps whole strategy calls, so it covers every
 call pattern (open/extend/close, score, or one ``generator.search``). After ``max_attempts`` the
 batch raises BatchFailed, naming its prompts.
+
+A slot whose actor cannot be replaced (its node was lost and no other node has room: the handle's
+``lost`` says why) is given up: the pool goes on with the role's other actors, and the batch's next
+attempt runs on one of them. With none of the role left, the batch fails at once with that reason
+rather than waiting on capacity that is gone.
 """
 
 from __future__ import annotations
@@ -57,12 +62,17 @@ class _Admission:
         self._batches, self._rows = [0] * generators, [0] * generators
         self._max_batches, self._max_rows = batches, rows
         self._cond = threading.Condition()
+        self._retired: dict[int, str] = {}  # generator given up -> why
 
     def acquire(self, rows: int = 0) -> int:
-        """A generator for a new batch, counted with ``rows`` rows until the batch says otherwise."""
+        """A generator for a new batch, counted with ``rows`` rows until the batch says otherwise.
+        WorkerFailure (with the reason) once every generator was given up (retire)."""
         with self._cond:
             while True:
+                if len(self._retired) == len(self._batches):
+                    raise WorkerFailure(f"no generator left: {'; '.join(self._retired.values())}")
                 free = [g for g in range(len(self._batches)) if self._batches[g] < self._max_batches
+                        and g not in self._retired
                         and (not self._max_rows or not self._rows[g] or self._rows[g] + rows <= self._max_rows)]
                 if free:
                     index = min(free, key=lambda g: (self._rows[g], self._batches[g], g))
@@ -75,6 +85,17 @@ class _Admission:
         with self._cond:
             self._batches[index] -= 1
             self._cond.notify_all()
+
+    def retire(self, index: int, why: str) -> None:
+        """Take no more batches to generator ``index`` (its slot was given up: ``why``)."""
+        with self._cond:
+            self._retired[index] = why
+            self._cond.notify_all()
+
+    def live(self) -> int:
+        """Generators not given up."""
+        with self._cond:
+            return len(self._batches) - len(self._retired)
 
     def share(self, rows_per_prompt: int, prompts: int) -> int:
         """One batch's share of a generator's ``rows_per_prompt`` (what its whole KV pool holds for
@@ -150,22 +171,36 @@ class _RoundRobin:
     session's calls to the pinned handle that opened it."""
 
     def __init__(self, scorers: list[Scorer]):
+        self._scorers = scorers
         self._cycle = itertools.cycle(scorers)
         self._lock = threading.Lock()
         self._sessions: dict[str, Scorer] = {}  # streaming reward session -> the handle holding its cache
 
+    def _next(self) -> Scorer:
+        """The next scorer whose slot was not given up (its ``lost``); WorkerFailure, naming why,
+        when every one was."""
+        with self._lock:
+            for _ in self._scorers:
+                scorer = next(self._cycle)
+                if not getattr(scorer, "lost", None):
+                    return scorer
+        raise WorkerFailure(f"no reward actor left: {'; '.join(s.lost for s in self._scorers)}")
+
+    def lost(self) -> str | None:
+        """Why no scorer is left, or None while one is."""
+        reasons = [getattr(s, "lost", None) for s in self._scorers]
+        return None if not all(reasons) else f"no reward actor left: {'; '.join(reasons)}"
+
     def score(self, prompts: list[str], responses: list[str], finished: list[bool] | None = None,
               columns: list[dict] | None = None) -> list[float]:
-        with self._lock:
-            scorer = next(self._cycle)
-        return scorer.score(prompts, responses, finished=finished, columns=columns)
+        return self._next().score(prompts, responses, finished=finished, columns=columns)
 
     def open(self, session: str, prompts: list[str], num_samples: int, columns: list[dict] | None = None) -> None:
+        # Pinned like a generator batch: if this actor is replaced, the session's later calls
+        # fail over (WorkerFailure, batch retried) instead of asking a new actor without the cache.
+        scorer = self._next().pinned()
         with self._lock:
-            scorer = next(self._cycle)
-            # Pinned like a generator batch: if this actor is replaced, the session's later calls
-            # fail over (WorkerFailure, batch retried) instead of asking a new actor without the cache.
-            scorer = self._sessions[session] = scorer.pinned()
+            self._sessions[session] = scorer
         scorer.open(session, prompts, num_samples, columns=columns)
 
     def extend(self, session: str, rows: list[int], responses: list[str],
@@ -217,25 +252,35 @@ class Coordinator:
                    on_retry=on_retry or (lambda failure: None))
 
     def _run_batch(self, batch: list[PromptInput], admission: _Admission) -> list[PromptResult]:
+        prompt_ids = [p.prompt_id for p in batch]
         for attempt in range(1, self.max_attempts + 1):
             reserved = len(batch) * self.num_samples if self.rows_in_flight else 0
-            index = admission.acquire(reserved)
-            # A batch's session lives in one actor: pin the batch to it, so a batch that outlives a
-            # replacement fails over too, rather than asking the new actor.
-            # Pinned, and counting its rows for the admission (with no rows_in_flight they count for nothing).
-            generator = _CountedRows(self.generators[index].pinned(), admission, index, reserved)
             try:
+                index = admission.acquire(reserved)
+            except WorkerFailure as exc:  # every generator was given up
+                raise BatchFailed(prompt_ids, attempt - 1, exc) from None
+            generator = None
+            try:
+                # A batch's session lives in one actor: pin the batch to it, so a batch that outlives a
+                # replacement fails over too, rather than asking the new actor. Pinned, and counting its
+                # rows for the admission (with no rows_in_flight they count for nothing).
+                generator = _CountedRows(self.generators[index].pinned(), admission, index, reserved)
                 results = self.strategy(batch, generator, self.scorer, self.params, self.sampling,
                                         self.num_samples, self.seed)
                 break
             except WorkerFailure as exc:
-                failure = BatchFailed([p.prompt_id for p in batch], attempt, exc)
+                failure = BatchFailed(prompt_ids, attempt, exc)
                 if attempt == self.max_attempts:
                     raise failure from None
                 try:
-                    exc.recover()
+                    note = exc.recover()
+                    if note:  # what the recovery found (a lost node) joins the retry's line
+                        failure = BatchFailed(prompt_ids, attempt, WorkerFailure(f"{exc}; {note}"))
                 except WorkerFailure as again:  # the replacement did not start: the next attempt retries it
-                    failure = BatchFailed(failure.prompt_ids, attempt, again)
+                    failure = BatchFailed(prompt_ids, attempt, again)
+                self._give_up_lost(admission)
+                if not admission.live() or self.scorer.lost():  # nothing left to run the batch on
+                    raise failure from None
                 self.retries += 1
                 self.on_retry(failure)
             finally:
@@ -249,6 +294,13 @@ class Coordinator:
                 raise RuntimeError(f"{self.strategy_name}: prompt {r.prompt.prompt_id} has "
                                    f"{len(r.candidates)} candidates, expected {self.num_samples}")
         return results
+
+    def _give_up_lost(self, admission: _Admission) -> None:
+        """Generators whose slot was given up (their ``lost``) take no more batches."""
+        for index, handle in enumerate(self.generators):
+            why = getattr(handle, "lost", None)
+            if why:
+                admission.retire(index, why)
 
     def run(self, prompts: list[PromptInput]) -> Iterator[PromptResult]:
         """Yields one PromptResult per prompt, in completion order."""

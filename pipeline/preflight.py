@@ -267,3 +267,37 @@ def max_prompt_tokens(config: Config, context: int) -> int:
                           f"{limit + new_tokens} exceeds the model's context of {context} tokens; "
                           f"at most {context - new_tokens}")
     return limit
+
+
+def check_placement(requests: list[tuple[str, int, dict[str, float]]], nodes: list[dict[str, float]],
+                    placement_strategy: str = "") -> str | None:
+    """Whether the cluster's live nodes could ever hold the build's actors; None if they could, else
+    one line naming the setting and what the cluster has. ``requests``: (config key, actors, the Ray
+    resources each asks for: {"CPU": 4, "GPU": 1}); ``nodes``: each live node's total resources
+    (``ray.nodes()[i]["Resources"]``). Only CPUs and GPUs are compared, and only what no placement
+    could meet: an actor larger than every node, the actors together larger than the cluster, and
+    with STRICT_PACK, together larger than every node. A cluster that cannot grow (one the build
+    started) would otherwise leave the actors pending for ever; the caller refuses it (ConfigError)
+    or, on a cluster an autoscaler may grow, waits a bounded time with this line on the progress line."""
+    def has(resources: dict[str, float]) -> str:
+        return f"{resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU"
+
+    def fits(need: dict[str, float], node: dict[str, float]) -> bool:
+        return all(node.get(k, 0) >= need.get(k, 0) for k in ("CPU", "GPU"))
+
+    shape = "; ".join(has(n) for n in nodes) or "none"
+    what = f"the cluster's {len(nodes)} live node(s) have {shape} (ray.nodes())"
+    total = {k: sum(n.get(k, 0) for n in nodes) for k in ("CPU", "GPU")}
+    needed = {k: sum(count * r.get(k, 0) for _, count, r in requests) for k in ("CPU", "GPU")}
+    for key, count, need in requests:
+        if count and not any(fits(need, n) for n in nodes):
+            return (f"{key}: each actor asks for {has(need)}, but no node has that: {what}; lower "
+                    f"{key}.num_cpus / num_gpus or run on a cluster that has such a node")
+    listed = " + ".join(f"{count} x {has(r)} ({key})" for key, count, r in requests if count)
+    if not fits(needed, total):
+        return (f"the actors ask for {listed} = {has(needed)} in all, more than {what}; run fewer actors "
+                f"(runtime.generator_actors, runtime.reward_actors) or smaller ones")
+    if placement_strategy == "STRICT_PACK" and not any(fits(needed, n) for n in nodes):
+        return (f"runtime.placement_strategy: STRICT_PACK puts every actor on one node, but {listed} = "
+                f"{has(needed)} fits none: {what}")
+    return None

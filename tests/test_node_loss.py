@@ -1,0 +1,220 @@
+"""A lost node costs only its own batches, once (issue 67, item 7).
+
+The cluster tests run a real multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``:
+a head with no CPUs, so no actor lands there, and worker nodes of 2 CPUs each). The generator and
+the reward actor each ask for 2 CPUs, so they land on different workers, in a PACK placement group;
+a spare worker has room for one replacement. A worker node is killed (its raylet and every process
+on it, ungracefully: a crash, not a drain) once the build has committed its first shard; at
+runtime.max_attempts 2 the build must still exit 0 with the undisturbed build's pairs. Ray's health
+checks are shortened (1 s x 3) so that a node is declared dead within seconds, as the build's
+recovery waits for that verdict. Run by `make test-reliability` (marked reliability).
+
+The unplaceable-request tests are fast and run in `make test`: the placement check itself, and the
+build job exiting 2 on README's my.yaml resources on this GPU-less machine.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.build_dataset import main
+from pipeline.preflight import check_placement
+from tests.conftest import GOOD_PROMPTS, write_jsonl
+
+PROMPTS = GOOD_PROMPTS + ["Write a haiku about the kettle.", "Explain the warranty of the drill."]
+FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
+                      "health_check_timeout_ms": 1000, "health_check_initial_delay_ms": 1000}
+
+
+def build_args(tiny_models, prompts, out, *extra) -> list[str]:
+    """A 4-shard sbon build, one batch in flight (shards commit in order), each reward extend slowed
+    so that a node killed at the first commit takes a batch in flight with it."""
+    slow = [{"actor": "reward", "method": "extend", "action": "delay", "seconds": 0.3, "times": None}]
+    return ["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(out),
+            "--set", f"models.generator={tiny_models['generator']}", "--set", f"models.reward={tiny_models['reward']}",
+            "--num-samples", "4", "--max-new-tokens", "16", "--set", "strategy.decision_token=6",
+            "--set", "data.shard_size=2", "--set", "runtime.prompts_per_batch=2",
+            "--set", "runtime.batches_in_flight=1", "--no-progress", *extra,
+            "--set", f"runtime.faults={json.dumps(slow)}"]
+
+
+CLUSTER = ["--set", "runtime.generator={num_cpus: 2}", "--set", "runtime.reward={num_cpus: 2}",
+           "--set", "runtime.max_attempts=2", "--set", "runtime.placement_strategy=PACK"]
+
+
+# -- the unplaceable request: fast, in `make test` ---------------------------------------------------
+
+def test_placement_check_names_the_setting_and_what_the_cluster_has():
+    two_cpus = [{"CPU": 2.0, "memory": 1e9}]
+    reason = check_placement([("runtime.generator", 1, {"CPU": 4, "GPU": 1}), ("runtime.reward", 1, {"CPU": 4, "GPU": 1})],
+                             two_cpus)
+    assert reason.startswith("runtime.generator: each actor asks for 4 CPU, 1 GPU, but no node has that")
+    assert "1 live node(s) have 2 CPU, 0 GPU" in reason
+    # Each fits a node, together they do not fit the cluster.
+    reason = check_placement([("runtime.generator", 2, {"CPU": 2}), ("runtime.reward", 1, {"CPU": 2})],
+                             [{"CPU": 2.0}, {"CPU": 2.0}])
+    assert "2 x 2 CPU, 0 GPU (runtime.generator) + 1 x 2 CPU, 0 GPU (runtime.reward) = 6 CPU, 0 GPU" in reason
+    assert check_placement([("runtime.generator", 1, {"CPU": 2}), ("runtime.reward", 1, {"CPU": 2})],
+                           [{"CPU": 2.0}, {"CPU": 2.0}], "STRICT_PACK").startswith("runtime.placement_strategy")
+    assert check_placement([("runtime.generator", 1, {"CPU": 2}), ("runtime.reward", 1, {"CPU": 2})],
+                           [{"CPU": 2.0}, {"CPU": 2.0}], "PACK") is None
+    assert check_placement([("runtime.generator", 1, {"CPU": 1, "GPU": 0.5})], [{"CPU": 8.0, "GPU": 1.0}]) is None
+
+
+def test_an_actor_request_the_local_cluster_can_never_place_exits_2_before_any_actor_starts(tiny_models, tmp_path,
+                                                                                           capsys):
+    """README's my.yaml resources on this machine (no GPU): the build starts its own local cluster,
+    which cannot grow, and says so in one line instead of waiting for ever."""
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized()
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
+    started = time.monotonic()
+    try:
+        rc = main(["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(tmp_path / "out"),
+                   "--set", f"models.generator={tiny_models['generator']}",
+                   "--set", f"models.reward={tiny_models['reward']}", "--set", "models.device=cpu",
+                   "--set", "runtime.generator={num_cpus: 4, num_gpus: 1}",
+                   "--set", "runtime.reward={num_cpus: 4, num_gpus: 1}", "--no-progress"])
+        actors = ray._private.state.actors()
+    finally:
+        ray.shutdown()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert err[-1].startswith("error: runtime.generator: each actor asks for 4 CPU, 1 GPU, but no node has that")
+    assert "GPU" in err[-1] and "(a local cluster this build started; it cannot grow)" in err[-1]
+    assert actors == {}  # refused before any actor started
+    assert time.monotonic() - started < 120
+
+
+# -- node loss on a multi-node cluster: `make test-reliability` ---------------------------------------
+
+@pytest.fixture(scope="module")
+def multinode():
+    """A head (no CPUs) and three 2-CPU worker nodes on this machine, the driver attached; shut down
+    by the Cluster itself (its own processes) whatever happens."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "_system_config": FAST_HEALTH_CHECKS})
+    try:
+        for _ in range(3):
+            cluster.add_node(num_cpus=2)
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def node_loss_prompts(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("in") / "p.jsonl", [{"prompt": p} for p in PROMPTS])
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_models, node_loss_prompts, tmp_path_factory):
+    """The same build in-process with no fault: (prompt_id, chosen, rejected) of every pair."""
+    out = tmp_path_factory.mktemp("undisturbed") / "out"
+    assert main(build_args(tiny_models, node_loss_prompts, out, "--set", "runtime.local=true")) == 0
+    return pairs(out)
+
+
+def pairs(out: Path) -> list[tuple]:
+    import pyarrow.parquet as pq
+
+    rows = [r for part in sorted(out.glob("train-*.parquet")) for r in pq.read_table(part).to_pylist()]
+    return sorted((r["prompt_id"], r["chosen"], r["rejected"]) for r in rows)
+
+
+class NodeKiller(threading.Thread):
+    """Kills the worker node that runs ``role``'s actor once the build's first shard is committed."""
+
+    def __init__(self, cluster, role: str, out: Path):
+        super().__init__(daemon=True)
+        self.cluster, self.cls, self.out = cluster, {"generator": "GeneratorActor", "reward": "RewardActor"}[role], out
+        self.killed_at: float | None = None
+        self.node_id: str | None = None
+
+    def run(self) -> None:
+        from ray._private import state
+
+        deadline = time.monotonic() + 300
+        while not (self.out / "_markers" / "part-00000.json").exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        alive = [a for a in state.actors().values() if a["ActorClassName"] == self.cls and a["State"] == "ALIVE"]
+        self.node_id = alive[0]["Address"]["NodeID"]
+        node = next(n for n in self.cluster.worker_nodes if n.node_id == self.node_id)
+        self.killed_at = time.time()
+        self.cluster.remove_node(node, allow_graceful=False)
+
+
+def node_loss_build(cluster, role, tiny_models, prompts, out, capsys):
+    killer = NodeKiller(cluster, role, out)
+    killer.start()
+    rc = main(build_args(tiny_models, prompts, out, *CLUSTER))
+    killer.join(timeout=5)
+    return rc, killer, capsys.readouterr().err
+
+
+def recovery_seconds(out: Path, killed_at: float) -> float:
+    """From the node's removal to the first shard committed after it (its marker's mtime)."""
+    after = [p.stat().st_mtime for p in (out / "_markers").glob("part-*.json") if p.stat().st_mtime > killed_at]
+    return min(after) - killed_at
+
+
+@pytest.mark.integration
+@pytest.mark.reliability
+@pytest.mark.parametrize("role", ["generator", "reward"])
+def test_a_lost_node_costs_its_batches_one_attempt_and_the_pairs_are_the_undisturbed_ones(
+        multinode, role, tiny_models, node_loss_prompts, undisturbed, tmp_path, capsys):
+    out = tmp_path / "out"
+    try:
+        rc, killer, err = node_loss_build(multinode, role, tiny_models, node_loss_prompts, out, capsys)
+    finally:
+        multinode.add_node(num_cpus=2)  # a spare again, for the next test
+    assert killer.killed_at is not None, "the node was not killed"
+    assert rc == 0, err
+    report = json.loads((out / "_report.json").read_text())
+    assert report["actor_restarts"] == 1, report  # one replacement, never one placed on the dead node
+    assert report["batch_retries"] >= 1
+    assert f"its node {killer.node_id[:8]}" in err and "is gone; replacement started on node" in err
+    manifest = json.loads((out / "_manifest.json").read_text())
+    got = pairs(out)
+    assert got == undisturbed and len({p[0] for p in got}) == len(got)  # the same pairs, none duplicated
+    assert manifest["pairs"] + manifest["prompts_rejected"] == manifest["prompts_in"] == len(PROMPTS)
+    print(f"{role} node lost: recovery {recovery_seconds(out, killer.killed_at):.1f} s (node removed to the "
+          f"first shard committed after)")
+
+
+@pytest.mark.integration
+@pytest.mark.reliability
+def test_with_no_room_for_a_replacement_the_build_says_so_and_fails_in_one_line_within_the_bound(
+        multinode, tiny_models, node_loss_prompts, tmp_path, capsys, monkeypatch):
+    import actors.remote
+
+    monkeypatch.setattr(actors.remote, "ROOM_WAIT_S", 15.0)
+    spare = sorted(multinode.worker_nodes, key=lambda n: n.node_id)[2:]
+    for node in spare:  # two workers left: no room anywhere once the generator's node goes
+        multinode.remove_node(node)
+    out = tmp_path / "out"
+    try:
+        started = time.monotonic()
+        rc, killer, err = node_loss_build(multinode, "generator", tiny_models, node_loss_prompts, out, capsys)
+        took = time.monotonic() - started
+    finally:
+        for _ in spare:
+            multinode.add_node(num_cpus=2)
+    lines = err.strip().splitlines()
+    assert rc == 1, err
+    assert any("no node has room for its actor (CPU 2); waiting up to 15 s" in line for line in lines), err
+    assert lines[-1].startswith("error: shard(s) ") and f"its node {killer.node_id[:8]}" in lines[-1]
+    assert "no node has room for its actor (CPU 2) within 15 s; the cluster has" in lines[-1]
+    assert took < 150
