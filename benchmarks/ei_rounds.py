@@ -1,11 +1,13 @@
-"""Expert iteration's rounds judged: each round's policy on the held-out IFEval prompts, beside its
-length and the build's reward model's score of the same responses (issue 62, item 5).
+"""Expert iteration's rounds judged: each round's policy on the held-out IFEval prompts and on
+IFBench's judged subset, beside its length and the build's reward model's score of the same
+responses (issue 62, item 5).
 
     python -m benchmarks.ei_rounds --schedule OUT [--config configs/real.yaml]
         [--reward .cache/real-models/reward] [--eval-prompts configs/prompts/ifeval-eval.jsonl]
         [--eval-samples 8] [--eval-max-new-tokens 256] [--data benchmarks/results/ei-rounds]
+        [--ifbench-prompts configs/prompts/ifbench-test.jsonl [--ifbench-samples 4]]
         [--resamples 10000] [--json FILE] [--plot FILE.png]
-    python -m benchmarks.ei_rounds --replay [--data DIR] [--json FILE] [--plot FILE.png]
+    python -m benchmarks.ei_rounds --replay [--data DIR] [--ifbench-prompts FILE] [--json FILE] [--plot FILE.png]
 
 OUT is a ``bon-expert-iteration --dpo`` output (its progress.json names the current schedule). The
 policies are the schedule's starting generator and the model after each finished round. Each one
@@ -22,6 +24,12 @@ the mean response length in tokens, the reward model's mean score with its inter
 gain over the starting policy (paired bootstrap, pipeline.judge.accuracy_gain), the last round over
 the first, and a flag where the reward model's mean score rises while the judge's prompt level falls
 (over-optimization of the reward model).
+
+The second judge, IFBench (pipeline.judge; prompts no one here wrote or chose:
+jobs.make_ifbench_prompts): with ``--ifbench-prompts``, the same figures under ``ifbench`` in the
+JSON, from ``--ifbench-samples`` responses per prompt (kept in DATA/policy-K-ifbench.json.gz), each
+printed with the subset's size (e.g. "203 of 294 prompts"). ``--replay`` reports them where DATA
+holds them for every policy, judged against ``--ifbench-prompts`` (default IFBENCH_PROMPTS).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from benchmarks import bench_parser, fail, parse, write_json, write_png
 from benchmarks.dpo_loop import brief_reply_passes, beyond_brevity, gains, judged_samples, print_gains
 
 DATA = "benchmarks/results/ei-rounds"
+IFBENCH_PROMPTS = "configs/prompts/ifbench-test.jsonl"
 
 
 def parse_args(argv: list[str] | None):
@@ -52,6 +61,10 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--eval-prompts", default="configs/prompts/ifeval-eval.jsonl")
     parser.add_argument("--eval-samples", type=int, default=8, help="responses per held-out prompt and policy")
     parser.add_argument("--eval-max-new-tokens", type=int, default=256)
+    parser.add_argument("--ifbench-prompts", default=None,
+                        help=f"also judge every policy on IFBench's subset (e.g. {IFBENCH_PROMPTS}, written by "
+                             "python -m jobs.make_ifbench_prompts)")
+    parser.add_argument("--ifbench-samples", type=int, default=4, help="responses per IFBench prompt and policy")
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples of the held-out prompts")
     args = parse(parser, argv)
     if bool(args.schedule) == args.replay:
@@ -59,9 +72,10 @@ def parse_args(argv: list[str] | None):
     return args
 
 
-def policy_file(data: Path, name: str) -> Path:
-    """Where a policy's judged responses are kept in DATA ("round 2": policy-round-2.json.gz)."""
-    return data / f"policy-{name.replace(' ', '-')}.json.gz"
+def policy_file(data: Path, name: str, judge: str = "IFEval") -> Path:
+    """Where a policy's judged responses are kept in DATA ("round 2": policy-round-2.json.gz on the
+    IFEval prompts, policy-round-2-ifbench.json.gz on IFBench's)."""
+    return data / f"policy-{name.replace(' ', '-')}{'-ifbench' if judge == 'IFBench' else ''}.json.gz"
 
 
 def read_json_gz(path: Path) -> dict:
@@ -115,36 +129,37 @@ def pair_figures(pairs: Path) -> dict:
             "mean_rejected_chars": mean(lambda r: len(completion_text(r["rejected"])))}
 
 
-def evaluate(name: str, model: str, args, config, rows: list) -> dict:
-    """``name``'s responses on the held-out prompts, judged and scored, as kept in DATA."""
+def evaluate(name: str, model: str, args, config, rows: list, judge: str = "IFEval") -> dict:
+    """``name``'s responses on the held-out prompts (``rows``: the IFEval prompts, or with ``judge``
+    "IFBench" IFBench's), judged and scored, as kept in DATA."""
     from jobs.expert_iteration import model_stamp
     from pipeline.coordinator import sampling_params
     from pipeline.engines.rewards import RewardScorer
 
+    prompts, n = ((args.ifbench_prompts, args.ifbench_samples) if judge == "IFBench"
+                  else (args.eval_prompts, args.eval_samples))
     sampling = dataclasses.replace(sampling_params(config), max_new_tokens=args.eval_max_new_tokens)
     settings = {"model_stamp": model_stamp(model), "reward_stamp": model_stamp(args.reward),
-                "prompts_sha256": hashlib.sha256(Path(args.eval_prompts).read_bytes()).hexdigest(),
-                "samples": args.eval_samples, "sampling": dataclasses.asdict(sampling), "seed": config.seed,
+                "prompts_sha256": hashlib.sha256(Path(prompts).read_bytes()).hexdigest(),
+                "samples": n, "sampling": dataclasses.asdict(sampling), "seed": config.seed,
                 "chat_template": config.sampling.chat_template}
-    path = policy_file(Path(args.data), name)
+    path = policy_file(Path(args.data), name, judge)
     if path.exists():
         kept = read_json_gz(path)
         if kept.get("settings") == json.loads(json.dumps(settings)):
             print(f"{name}: reused {path}", flush=True)
             return kept
     start = time.perf_counter()
-    result = judged_samples(model, args.eval_prompts, args.eval_samples, sampling, config.seed,
-                            config.sampling.chat_template, texts=True)
+    result = judged_samples(model, prompts, n, sampling, config.seed, config.sampling.chat_template, texts=True)
     generated = time.perf_counter() - start
     scorer = RewardScorer.from_pretrained(args.reward)
-    n = args.eval_samples
     flat = scorer.score([rows[i // n].prompt for i in range(len(rows) * n)], [t for ts in result["texts"] for t in ts])
     record = {"policy": name, "model": model, "settings": settings, **result,
               "reward_scores": [flat[i * n:(i + 1) * n] for i in range(len(rows))],
               "seconds": {"generate_and_judge": round(generated, 1),
                           "reward": round(time.perf_counter() - start - generated, 1)}}
     write_json_gz(path, record)
-    print(f"{name}: {result['responses']} responses in {record['seconds']['generate_and_judge']}s, scored in "
+    print(f"{name} ({judge}): {result['responses']} responses in {record['seconds']['generate_and_judge']}s, scored in "
           f"{record['seconds']['reward']}s: {path}", flush=True)
     return record
 
@@ -207,6 +222,18 @@ def figures_of(policies: list[dict], brief: list, resamples: int, seed: int) -> 
 
 
 def print_figures(figures: dict, schedule: dict) -> None:
+    """The table, the gains and the length ratio; with ``figures["ifbench"]``, the same on IFBench's
+    subset, its size in every title."""
+    print_judge_figures(figures, schedule)
+    if "ifbench" in figures:
+        from pipeline.judge import ifbench_subset_text
+
+        bench = figures["ifbench"]
+        print(f"\nIFBench, {bench['prompts']} prompts of {bench['prompts_file']} ({ifbench_subset_text()}):")
+        print_judge_figures(figures["ifbench"], {"rounds": {}}, " (IFBench)")
+
+
+def print_judge_figures(figures: dict, schedule: dict, judge: str = "") -> None:
     print(f"{'policy':<9} {'prompt-level [95%]':>20} {'instruction-level [95%]':>24} {'tokens':>7} "
           f"{'RM score [95%]':>22}  pairs  DPO loss")
     for row in figures["policies"]:
@@ -225,12 +252,13 @@ def print_figures(figures: dict, schedule: dict) -> None:
                   f"{pairs['mean_rejected_reward']:.3f}; {pairs['mean_chosen_chars']:.0f} against "
                   f"{pairs['mean_rejected_chars']:.0f} characters")
     for row in figures["policies"][1:]:
-        print_gains(f"{row['policy']} over start", row["gain_over_start"])
+        print_gains(f"{row['policy']} over start{judge}", row["gain_over_start"])
         g = row["reward_gain_over_start"]
-        print(f"{row['policy']} over start: reward model's mean score {g['gain']:+.3f} [{g['low']:+.3f}, {g['high']:+.3f}]")
+        print(f"{row['policy']} over start{judge}: reward model's mean score {g['gain']:+.3f} "
+              f"[{g['low']:+.3f}, {g['high']:+.3f}]")
     if "last_over_first_round" in figures:
-        print_gains(f"{figures['policies'][-1]['policy']} over round 1", figures["last_over_first_round"])
-    print(f"mean length, last policy / start: {figures['length_ratio_last_to_start']:.2f}")
+        print_gains(f"{figures['policies'][-1]['policy']} over round 1{judge}", figures["last_over_first_round"])
+    print(f"mean length, last policy / start{judge}: {figures['length_ratio_last_to_start']:.2f}")
 
 
 def draw(figures: dict):
@@ -243,6 +271,15 @@ def draw(figures: dict):
             errors = [[v - 100 * r[key]["low"] for v, r in zip(values, rows)],
                       [100 * r[key]["high"] - v for v, r in zip(values, rows)]]
             axes[0].errorbar(x, values, yerr=errors, marker="o", capsize=4, label=label)
+        if "ifbench" in figures:
+            subset = figures["ifbench"]["subset"]
+            bench = figures["ifbench"]["policies"]
+            level = [r["prompt_level_strict"] for r in bench]
+            values = [100 * f["value"] for f in level]
+            axes[0].errorbar(x, values, yerr=[[v - 100 * f["low"] for v, f in zip(values, level)],
+                                              [100 * f["high"] - v for v, f in zip(values, level)]],
+                             marker="s", capsize=4,
+                             label=f"IFBench prompt level ({subset['prompts']} of {subset['of_prompts']} prompts)")
         axes[0].set(title="held-out IFEval (strict), 95% interval", ylabel="%")
         axes[0].legend()
         for ax, key, title in ((axes[1], "mean_reward", "reward model's mean score"),
@@ -268,12 +305,20 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(e))
     data = Path(args.data)
     brief = brief_reply_passes(args.eval_prompts)
+    bench = None  # IFBench's records, one per policy
     if args.replay:
         try:
             schedule = json.loads((data / "schedule.json").read_text())
             records = [read_json_gz(policy_file(data, name)) for name in schedule["policies"]]
         except (OSError, ValueError, KeyError) as exc:
             fail(f"--replay: {data} does not hold a run of this benchmark ({type(exc).__name__}: {exc})")
+        kept = [policy_file(data, name, "IFBench") for name in schedule["policies"]]
+        if all(path.exists() for path in kept):
+            bench = [read_json_gz(path) for path in kept]
+            args.ifbench_prompts = args.ifbench_prompts or IFBENCH_PROMPTS
+        elif args.ifbench_prompts:
+            fail(f"--replay: {data} holds no IFBench record for every policy (run with --schedule and "
+                 "--ifbench-prompts)")
     else:
         from benchmarks.dpo_loop import held_out_rows
 
@@ -281,12 +326,23 @@ def main(argv: list[str] | None = None) -> int:
         schedule["policies"] = [name for name, _ in policies]
         rows = held_out_rows(args.eval_prompts)
         records = [evaluate(name, model, args, config, rows) for name, model in policies]
+        if args.ifbench_prompts:
+            rows = held_out_rows(args.ifbench_prompts)
+            bench = [evaluate(name, model, args, config, rows, "IFBench") for name, model in policies]
         data.mkdir(parents=True, exist_ok=True)
         (data / "schedule.json").write_text(json.dumps(schedule, indent=2) + "\n")
     if any(len(r["verdicts"]) != len(brief) for r in records):
         fail(f"{data}: its policies were judged on other prompts than {args.eval_prompts}")
     figures = {"schedule": schedule, "eval_prompts": args.eval_prompts,
                **figures_of(records, brief, args.resamples, config.seed)}
+    if bench:
+        from pipeline.judge import ifbench_subset
+
+        bench_brief = brief_reply_passes(args.ifbench_prompts)
+        if any(len(r["verdicts"]) != len(bench_brief) for r in bench):
+            fail(f"{data}: its policies were judged on other IFBench prompts than {args.ifbench_prompts}")
+        figures["ifbench"] = {"subset": ifbench_subset(), "prompts_file": args.ifbench_prompts,
+                              "prompts": len(bench_brief), **figures_of(bench, bench_brief, args.resamples, config.seed)}
     print_figures(figures, schedule)
     write_json(args.json, figures, args)
     write_png(args.plot, draw(figures))

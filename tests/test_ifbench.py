@@ -9,6 +9,7 @@ import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -236,3 +237,52 @@ def test_bon_evaluate_reports_ifbench_beside_ifeval(tiny_models, tmp_path, capsy
         assert bench[side] == judge.accuracy(followed)
         verdicts += [v for f in followed for v in f]
     assert True in verdicts and False in verdicts  # the comparison is not all one verdict
+
+
+def test_ei_rounds_replays_ifbench_figures_beside_ifevals(tmp_path, capsys):
+    """benchmarks.ei_rounds --replay on kept records of two policies on both judges' prompts: the
+    IFBench figures come under "ifbench", from the IFBench records, printed with the subset's size;
+    without IFBench records there are none, and asking for them is one line and exit 2."""
+    import gzip
+
+    from benchmarks.ei_rounds import main as ei_rounds
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "prompts"
+    files = {}
+    for judge_name, source in (("IFEval", "ifeval-eval.jsonl"), ("IFBench", "ifbench-test.jsonl")):
+        files[judge_name] = tmp_path / source
+        files[judge_name].write_text("".join((root / source).read_text().splitlines(True)[:3]))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "schedule.json").write_text(json.dumps({"policies": ["start", "round 1"], "rounds": {}}))
+
+    def record(policy: str, prompt_file: Path, follows: bool) -> dict:
+        """Two responses per prompt: none follows at the start; the first follows all after round 1."""
+        rows = [json.loads(line) for line in prompt_file.read_text().splitlines()]
+        verdicts = [[[follows and s == 0] * len(r["instruction_id_list"]) for s in range(2)] for r in rows]
+        return {"policy": policy, "responses": 2 * len(rows), "verdicts": verdicts,
+                "reward_scores": [[0.1, 0.2]] * len(rows), "tokens": [[10, 20]] * len(rows)}
+
+    for judge_name, suffix in (("IFEval", ""), ("IFBench", "-ifbench")):
+        for policy, name, follows in (("start", "start", False), ("round 1", "round-1", True)):
+            (data / f"policy-{name}{suffix}.json.gz").write_bytes(
+                gzip.compress(json.dumps(record(policy, files[judge_name], follows)).encode()))
+    common = ["--replay", "--data", str(data), "--eval-prompts", str(files["IFEval"]), "--resamples", "200"]
+    assert ei_rounds([*common, "--ifbench-prompts", str(files["IFBench"]), "--json", str(tmp_path / "r.json")]) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads((tmp_path / "r.json").read_text())
+    bench = figures["ifbench"]
+    assert bench["prompts"] == 3 and bench["subset"]["prompts"] == 203
+    assert [r["prompt_level_strict"]["value"] for r in bench["policies"]] == [0.0, 0.5]
+    assert bench["policies"][1]["gain_over_start"]["prompt_level_strict"]["gain"] == 0.5
+    assert f"IFBench, 3 prompts of {files['IFBench']} (IFBench's subset without NLTK data: 203 of 294 prompts" in printed
+    assert "round 1 over start (IFBench): prompt-level 0.0 -> 50.0" in printed
+
+    for name in ("start", "round-1"):
+        (data / f"policy-{name}-ifbench.json.gz").unlink()
+    assert ei_rounds([*common, "--json", str(tmp_path / "ifeval.json")]) == 0
+    assert "ifbench" not in json.loads((tmp_path / "ifeval.json").read_text())
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        ei_rounds([*common, "--ifbench-prompts", str(files["IFBench"])])
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith("error: --replay:")
