@@ -1,6 +1,9 @@
-"""The docs match the code (issue 30, item 9): README is a guide of at most 300 lines; every console
-script, config key, job flag and file it names exists; every relative link resolves; every
-measurement section of docs/benchmarks.md carries a command and a date."""
+"""The docs match the code: README is a guide of at most 300 lines, whose Measurements are a short
+table linking the results page; every console script, config key, job flag and file it names exists;
+every relative link resolves; no heading names an internal issue; the results page
+(docs/benchmarks.md) opens with the four questions in at most 700 lines, each row of its tables with
+its standing, date, command and committed JSON; every measurement section of the history
+(docs/history.md) carries a command and a date."""
 
 from __future__ import annotations
 
@@ -78,8 +81,8 @@ def test_every_flag_the_readme_gives_a_job_is_one_that_job_takes(capsys):
             assert re.search(rf"(?<![\w-]){flag}\b", helped), f"{script} {flag}"
 
 
-def test_every_measurement_in_docs_benchmarks_has_a_command_and_a_date():
-    text = (REPO / "docs" / "benchmarks.md").read_text()
+def test_every_measurement_in_the_history_has_a_command_and_a_date():
+    text = (REPO / "docs" / "history.md").read_text()
     sections = re.split(r"^### ", text, flags=re.M)[1:]
     assert sections
     for section in sections:
@@ -88,6 +91,73 @@ def test_every_measurement_in_docs_benchmarks_has_a_command_and_a_date():
         assert re.search(r"20\d\d-\d\d-\d\d", body), f"no date: {title}"
         # A figure the README once gave without its command says so, and names the test that checks it.
         assert re.search(r"python\s+-m\s|make [a-z]|bon-[a-z]|recorded no command", body), f"no command: {title}"
+
+
+RESULTS = REPO / "docs" / "benchmarks.md"
+QUESTIONS = ["Speed at equal quality", "What the pairs do to a model", "Memory and speed of the engine", "Reliability"]
+
+
+def test_the_results_page_opens_with_the_four_questions_in_at_most_700_lines():
+    text = RESULTS.read_text()
+    assert len(text.splitlines()) <= 700
+    assert re.findall(r"^## (.+)$", text, re.M)[:4] == QUESTIONS
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS), ids=lambda p: p.name)
+def test_no_heading_names_an_internal_issue(doc):
+    """An issue number means nothing to a reader of the docs ("issue 62, item 3")."""
+    for heading in re.findall(r"^#+ (.+)$", DOCS[doc], re.M):
+        assert not re.search(r"\bissues?\b[^)]*\d", heading, re.I), heading
+
+
+def result_tables() -> dict[str, list[dict[str, str]]]:
+    """Each question's table on the results page: its rows as {column: cell}."""
+    tables = {}
+    for section in re.split(r"^## ", RESULTS.read_text(), flags=re.M)[1:]:
+        title = section.splitlines()[0]
+        lines = [line for line in section.splitlines() if line.startswith("| ")]
+        if not lines:
+            continue
+        cells = [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in lines]
+        header, rows = cells[0], [row for row in cells[2:]]
+        assert all(len(row) == len(header) for row in rows), title
+        tables[title] = [dict(zip(header, row)) for row in rows]
+    return tables
+
+
+def test_every_row_of_the_results_says_where_it_stands_and_gives_its_date_command_and_json():
+    text = RESULTS.read_text()
+    defined = set(re.findall(r"^- ([REL]\d+) `", text, re.M))
+    tables = result_tables()
+    assert list(tables) == QUESTIONS
+    for title, rows in tables.items():
+        assert rows, title
+        for row in rows:
+            figure, command, json_cell = list(row.values())[0], row["reproduce"], list(row.values())[-1]
+            assert {"held out?", "circular?", "date", "reproduce"} <= set(row), title
+            if "not measured" not in row.values():
+                assert row["held out?"] and row["circular?"], figure
+                assert re.search(r"20\d\d-\d\d-\d\d|every run of the tests", row["date"]), figure
+            labels = re.findall(r"\b([REL]\d+)\b", command)
+            assert set(labels) <= defined, (figure, set(labels) - defined)
+            assert labels or re.search(r"`(?:python -m |make |/usr/bin/time|time make|\.venv)", command), figure
+            named = re.findall(r"`([^`]+\.(?:json|py))`", json_cell)
+            missing = re.search(r"no committed JSON|none yet", json_cell)
+            assert named or missing, figure
+            # A row without a committed JSON may name what its run wrote and did not keep.
+            for path in [p for p in named if p.startswith("tests/")] if missing else named:
+                where = REPO / path if path.startswith("tests/") else REPO / "benchmarks" / "results" / path
+                assert where.is_file(), (figure, path)
+    for path in re.findall(r"(benchmarks/results/[\w./-]+\.json(?:\.gz)?)", text):
+        assert (REPO / path).is_file(), path
+
+
+def test_the_readme_measurements_are_a_short_table_that_links_the_results_page():
+    section = README.split("\n## Measurements\n")[1].split("\n## ")[0]
+    assert len(section.strip().splitlines()) + 1 <= 20
+    assert re.findall(r"^\| .+ \|$", section, re.M), "a table"
+    assert all(line.startswith("|") for line in section.strip().splitlines()), "nothing but the table"
+    assert "](docs/benchmarks.md)" in section
 
 
 def benchmark_commands() -> list[str]:
