@@ -19,10 +19,42 @@ from jobs.make_tiny_models import make_tiny_models
 setup_logging("INFO")
 # The weights-hash cache (pipeline.provenance.weights_cache_file) of this test run, not the user's.
 os.environ.setdefault("BON_CACHE_DIR", tempfile.mkdtemp(prefix="bon-cache-"))
+# Inductor's on-disk cache of this test run, not the machine's: a kernel another run compiled (another
+# ATEN_CPU_CAPABILITY, another thread count, another torch) is never what a test checks.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cache-"))
 # The paged KV cache gathers its blocks for SDPA (pipeline.engines.kv_cache.KERNEL_ENV) in this run and
 # its Ray workers: each new pool shape would compile flex_attention three times (40 s for the first,
 # cold, on this CPU). The kernel's own tests turn it back on (``flex_kernel``).
 os.environ.setdefault("BON_KV_KERNEL", "gather")
+
+
+def _compile_settings() -> dict:
+    """torch.compile's process-wide settings now: its stance, dynamo's and inductor's configurations."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    return {"stance": torch._dynamo.eval_frame._stance, "dynamo": torch._dynamo.config.get_config_copy(),
+            "inductor": torch._inductor.config.get_config_copy()}
+
+
+@pytest.fixture(autouse=True)
+def _process_state_kept():
+    """No test leaves torch's process-wide state changed for the tests after it. The thread count is
+    put back (in-process actors set their own, actors.generator); a test that leaves torch.compile's
+    stance or dynamo's or inductor's configuration changed fails (the stance is put back too)."""
+    import torch
+
+    threads, before = torch.get_num_threads(), _compile_settings()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    after = _compile_settings()
+    if after != before:
+        changed = [name for name in before if after[name] != before[name]]
+        import torch._dynamo
+
+        torch._dynamo.eval_frame._set_stance(before["stance"])
+        pytest.fail(f"the test left torch.compile's {' and '.join(changed)} changed")
 
 
 @pytest.fixture

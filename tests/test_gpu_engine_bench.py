@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from benchmarks.gpu_engine import HEAVY_MODULES, VARIANTS, main
 
 ABSENT = "raise ModuleNotFoundError(\"No module named '{0}' (test: absent as on the GPU machines)\", name='{0}')\n"
@@ -17,10 +19,14 @@ def test_tiny_shape_on_cpu_writes_every_run_without_ray_or_datasets(tiny_models,
         (stubs / name / "__init__.py").write_text(ABSENT.format(name))
     monkeypatch.setenv("PYTHONPATH", str(stubs))
     out = tmp_path / "out.json"
-    assert main(["--shape", "tiny", "--device", "cpu", "--tokenizer", str(tiny_models["generator"]),
-                 "--num-prompts", "3", "--num-samples", "4", "--max-new-tokens", "8", "--prompts-per-call", "2",
-                 "--reward-batch-size", "4", "--threads", "1", "--output", str(tmp_path / "builds"), "--json", str(out),
-                 "--no-progress"]) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--shape", "tiny", "--device", "cpu", "--tokenizer", str(tiny_models["generator"]),
+                     "--num-prompts", "3", "--num-samples", "4", "--max-new-tokens", "8", "--prompts-per-call", "2",
+                     "--reward-batch-size", "4", "--threads", "1", "--output", str(tmp_path / "builds"),
+                     "--json", str(out), "--no-progress"]) == 0
+    finally:  # benchmarks.parse set this process's threads to --threads: the tests after it run as before
+        torch.set_num_threads(threads)
 
     figures = json.loads(out.read_text())
     for name in VARIANTS:

@@ -57,6 +57,9 @@ class ForwardClock:
         self._seconds = seconds
         self.passes = passes
         """Forward passes timed."""
+        self.warm_up_seconds = 0.0
+        """Wall seconds of compiled kernels' warm-ups (compile and check, ``timed_warm_up``): work of
+        the calls that is neither a forward pass nor sampling and bookkeeping."""
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @property
@@ -106,6 +109,19 @@ def timed_forward(device: torch.device) -> Iterator[None]:
         yield
         clock._seconds += time.time() - start
     clock.passes += 1
+
+
+@contextmanager
+def timed_warm_up() -> Iterator[None]:
+    """A compiled kernel's warm-up (its compile and check, pipeline.engines.attention_kernel), timed
+    into the active clock's ``warm_up_seconds`` if there is one."""
+    clock = _ACTIVE_CLOCK.get()
+    start = time.time()
+    try:
+        yield
+    finally:
+        if clock is not None:
+            clock.warm_up_seconds += time.time() - start
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
