@@ -55,7 +55,7 @@ import heapq
 import logging
 import os
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -674,9 +674,8 @@ class PagedPasses:
             places = rows.tables[handles, lengths // bs].astype(np.int64) * bs + lengths % bs
             position = torch.from_numpy(rows.position[handles]).to(self.kv.device)
             call = self._step_call(handles, lengths + 1)
-            stance = torch.compiler.set_stance("fail_on_recompile") if call.step.bucket else nullcontext()
-            with stance, self._inputs(call, tokens[:, None], position[:, None],
-                                      torch.from_numpy(places).to(self.kv.device), int(lengths.max())) as inputs:
+            with self._inputs(call, tokens[:, None], position[:, None], torch.from_numpy(places).to(self.kv.device),
+                              int(lengths.max())) as inputs:
                 yield inputs
         except BaseException:
             self.kv.pool.drop(taken)  # the rows did not advance: their new blocks go back
