@@ -17,7 +17,7 @@ from pipeline.config import key_docs
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-DOCS = {p: p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
+DOCS = {p: p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "README.md"]}
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 KEYS = {d.key for d in key_docs()}
 SECTIONS = ("models", "strategy", "sampling", "data", "runtime")
@@ -158,6 +158,11 @@ def test_the_readme_measurements_are_a_short_table_that_links_the_results_page()
     assert re.findall(r"^\| .+ \|$", section, re.M), "a table"
     assert all(line.startswith("|") for line in section.strip().splitlines()), "nothing but the table"
     assert "](docs/benchmarks.md)" in section
+
+
+def test_the_benchmarks_readme_names_every_script_in_benchmarks():
+    listed = set(re.findall(r"`(\w+\.py)`", (REPO / "benchmarks" / "README.md").read_text()))
+    assert {p.name for p in (REPO / "benchmarks").glob("*.py")} <= listed
 
 
 def benchmark_commands() -> list[str]:
