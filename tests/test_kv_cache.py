@@ -374,9 +374,9 @@ def test_the_compiled_kernel_is_checked_then_used_with_no_compile_during_steps(e
     torch.testing.assert_close(compiled, reference, atol=1e-5, rtol=1e-5)
 
 
-def _wrong_kernel(own_flex, options):
+def _wrong_kernel(own_flex, options, backend):
     """A compiled kernel that is off by a little (the kind of error an ISA-specific build made)."""
-    right = own_flex(options)
+    right = own_flex(options, backend)
     return lambda *args: right(*args) + 0.05
 
 
@@ -389,7 +389,7 @@ def test_a_kernel_that_disagrees_with_the_gather_is_never_trusted(engine, monkey
     prompts = [ids(engine, TEXTS[2]), ids(engine, "Hi")]
     batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
     own = attention_kernel._own_flex
-    monkeypatch.setattr(attention_kernel, "_own_flex", lambda options: _wrong_kernel(own, options))
+    monkeypatch.setattr(attention_kernel, "_own_flex", lambda options, backend: _wrong_kernel(own, options, backend))
     kv = KVCache(engine.model, engine.device, memory=8 << 20, block_size=16, max_rows=4)
     _, logits = _steps(engine, kv, batch)
     stats = kv.stats()
@@ -432,7 +432,7 @@ def test_a_pool_whose_kernel_does_not_compile_gathers_alone(engine, monkeypatch,
     batch, _ = RowBatch.prefill(engine.model, prompts, engine.pad_id, engine.device)
     own = attention_kernel._own_flex
 
-    def failing(options):
+    def failing(options, backend):
         def run(*args):
             raise RuntimeError("C++ compile error (simulated)")
         return run
@@ -710,7 +710,7 @@ def test_the_kernels_row_buckets_follow_rows_in_flight(tiny_models, tmp_path, mo
 
     monkeypatch.setenv(kv_cache.KERNEL_ENV, "gather")  # the buckets, not their compiles
 
-    for rows, expected in ((16, [1, 16]), (100, [1, 16, 256]), (0, row_buckets(MAX_ROWS))):
+    for rows, expected in ((16, [1, 16]), (100, [1, 16, 100]), (0, row_buckets(MAX_ROWS))):
         config = config_from_dict({"models": {"generator": str(tiny_models["generator"]),
                                               "reward": str(tiny_models["reward"])},
                                    "data": {"prompts": str(tmp_path / "p.jsonl"), "output": str(tmp_path / "out")},
