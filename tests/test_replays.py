@@ -36,11 +36,13 @@ def split(command: str) -> tuple[str, list[str], str]:
 
 
 def differences(new, old, path: str = "") -> list[str]:
-    """Where two JSON values differ: keys, lengths, values (floats to 1e-9 relative; NaN equal to NaN).
-    ``environment`` (date, commit, packages, machine, command line) is not a figure and is skipped."""
+    """Where the replay ``new`` does not reproduce the committed ``old``: a key of ``old`` missing, a
+    length, a value (floats to 1e-9 relative; NaN equal to NaN). ``environment`` (date, commit, packages,
+    machine, command line) is not a figure and is skipped; a key only in the replay is output the script
+    has added since the JSON was committed (a figure taken before the prompt was counted has no
+    ``prompt_tokens``), not a figure that changed."""
     if isinstance(new, dict) and isinstance(old, dict):
-        found = [f"{path}.{k}: only in {'the replay' if k in new else 'the committed JSON'}"
-                 for k in sorted(set(new) ^ set(old)) if k != "environment"]
+        found = [f"{path}.{k}: only in the committed JSON" for k in sorted(set(old) - set(new)) if k != "environment"]
         for key in sorted(set(new) & set(old) - {"environment"}):
             found += differences(new[key], old[key], f"{path}.{key}")
         return found
@@ -65,6 +67,7 @@ def test_differences_finds_a_changed_figure_and_skips_the_environment():
         ".held_out.median: 1.46 in the replay, 1.45 committed"]
     assert differences({**old, "points": [1]}, old) == [".points: 1 items against 2"]
     assert differences({k: v for k, v in old.items() if k != "points"}, old) == [".points: only in the committed JSON"]
+    assert differences({**old, "prompt_tokens": 0}, old) == []
     assert differences({"x": float("nan")}, {"x": float("nan")}) == []
 
 
