@@ -40,7 +40,7 @@ from pipeline.config import ActorResources, Config, ConfigError, RuntimeConfig
 from pipeline.decoding.domain import RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import WorkerFailure
-from pipeline.observability import CallLedger
+from pipeline.observability import CallLedger, kernel_note
 from pipeline.strategies import lookup
 
 log = logging.getLogger(__name__)
@@ -230,8 +230,9 @@ class Workers:
         seen = [kv for kv in (_glance(g.transport, "kv_use") for g in self.generators) if kv]
         if not seen:
             return None
-        return {key: sum(kv[key] for kv in seen)
-                for key in ("kv_blocks_used", "kv_blocks_total", "kv_bytes_total", "kv_preemptions")}
+        return {**{key: sum(kv[key] for kv in seen)
+                   for key in ("kv_blocks_used", "kv_blocks_total", "kv_bytes_total", "kv_preemptions")},
+                "kv_kernel_note": kernel_note(seen)}
 
     def restarts(self) -> int:
         return sum(w.restarts for w in self.generators + self.scorers)

@@ -69,7 +69,7 @@ class GeneratorActor:
         concurrent = continuous_batching and self.engine.continuous_batching
         self._one_at_a_time = contextlib.nullcontext() if concurrent else threading.Lock()
         self.timeline = ActorTimeline(lambda: len(self.engine.sessions), compute="sampling_and_bookkeeping",
-                                      open_wait="waiting_for_rewards")
+                                      open_wait="waiting_for_rewards", warm_up="kernel_warm_up")
 
     def open(self, session: str, prompts: list[list[int]], num_samples: int, seeds: list[int],
              sampling: SamplingParams, timing: CallTiming | None = None, rewards: bool = False) -> None:

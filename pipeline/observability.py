@@ -128,8 +128,26 @@ class ShardLog:
         if kv and kv.get("kv_blocks_total"):
             line += (f" | KV {kv['kv_blocks_used'] / kv['kv_blocks_total']:.0%} of "
                      f"{kv['kv_bytes_total'] / 2**30:.2f} GiB, {kv['kv_preemptions']} preemptions")
+            if kv.get("kv_kernel_note"):
+                line += f", {kv['kv_kernel_note']}"
         log.log(self.level, "%s", line)
         return line
+
+
+def kernel_note(kvs: list[dict]) -> str:
+    """The generators' attention kernels in a few words, for the progress line: their warm-up (compile
+    and check) and, where a pool gathers, for how many steps and why. ``kvs``: each generator's
+    KVCache.stats (pipeline.engines.attention_kernel.AttentionKernel.stats); "" when none has a kernel."""
+    notes, warm_up = [], sum(kv.get("kv_kernel_warm_up_s", 0.0) for kv in kvs)
+    if warm_up:
+        notes.append(f"kernel warm-up {warm_up:.1f}s")
+    for kv in kvs:
+        reason = kv.get("kv_kernel_reason", "")
+        if kv.get("kv_kernel") == "gather" and reason and reason != "not allocated yet":
+            notes.append(f"gathers every step: {reason}")
+        for why, steps in kv.get("kv_kernel_gathered_reasons", {}).items():
+            notes.append(f"gathered {steps} steps: {why}")
+    return "; ".join(dict.fromkeys(notes))
 
 
 def _clock(seconds: float) -> str:
@@ -238,9 +256,13 @@ class ActorTimeline:
 
     - ``forward``: inside model forward passes (every RowBatch pass and the reward model's
       stateless passes, timed into this timeline's ForwardClock);
+    - ``warm_up`` (named by the actor where it has one: ``kernel_warm_up`` for a generator):
+      compiling and checking a compiled kernel (the paged KV cache's attention, at its pool's
+      allocation and after a thread count change; timed into the ForwardClock by
+      pipeline.engines.rows.timed_warm_up), inside its calls;
     - ``compute`` (named by the actor: ``sampling_and_bookkeeping`` for a generator: sampling,
       stopping rows, KV-cache row selection, detokenizing; ``tokenizing_and_bookkeeping`` for a
-      reward model): inside its calls, outside forward passes;
+      reward model): inside its calls, outside forward passes and warm-ups;
     - ``ray_calls``: idle while one of its calls was on its way, to it (sent, not started: Ray's
       dispatch, argument transfer and deserialization) or back (ended, result not yet received by
       the driver). A call sent while the actor was busy waits in its queue; that time is counted
@@ -256,16 +278,18 @@ class ActorTimeline:
     """
 
     def __init__(self, open_batches: Callable[[], int], compute: str, open_wait: str, history: int = 64,
-                 clock: Callable[[], float] = time.time):
-        """``open_batches``: how many batches are open on the actor now; ``compute`` and
-        ``open_wait``: the names of those two parts; ``history``: how many recent gaps a late
-        report of a return leg can still reach; ``clock``: the wall clock CallTiming's stamps use."""
+                 clock: Callable[[], float] = time.time, warm_up: str | None = None):
+        """``open_batches``: how many batches are open on the actor now; ``compute``, ``open_wait``
+        and ``warm_up`` (None: no such part): the names of those parts; ``history``: how many recent
+        gaps a late report of a return leg can still reach; ``clock``: the wall clock CallTiming's
+        stamps use."""
         self.forward = ForwardClock()
         """The actor's forward passes: active for the length of each call."""
         self.calls = 0
         self._open_batches = open_batches
-        self._parts = dict.fromkeys(["forward", compute, open_wait, "waiting_for_work", "ray_calls"], 0.0)
-        self._compute, self._open_wait = compute, open_wait
+        self._parts = dict.fromkeys(["forward", *([warm_up] if warm_up else []), compute, open_wait,
+                                     "waiting_for_work", "ray_calls"], 0.0)
+        self._compute, self._open_wait, self._warm_up = compute, open_wait, warm_up
         self._queued = 0.0
         self._clock = clock
         self._ready = clock()
@@ -276,6 +300,7 @@ class ActorTimeline:
         self._active = 0  # calls under way
         self._busy_since = 0.0  # the start of the first of them
         self._forward_before = 0.0  # forward seconds then
+        self._warm_up_before = 0.0  # warm-up seconds then
         self._call_seconds = 0.0
 
     @contextmanager
@@ -299,6 +324,7 @@ class ActorTimeline:
                 self._credit(gap)
             if not self._active:
                 self._busy_since, self._forward_before = start, self.forward.seconds
+                self._warm_up_before = self.forward.warm_up_seconds
             self._active += 1
             for returned in timing.returned if timing is not None else ():
                 self._returned(*returned)
@@ -313,8 +339,11 @@ class ActorTimeline:
                 self._call_seconds += end - start
                 if not self._active:
                     forward = self.forward.seconds - self._forward_before
+                    warm_up = self.forward.warm_up_seconds - self._warm_up_before if self._warm_up else 0.0
                     self._parts["forward"] += forward
-                    self._parts[self._compute] += end - self._busy_since - forward
+                    if self._warm_up:
+                        self._parts[self._warm_up] += warm_up
+                    self._parts[self._compute] += end - self._busy_since - forward - warm_up
                     self._last_end = end
 
     def _credit(self, gap: _Gap, sign: float = 1.0) -> None:
@@ -335,13 +364,14 @@ class ActorTimeline:
 
     def stats(self) -> dict:
         """``span_seconds``; ``breakdown_seconds``, the parts above (they sum to the span);
-        ``busy_seconds``, inside calls (forward + compute); ``call_seconds``, the calls' own
+        ``busy_seconds``, inside calls (forward + warm-up + compute); ``call_seconds``, the calls' own
         durations added up (more than busy_seconds when calls overlap); ``queued_seconds``;
         ``calls``; ``forward_passes``."""
         with self._lock:
             span = self._last_end - self._first if self._first is not None else 0.0
             return {"span_seconds": span, "breakdown_seconds": dict(self._parts),
-                    "busy_seconds": self._parts["forward"] + self._parts[self._compute],
+                    "busy_seconds": self._parts["forward"] + self._parts.get(self._warm_up, 0.0)
+                    + self._parts[self._compute],
                     "call_seconds": self._call_seconds, "queued_seconds": self._queued, "calls": self.calls,
                     "forward_passes": self.forward.passes}
 

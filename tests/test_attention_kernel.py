@@ -337,3 +337,47 @@ def test_a_kernel_another_cpu_capability_compiled_is_never_loaded_from_inductors
     if native["capability"] == avx2["capability"]:
         pytest.skip("this CPU's capability is AVX2 already: nothing to tell apart")
     assert native["hits"][0] == 0 and native["hits"][1] > 0, (avx2, native)
+
+
+# -- where it shows: the actor's time and the progress line ----------------------------------------
+
+
+def test_the_kernels_warm_up_is_a_part_of_the_generators_time_apart_from_sampling_and_bookkeeping():
+    """A generator's call in which a pool compiles and checks its kernel: the report's breakdown
+    counts that as ``kernel_warm_up``, not as sampling and bookkeeping (the tiny build's 29.9 s of
+    "sampling_and_bookkeeping" against 0.68 s of forward passes was nearly all warm-up)."""
+    import time
+
+    from pipeline.engines.rows import timed_warm_up
+    from pipeline.observability import ActorTimeline, format_actor_time
+
+    timeline = ActorTimeline(lambda: 0, compute="sampling_and_bookkeeping", open_wait="waiting_for_rewards",
+                             warm_up="kernel_warm_up")
+    with timeline.call(None):
+        with timed_warm_up():
+            time.sleep(0.3)
+        time.sleep(0.05)
+    parts = timeline.stats()["breakdown_seconds"]
+    assert parts["kernel_warm_up"] == pytest.approx(0.3, abs=0.05)
+    assert parts["sampling_and_bookkeeping"] == pytest.approx(0.05, abs=0.04)
+    assert sum(parts.values()) == pytest.approx(timeline.stats()["span_seconds"])
+    assert "kernel warm up" in format_actor_time(timeline.stats())
+
+
+def test_the_progress_line_says_when_a_pool_gathers_and_why():
+    """The shard line's KV part names the kernels' warm-up and, where a pool gathers, for how many
+    steps and why (a whole pool, or steps past its largest bucket)."""
+    from pipeline.observability import ShardLog, kernel_note
+
+    cut = _kernel(blocks=65536, max_rows=1024)
+    cut.kernel, cut.reason, cut.warm_up_seconds = "flex_attention", "", 12.5
+    cut._gathered(attention_kernel.PAST_BUCKETS.format(256))
+    off = _kernel()
+    off._off("compiled flex_attention differs from the gather by 0.86 at 1 rows")
+    note = kernel_note([cut.stats(), off.stats()])
+    assert note == ("kernel warm-up 12.5s; gathered 1 steps: rows past the largest row bucket (256 rows); "
+                    "gathers every step: compiled flex_attention differs from the gather by 0.86 at 1 rows")
+    kv = {"kv_blocks_used": 1, "kv_blocks_total": 4, "kv_bytes_total": 2**30, "kv_preemptions": 0,
+          "kv_kernel_note": note}
+    line = ShardLog(1, 1, bars=False).shard_committed(0, 1, 0, kv)
+    assert line.endswith(f"| KV 25% of 1.00 GiB, 0 preemptions, {note}")

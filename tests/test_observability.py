@@ -14,7 +14,7 @@ from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 SHARD_LINE = re.compile(r"^shard (\d+) committed \((\d+)/(\d+) this run\): (\d+) pairs, (\d+) rejected \| "
                         r"(\d+)/(\d+) prompts, (\d+) pairs, [\d.]+ pairs/min, elapsed \d+:\d\d:\d\d, ETA (\d+:\d\d:\d\d)"
-                        r"(?: \| KV (\d+)% of ([\d.]+) GiB, (\d+) preemptions)?$")
+                        r"(?: \| KV (\d+)% of ([\d.]+) GiB, (\d+) preemptions(?:, (.+))?)?$")
 
 
 def build(tiny_models, tmp_path, *extra) -> int:
