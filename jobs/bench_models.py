@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from jobs.cli import exits_on_interrupt
+
 log = logging.getLogger(__name__)
 
 PRODUCTS = {
@@ -302,6 +304,7 @@ def make_bench_models(output: str | Path, settings: BenchSettings | None = None,
     return paths
 
 
+@exits_on_interrupt()
 def main(argv: list[str] | None = None) -> int:
     from jobs.make_tiny_models import models_cli
 

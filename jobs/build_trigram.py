@@ -16,7 +16,7 @@ import sys
 
 from tqdm.auto import tqdm
 
-from jobs.cli import bars, job_parser, setup_logging
+from jobs.cli import bars, exits_on_interrupt, job_parser, setup_logging
 from pipeline.engines.hf import load_tokenizer
 from pipeline.decoding.trigram import TrigramMatrix
 from pipeline.engines.trigram import save_trigram
@@ -41,6 +41,7 @@ def read_documents(path: str) -> list[str]:
     return docs
 
 
+@exits_on_interrupt()
 def main(argv: list[str] | None = None) -> int:
     parser = job_parser("bon-build-trigram", __doc__)
     parser.add_argument("--corpus", nargs="+", required=True,

@@ -6,6 +6,9 @@ Flag names are one per meaning across the jobs: --config, --prompts, --prompt-co
 a job writes), --pairs (a build's output read as input), --generator, --reward, --num-samples,
 --max-new-tokens, --seed, --device, --dtype, --set, --log-level, --no-progress.
 
+Ctrl-C (SIGINT) ends any job with one line on stderr, saying what was kept and what a rerun does, and
+exit code 130 (``exits_on_interrupt``), never a traceback.
+
 Logging goes to stderr. INFO lines are the message alone ("note: ..." where a note), WARNING and ERROR
 lines start "warning: " and "error: " (one line each: the user errors of every job). Where stderr
 is not a terminal (``ray job submit``, CI, a log file) a build logs one line per committed shard in
@@ -16,12 +19,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import sys
 import typing
+from typing import Callable
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+"""--dtype's values in every job that takes it (models.dtype's)."""
+INTERRUPTED = 130
+"""A job's exit code after Ctrl-C: 128 + SIGINT's number, what a shell reports for a command SIGINT ended
+(1 is a failed shard's, 2 a user error's)."""
+log = logging.getLogger(__name__)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -47,6 +58,32 @@ def job_parser(prog: str, doc: str | None, epilog: str | None = None) -> argpars
                         help="no progress bars (where stderr is not a terminal there are none anyway: a log "
                              "line per step instead)")
     return parser
+
+
+def interrupted(what: str) -> int:
+    """One line on stderr for a job stopped by Ctrl-C (``what``: what was kept, and what a rerun does);
+    returns INTERRUPTED, the job's exit code."""
+    log.error("interrupted (Ctrl-C): %s", what)
+    return INTERRUPTED
+
+
+def exits_on_interrupt(what: str = "nothing committed; rerun the same command to start again"
+                       ) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """Decorate a job's ``main``: a KeyboardInterrupt (Ctrl-C, SIGINT) wherever it is raised ends the
+    job with ``interrupted(what)`` and exit code 130, not a traceback. A job that can say more (the
+    build: how many shards it committed) catches it first, where it knows that."""
+
+    def decorate(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def run(*args, **kwargs) -> int:
+            try:
+                return main(*args, **kwargs)
+            except KeyboardInterrupt:
+                return interrupted(what)
+
+        return run
+
+    return decorate
 
 
 def bars(args: argparse.Namespace) -> bool:
@@ -78,7 +115,7 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
     """--device and --dtype, for the jobs that load the generator and the reward model themselves
     (the build jobs take models.device / models.dtype from the config)."""
     parser.add_argument("--device", default="cpu", help="torch device of both models (cpu, cuda, cuda:1, ...)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="torch dtype of both models (auto: the checkpoints' own)")
 
 

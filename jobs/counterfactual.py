@@ -47,7 +47,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.cli import add_device_flags, bars, job_parser, setup_logging
+from jobs.cli import add_device_flags, bars, exits_on_interrupt, job_parser, setup_logging
 from pipeline.decoding.metrics import PromptRewards, accepted, chosen, correlations, grid
 
 log = logging.getLogger(__name__)
@@ -222,6 +222,7 @@ def report_lines(summary: dict, taus: list[int], alphas: list[float]) -> None:
               f"{100 * judge['random_sample']['instruction_level_strict']:.1f}")
 
 
+@exits_on_interrupt()
 def main(argv: list[str] | None = None) -> int:
     parser = job_parser("bon-counterfactual", __doc__)
     parser.add_argument("--generator", required=True, help="generator: HF model directory or hub id")

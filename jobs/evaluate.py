@@ -39,7 +39,7 @@ import logging
 import math
 import sys
 
-from jobs.cli import add_device_flags, job_parser, setup_logging, strategies_text
+from jobs.cli import add_device_flags, exits_on_interrupt, job_parser, setup_logging, strategies_text
 from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -97,8 +97,6 @@ def read_pairs(output: str, allow_partial: bool) -> list[dict]:
     """The build's pair rows, from its committed shards only (OutputReader.read_committed); with
     ``allow_partial``, one line on stderr says what of the build was left out. InputError when
     ``output`` is no build."""
-    import pyarrow.parquet as pq
-
     from pipeline.data.reader import BUILD_FILES, OutputReader, partial_read_line
 
     store = OutputReader.open_build(output)
@@ -108,12 +106,28 @@ def read_pairs(output: str, allow_partial: bool) -> list[dict]:
     read = store.read_committed(allow_partial=allow_partial)
     rows = []
     for part in read.parts:
-        with store.fs.open(part, "rb") as f:
-            rows += pq.read_table(f).to_pylist()
+        rows += read_parquet_rows(store.fs, part)
     line = partial_read_line(output, len(rows), [read])
     if line:
         log.info("%s", line)
     return rows
+
+
+def read_parquet_rows(fs, path: str) -> list[dict]:
+    """The rows of one Parquet file of ``fs``, read with no Python object in Arrow's hands.
+
+    Given a Python file, Arrow reads it on its own IO threads (the footer, and read_table's
+    pre-buffering), which may still hold buffers of that file after the read returns; the last one
+    freed while the interpreter exits (a user error found right after the read) calls into Python
+    from that thread and aborts the process ("terminate called without an active exception", exit
+    134). So the bytes are read here and copied into memory Arrow owns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    native = pa.BufferOutputStream()
+    with fs.open(path, "rb") as f:
+        native.write(f.read())
+    return pq.read_table(pa.BufferReader(native.getvalue())).to_pylist()
 
 
 def judge_pairs(args) -> dict:
@@ -260,6 +274,7 @@ def compare_methods(args) -> tuple[dict, str] | int:
             "judge": f"{judge.lower()}-strict", **subset, "methods": report}, table
 
 
+@exits_on_interrupt("nothing written; rerun the same command to start again")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)

@@ -47,8 +47,8 @@ import os
 import sys
 from pathlib import Path
 
-from jobs.cli import (add_channel_objective_flags, add_help_config, bars, channel_objective_error, job_parser,
-                      setup_logging, strategies_text)
+from jobs.cli import (add_channel_objective_flags, add_help_config, bars, channel_objective_error, exits_on_interrupt,
+                      job_parser, setup_logging, strategies_text)
 from pipeline.config import ConfigError, load_config
 from pipeline.errors import InputError
 from pipeline.errors import IncompleteBuild, OutputConflict
@@ -286,6 +286,7 @@ def run_rounds(args, out: Path, progress: dict, sid: str) -> str:
     return generator
 
 
+@exits_on_interrupt("finished builds and training steps are kept; rerun the same command to resume")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)

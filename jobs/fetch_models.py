@@ -40,7 +40,7 @@ import uuid
 import zipfile
 from pathlib import Path
 
-from jobs.cli import add_settings_flags, bars, job_parser, settings_from_flags, setup_logging
+from jobs.cli import add_settings_flags, bars, exits_on_interrupt, job_parser, settings_from_flags, setup_logging
 from pipeline.errors import FetchError
 from pipeline.training.cached_steps import skip
 from pipeline.training.real_draft import DraftSettings, build_draft, format_draft_report
@@ -112,6 +112,7 @@ def _complete_zip(path: Path) -> bool:
         return False
 
 
+@exits_on_interrupt()
 def main(argv: list[str] | None = None) -> int:
     parser = job_parser("bon-fetch-models", __doc__)
     parser.add_argument("--output", required=True, help="writes OUTPUT/generator and OUTPUT/reward")

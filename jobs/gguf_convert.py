@@ -20,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from jobs.cli import job_parser, setup_logging
+from jobs.cli import exits_on_interrupt, job_parser, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ def _drop_gguf_quantization(model) -> None:
             pass
 
 
+@exits_on_interrupt()
 def main(argv: list[str] | None = None) -> int:
     parser = job_parser("bon-gguf-convert", __doc__)
     parser.add_argument("--gguf", required=True, help="the .gguf file")

@@ -26,7 +26,7 @@ import sys
 from importlib.resources import files
 from pathlib import Path
 
-from jobs.cli import job_parser, setup_logging
+from jobs.cli import exits_on_interrupt, job_parser, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ def provenance(rows: list[dict]) -> dict:
             "max_prompt_chars_full_set": max(len(r["prompt"]) for r in judge.ifbench_test_rows())}
 
 
+@exits_on_interrupt()
 def main(argv: list[str] | None = None) -> int:
     parser = job_parser("python -m jobs.make_ifbench_prompts", __doc__)
     parser.add_argument("--output", default="configs/prompts/ifbench-test.jsonl",

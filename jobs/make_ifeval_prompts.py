@@ -26,7 +26,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from jobs.cli import job_parser, setup_logging
+from jobs.cli import exits_on_interrupt, job_parser, setup_logging
 from pipeline import judge
 
 log = logging.getLogger(__name__)
@@ -322,6 +322,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+@exits_on_interrupt()
 def main(argv: list[str] | None = None) -> int:
     parser = job_parser("python -m jobs.make_ifeval_prompts", __doc__)
     parser.add_argument("--output", default="configs/prompts",

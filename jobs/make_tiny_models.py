@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-from jobs.cli import bars, job_parser, setup_logging
+from jobs.cli import bars, exits_on_interrupt, job_parser, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ def models_cli(argv: list[str] | None, prog: str, doc: str, build) -> int:
     return 0
 
 
+@exits_on_interrupt()
 def main(argv: list[str] | None = None) -> int:
     return models_cli(argv, "bon-make-tiny-models", __doc__,
                       lambda output, seed, progress: make_tiny_models(output, seed))

@@ -29,7 +29,8 @@ import logging
 import sys
 from pathlib import Path
 
-from jobs.cli import add_channel_objective_flags, bars, channel_objective_error, job_parser, setup_logging
+from jobs.cli import (add_channel_objective_flags, bars, channel_objective_error, exits_on_interrupt, job_parser,
+                      setup_logging)
 from pipeline.errors import FetchError, InputError
 from pipeline.errors import IncompleteBuild
 
@@ -64,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@exits_on_interrupt()
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
@@ -105,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: %s", args.pairs, exc)
         return 2
     Path(args.output, "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    for key in ("train_loss", "first_loss", "steps", "train_pairs", "eval_pairs", "eval_loss", "pairwise_accuracy",
-                "autrc", "dpo_train_loss", "dpo_steps"):
+    for key in ("train_loss", "first_loss", "steps", "train_pairs", "eval_pairs", "pairs_dropped_empty", "eval_loss",
+                "pairwise_accuracy", "autrc", "dpo_train_loss", "dpo_steps"):
         if key in metrics:
             value = metrics[key]
             print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")

@@ -32,6 +32,7 @@ REQUIRED = {
     "expert_iteration": ["--config", "c.yaml", "--rounds", "1", "--output", "o"],
     "fetch_models": ["--output", "o"],
     "gguf_convert": ["--gguf", "m.gguf", "--output", "o"],
+    "make_ifbench_prompts": [],
     "make_ifeval_prompts": [],
     "make_tiny_models": ["--output", "o"],
     "train_reward_transformer": ["--pairs", "p", "--generator", "g", "--output", "o"],
@@ -264,3 +265,31 @@ def test_help_config_into_a_pipe_that_closes_early_ends_quietly():
     done = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m jobs.build_dataset --help-config | head -n 2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("models.generator (string") and done.stderr == ""
+
+
+def test_build_takes_the_model_flags_of_the_other_jobs_and_needs_no_config(monkeypatch):
+    """README's shared flags: --generator --reward --device --dtype --prompt-column set their config keys
+    in bon-build too (before: "unrecognized arguments: --generator", and --config was required)."""
+    import pipeline.build
+    from jobs import build_dataset
+
+    planned = []
+
+    def plan(config, overwrite=False):
+        planned.append(config)
+        raise Parsed(None)  # stop before the input is read
+
+    monkeypatch.setattr(pipeline.build, "plan_build", plan)
+    shared = ["--prompts", "p.jsonl", "--output", "o", "--device", "cuda:1", "--dtype", "bfloat16",
+              "--prompt-column", "question"]
+    for argv in (["--generator", "gen", "--reward", "true", *shared],  # "true": a name, not YAML's boolean
+                 ["--generator", "gen", "--reward", "r1", "r2", "--set", "models.reward_weights=[1, 0.5]", *shared]):
+        with pytest.raises(Parsed):
+            build_dataset.main(argv)
+    one, two = planned
+    assert (one.models.generator, one.models.reward, one.models.device, one.models.dtype, one.data.prompt_column,
+            one.data.prompts, one.data.output) == ("gen", "true", "cuda:1", "bfloat16", "question", "p.jsonl", "o")
+    assert two.models.reward == ["r1", "r2"]
+    with pytest.raises(SystemExit) as refused:  # --dtype takes the values it takes in every job
+        build_dataset.main(["--dtype", "float64"])
+    assert refused.value.code == 2

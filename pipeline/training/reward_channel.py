@@ -27,6 +27,7 @@ Metrics on a held-out split:
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from tqdm.auto import tqdm
 
 from pipeline.errors import InputError
 from pipeline.engines.reward_transformer import RewardTransformer
+
+log = logging.getLogger(__name__)
 
 AUTRC_POINTS = 20
 
@@ -288,7 +291,8 @@ def train_reward_transformer(pairs, model: str, output: str, *, dpo: bool = Fals
     """The whole recipe: `pairs` (a Dataset with prompt/chosen/rejected) and a starting model (an
     HF causal LM or a Reward Transformer directory) in, a trained Reward Transformer directory at
     `output` out. With `dpo`, TRL's DPOTrainer first updates the policy on the training split
-    (setting 2); the channel then learns on the updated, frozen policy. Returns the metrics."""
+    (setting 2); the channel then learns on the updated, frozen policy. Returns the metrics, with
+    pairs_dropped_empty: the pairs left out for an empty chosen or rejected response (a note says so)."""
     from pipeline.engines.hf import load_tokenizer
 
     tokenizer = load_tokenizer(model)
@@ -298,7 +302,12 @@ def train_reward_transformer(pairs, model: str, output: str, *, dpo: bool = Fals
     train_rows, held_rows = split_pairs(usable, eval_fraction, seed)
     train = encode_pairs(pairs.select(train_rows), tokenizer, max_length)
     held_out = encode_pairs(pairs.select(held_rows), tokenizer, max_length)
-    metrics: dict = {}
+    # A response with no text (or no token) has nothing to score: such a pair is left out, and said.
+    dropped = len(pairs) - len(train) - len(held_out)
+    if dropped:
+        log.info("note: %d of %d pairs left out: an empty chosen or rejected response (pairs_dropped_empty in "
+                 "training_metrics.json)", dropped, len(pairs))
+    metrics: dict = {"pairs_dropped_empty": dropped}
     policy_source = model
     if dpo:
         from pipeline.training.dpo import train_dpo
