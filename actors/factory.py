@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from actors.faults import parse_faults, with_faults
 from actors.remote import (CONCURRENCY_GROUPS, ROOM_NOTICE_S, ROOM_WAIT_S, RemoteProxy, SecretEnv, cluster_capacity,
-                           with_call_clock)
+                           room_for, with_call_clock)
 from pipeline.config import ActorResources, Config, ConfigError, RuntimeConfig
 from pipeline.decoding.domain import RowState, SearchOutput
 from pipeline.decoding.sampling import SamplingParams
@@ -399,7 +399,8 @@ def start_workers(config: Config) -> Workers:
 def _start_local(plan: _ActorPlan, rt: RuntimeConfig) -> Workers:
     """In the driver's process, each worker serialized (one call at a time, as an actor would be),
     except a generator with continuous batching, which takes the coordinator's threads at once."""
-    gens = [plan.generator_cls(*plan.generator_args, **plan.generator_kwargs) for _ in range(rt.generator_actors)]
+    # In-process there is no node to join: a range starts its max.
+    gens = [plan.generator_cls(*plan.generator_args, **plan.generator_kwargs) for _ in range(rt.generator_range[1])]
     rewards = [plan.reward_cls(*plan.reward_args, **plan.reward_kwargs) for _ in range(rt.reward_actors)]
     continuous = plan.generator_kwargs["continuous_batching"]
     return Workers([local_generator(g, concurrent=continuous) for g in gens], [local_scorer(r) for r in rewards],
@@ -424,12 +425,15 @@ def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
     group = _reserve_placement_group(rt, plan)
     place = _RayPlacement(ray_runtime_env(config.data.storage_options), group, secret_env())
     drafts: dict[int, Any] = {}  # generator index -> its current DraftActor (placement "actor")
+    low, high = rt.generator_range
     gens = [RemoteProxy(spawn=_generator_spawner(plan, rt, place, i, drafts), name=f"generator {i}",
-                        timeout_s=rt.call_timeout_s, request=_request(plan.generator_resources))
-            for i in range(rt.generator_actors)]
+                        timeout_s=rt.call_timeout_s, request=_request(plan.generator_resources),
+                        bundle=(group, i) if group is not None else None)
+            for i in range(low)]
     rewards = [RemoteProxy(spawn=place.spawner(plan.reward_cls, plan.reward_args, plan.reward_resources,
-                                               rt.generator_actors + i, plan.reward_kwargs),
-                           name=f"reward {i}", timeout_s=rt.call_timeout_s, request=_request(plan.reward_resources))
+                                               low + i, plan.reward_kwargs),
+                           name=f"reward {i}", timeout_s=rt.call_timeout_s, request=_request(plan.reward_resources),
+                           bundle=(group, low + i) if group is not None else None)
                for i in range(rt.reward_actors)]
     proxies = gens + rewards
     # Surface model-loading errors now, not on the first call; an actor no node takes within
@@ -440,9 +444,68 @@ def _start_ray(plan: _ActorPlan, config: Config) -> Workers:
     except WorkerFailure as exc:
         _shutdown_ray(proxies, drafts, group)
         raise ConfigError(f"{exc}; lower runtime.<role>.num_cpus / num_gpus or the actor counts") from None
-    return Workers([GeneratorHandle(g, CallLedger()) for g in gens], [ScorerHandle(r, CallLedger()) for r in rewards],
+    generators = [GeneratorHandle(g, CallLedger()) for g in gens]
+    grower = None
+    if high > low:
+        grower = _Grower(functools.partial(_generator_spawner, plan, rt, place, drafts=drafts, in_group=False),
+                         rt, generators, proxies, _request(plan.generator_resources))
+        grower.start()
+    return Workers(generators, [ScorerHandle(r, CallLedger()) for r in rewards],
                    [p.handle for p in proxies] + list(drafts.values()),
-                   functools.partial(_shutdown_ray, proxies, drafts, place.group))
+                   functools.partial(_shutdown_ray, proxies, drafts, place.group, grower))
+
+
+class _Grower(threading.Thread):
+    """runtime.generator_actors as a range [min, max]: while the build runs, start one more generator
+    whenever a live node has room for it, up to max, and hand it to the coordinator by appending it
+    to the workers' generator list (pipeline.coordinator._Admission reads the list as it is). The
+    new actors are outside the placement group: its bundles were reserved for min."""
+
+    POLL_S = 2.0
+    """How often the cluster's free resources are read."""
+
+    def __init__(self, spawner: Callable[..., Callable[[], Any]], rt: RuntimeConfig, generators: list,
+                 proxies: list[RemoteProxy], request: dict[str, float]):
+        super().__init__(name="generator-grower", daemon=True)
+        self._spawner, self._rt, self._generators, self._proxies = spawner, rt, generators, proxies
+        self._request = request
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def run(self) -> None:
+        import ray
+
+        low, high = self._rt.generator_range
+        while not self._stopped.wait(self.POLL_S) and len(self._generators) < high:
+            if not _room_for(self._request):
+                continue
+            i = len(self._generators)
+            proxy = RemoteProxy(spawn=self._spawner(i=i), name=f"generator {i}", timeout_s=self._rt.call_timeout_s,
+                                request=self._request)
+            self._proxies.append(proxy)  # the shutdown kills it, started or not
+            try:
+                proxy.await_start()
+            except Exception as exc:  # noqa: BLE001 - the room went elsewhere, or it failed to load: try later
+                if not self._stopped.is_set():
+                    log.warning(f"generator {i}: not added ({exc}); the pool stays at {i}")
+                ray.kill(proxy.handle, no_restart=True)
+                self._proxies.remove(proxy)
+                continue
+            if self._stopped.is_set():
+                return
+            self._generators.append(GeneratorHandle(proxy, CallLedger()))
+            log.info(f"generator {i} added (runtime.generator_actors [{low}, {high}]: a node had room for it); "
+                     f"{len(self._generators)} generators")
+
+
+def _room_for(request: dict[str, float]) -> bool:
+    """actors.remote.room_for, False where Ray's per-node view cannot be read (then no growth)."""
+    try:
+        return room_for(request)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _attach_ray() -> bool:
@@ -486,10 +549,10 @@ def _check_capacity(plan: _ActorPlan, rt: RuntimeConfig, grows: bool) -> None:
 
     from pipeline.preflight import check_placement
 
-    requests = [("runtime.generator", rt.generator_actors, _request(plan.generator_resources)),
+    requests = [("runtime.generator", rt.generator_range[0], _request(plan.generator_resources)),
                 ("runtime.reward", rt.reward_actors, _request(plan.reward_resources))]
     if plan.draft_actor_args is not None:
-        requests.append(("runtime.draft", rt.generator_actors, _request(rt.draft)))
+        requests.append(("runtime.draft", rt.generator_range[0], _request(rt.draft)))
     reason = check_placement(requests, [n["Resources"] for n in ray.nodes() if n.get("Alive")], rt.placement_strategy)
     if reason is None:
         return
@@ -506,9 +569,10 @@ def _reserve_placement_group(rt: RuntimeConfig, plan: _ActorPlan):
     import ray
     from ray.util.placement_group import placement_group
 
-    resources = [plan.generator_resources] * rt.generator_actors + [plan.reward_resources] * rt.reward_actors
+    generators = rt.generator_range[0]
+    resources = [plan.generator_resources] * generators + [plan.reward_resources] * rt.reward_actors
     if plan.draft_actor_args is not None:
-        resources += [rt.draft] * rt.generator_actors
+        resources += [rt.draft] * generators
     group = placement_group([_request(r) for r in resources], strategy=rt.placement_strategy)
     ready, _ = ray.wait([group.ready()], timeout=ROOM_NOTICE_S)
     if not ready:
@@ -533,9 +597,10 @@ class _RayPlacement:
     secrets: SecretEnv | None = None
     """The driver's Hugging Face token, given to every actor (secret_env); None: none."""
 
-    def spawner(self, cls: type, args: tuple, resources: ActorResources, bundle: int,
+    def spawner(self, cls: type, args: tuple, resources: ActorResources, bundle: int | None,
                 kwargs: dict | None = None, max_concurrency: int = 1) -> Callable[..., Any]:
-        """A function that starts a fresh ``cls`` actor with these options in bundle ``bundle`` at each
+        """A function that starts a fresh ``cls`` actor with these options in bundle ``bundle`` (None:
+        outside the group) at each
         call (keyword arguments it is given join ``kwargs``): a RemoteProxy's spawn. ``max_concurrency``
         > 1: a threaded actor that runs that many calls at once."""
         import ray
@@ -546,7 +611,7 @@ class _RayPlacement:
                          "runtime_env": self.runtime_env or None}
         if max_concurrency > 1:
             options["max_concurrency"] = max_concurrency
-        if self.group is not None:
+        if self.group is not None and bundle is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.group,
@@ -557,17 +622,20 @@ class _RayPlacement:
 
 
 def _generator_spawner(plan: _ActorPlan, rt: RuntimeConfig, place: _RayPlacement, i: int,
-                       drafts: dict[int, Any]) -> Callable[[], Any]:
-    """Generator i's spawn; with draft actors, each spawn starts a fresh DraftActor first (``drafts``)."""
+                       drafts: dict[int, Any], in_group: bool = True) -> Callable[[], Any]:
+    """Generator i's spawn; with draft actors, each spawn starts a fresh DraftActor first (``drafts``).
+    ``in_group`` false: outside the placement group (a generator added to a range)."""
+    low = rt.generator_range[0]
     # Continuous batching: the actor takes each batch in flight's calls at once (a threaded actor).
     concurrency = rt.batches_in_flight if plan.generator_kwargs["continuous_batching"] else 1
-    spawn = place.spawner(plan.generator_cls, plan.generator_args, plan.generator_resources, i,
+    spawn = place.spawner(plan.generator_cls, plan.generator_args, plan.generator_resources, i if in_group else None,
                           plan.generator_kwargs, max_concurrency=concurrency)
     if plan.draft_actor_args is None:
         return spawn
     from actors.draft import DraftActor
 
-    spawn_draft = place.spawner(DraftActor, plan.draft_actor_args, rt.draft, rt.generator_actors + rt.reward_actors + i)
+    spawn_draft = place.spawner(DraftActor, plan.draft_actor_args, rt.draft,
+                                low + rt.reward_actors + i if in_group else None)
     return functools.partial(_spawn_with_draft, i, spawn, spawn_draft, drafts)
 
 
@@ -583,15 +651,18 @@ def _spawn_with_draft(i: int, spawn_generator: Callable[..., Any], spawn_draft: 
     return spawn_generator(draft_actor=drafts[i])
 
 
-def _shutdown_ray(proxies: list[RemoteProxy], drafts: dict[int, Any], group) -> None:
+def _shutdown_ray(proxies: list[RemoteProxy], drafts: dict[int, Any], group, grower: _Grower | None = None) -> None:
     """Kill every actor (the draft actors current at shutdown among them) and free the placement group.
     The proxies are retired first: a build that ends on an error still has batches in flight, and the
-    actors' deaths must end them, not start replacements (actors.remote.WorkersShutDown)."""
+    actors' deaths must end them, not start replacements (actors.remote.WorkersShutDown). The grower
+    (a range of generators) is stopped first, so that it adds none after."""
     import ray
 
-    for proxy in proxies:
+    if grower is not None:
+        grower.stop()
+    for proxy in list(proxies):
         proxy.retire()
-    for handle in [p.handle for p in proxies] + list(drafts.values()):
+    for handle in [p.handle for p in list(proxies)] + list(drafts.values()):
         ray.kill(handle)
     if group is not None:
         from ray.util.placement_group import remove_placement_group

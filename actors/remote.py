@@ -151,11 +151,13 @@ class RemoteProxy:
     thread blocks on its own call; many calls are in flight at once."""
 
     def __init__(self, handle: Any = None, *, spawn: Callable[[], Any] | None = None, name: str = "actor",
-                 timeout_s: float | None = None, request: dict[str, float] | None = None):
+                 timeout_s: float | None = None, request: dict[str, float] | None = None,
+                 bundle: tuple[Any, int] | None = None):
         """Either an actor ``handle`` (no replacement: a dead actor stays dead and its batches fail
         after their attempts) or ``spawn``, which starts the actor now and again after each failure.
         ``request``: the Ray resources one actor asks for ({"CPU": 2, "GPU": 1}), for the messages
-        that say why a replacement cannot be placed."""
+        that say why a replacement cannot be placed. ``bundle``: (placement group, bundle index) the
+        actor is started in, None outside a group."""
         if (handle is None) == (spawn is None):
             raise ValueError("give an actor handle or a spawn function")
         self._spawn = spawn
@@ -164,8 +166,11 @@ class RemoteProxy:
         self.name = name
         self.timeout_s = timeout_s
         self.request = dict(request or {})
+        self.bundle = bundle
         self.restarts = 0
         """Replacement actors started so far."""
+        self.replacing = False
+        """A replacement is under way: the coordinator admits no new batch to the slot meanwhile."""
         self.lost: str | None = None
         """Why the slot was given up (no node had room for a replacement within ROOM_WAIT_S), or None.
         A lost slot takes no more calls; the coordinator goes on without it."""
@@ -270,24 +275,34 @@ class RemoteProxy:
                 return None
             if self.lost:
                 raise WorkerFailure(self.lost)
-            gone = self._await_verdict(failed)
-            ray.kill(failed, no_restart=True)
-            self._handle = self._spawn()
-            self.restarts += 1
-            if self._retired:  # shut down while it was being spawned: the shutdown may have missed it
-                ray.kill(self._handle, no_restart=True)
-                raise WorkersShutDown(f"{self.name}: replacement abandoned, the workers were shut down")
-            lost = f"its node {gone} is gone" if gone else ""
+            self.replacing = True
             try:
-                self.await_start(lost)
-            except WorkerFailure:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a replacement that cannot start is one more failure
-                if self._retired:
-                    raise WorkersShutDown(f"{self.name}: replacement ended by the workers' shutdown") from None
-                raise WorkerFailure(f"replacement {self.name} actor failed to start ({exc})",
-                                    lambda: self.replace(self._handle)) from None
-            return f"{self.name}: {lost}; replacement started on node {_node_of(self._handle)}" if gone else None
+                return self._replace(failed)
+            finally:
+                self.replacing = False
+
+    def _replace(self, failed: Any) -> str | None:
+        """replace, under the lock (the slot marked ``replacing``)."""
+        import ray
+
+        gone = self._await_verdict(failed)
+        ray.kill(failed, no_restart=True)
+        self._handle = self._spawn()
+        self.restarts += 1
+        if self._retired:  # shut down while it was being spawned: the shutdown may have missed it
+            ray.kill(self._handle, no_restart=True)
+            raise WorkersShutDown(f"{self.name}: replacement abandoned, the workers were shut down")
+        lost = f"its node {gone} is gone" if gone else ""
+        try:
+            self.await_start(lost)
+        except WorkerFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a replacement that cannot start is one more failure
+            if self._retired:
+                raise WorkersShutDown(f"{self.name}: replacement ended by the workers' shutdown") from None
+            raise WorkerFailure(f"replacement {self.name} actor failed to start ({exc})",
+                                lambda: self.replace(self._handle)) from None
+        return f"{self.name}: {lost}; replacement started on node {_node_of(self._handle)}" if gone else None
 
     def _await_verdict(self, failed: Any) -> str | None:
         """Wait (NODE_VERDICT_WAIT_S at most) until Ray's actor table says ``failed`` is dead; the
@@ -328,7 +343,7 @@ class RemoteProxy:
                 ray.get(ref)
                 return
             waited = time.monotonic() - started
-            if _placed(handle):
+            if _placed(handle) or self._has_room():
                 if waited > max(self.timeout_s or 0, STARTUP_TIMEOUT_S):
                     raise TimeoutError(f"it did not answer within {waited:.0f} s of its start")
                 continue
@@ -340,6 +355,33 @@ class RemoteProxy:
                 ray.kill(handle, no_restart=True)
                 self.lost = f"{why} within {ROOM_WAIT_S:g} s; the cluster has {cluster_capacity()}"
                 raise WorkerFailure(self.lost)
+
+
+    def _has_room(self) -> bool:
+        """Whether the actor has room to start in (it is only slow to start: its worker process is
+        still coming up): its placement-group bundle is placed on a live node; outside a group, a
+        live node has its request free."""
+        import ray
+
+        try:
+            if self.bundle is not None:
+                from ray.util.placement_group import placement_group_table
+
+                group, index = self.bundle
+                table = placement_group_table(group)
+                live = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                return table.get("state") == "CREATED" and table.get("bundles_to_node_id", {}).get(index) in live
+            return room_for(self.request)
+        except Exception:  # noqa: BLE001 - without Ray's view, only the worker's pid tells
+            return False
+
+
+def room_for(request: dict[str, float]) -> bool:
+    """Whether some live node has ``request`` free now (Ray's per-node free resources)."""
+    from ray._private import state
+
+    free = state.available_resources_per_node()
+    return any(all(node.get(k, 0) >= v for k, v in request.items()) for node in free.values())
 
 
 def _actor_info(handle: Any) -> dict | None:

@@ -296,8 +296,13 @@ class ActorResources:
 
 @dataclass
 class RuntimeConfig:
-    generator_actors: int = 1
-    """Number of GeneratorActor replicas."""
+    generator_actors: int | list = 1
+    """Number of GeneratorActor replicas: an int, or a range [min, max] (as Ray Data's
+    concurrency=(min, max)): the build starts min and, while the run goes on, adds one more whenever a
+    live node has room for it (a node joined, an autoscaler added one), up to max; outside the
+    placement group, if there is one. Either way a slot whose node is lost and that no node has room
+    to replace is given up after actors.remote.ROOM_WAIT_S: the pool shrinks, and the build fails
+    only when no generator is left."""
     reward_actors: int = 1
     """Number of RewardActor replicas."""
     generator: ActorResources = field(default_factory=ActorResources)
@@ -382,10 +387,28 @@ class RuntimeConfig:
     """Test hook: fault plan the actors read (see actors/faults.py), e.g.
     [{actor: generator, method: extend, call: 2, action: exit, times: 1, state_dir: /tmp/f}]."""
 
+    @property
+    def generator_range(self) -> tuple[int, int]:
+        """(min, max) generator actors: both runtime.generator_actors when it is an int. ConfigError,
+        naming the key, for anything but an int or a list of two ints."""
+        value = self.generator_actors
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, value
+        if (isinstance(value, (list, tuple)) and len(value) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            return value[0], value[1]
+        raise ConfigError(f"runtime.generator_actors: expected an int or a range [min, max] of two ints, got {value!r}")
+
     def __post_init__(self):
         if self.draft_placement not in ("colocated", "actor"):
             raise ConfigError(f"runtime.draft_placement: expected colocated or actor, got {self.draft_placement!r}")
-        for key in ("generator_actors", "reward_actors", "prompts_per_batch", "batches_in_flight", "reward_batch_size",
+        low, high = self.generator_range
+        if isinstance(self.generator_actors, int) and low < 1:
+            raise ConfigError(f"runtime.generator_actors: must be >= 1, got {low}")
+        if low < 1 or high < low:
+            raise ConfigError(f"runtime.generator_actors: a range [min, max] needs 1 <= min <= max, got "
+                              f"{self.generator_actors}")
+        for key in ("reward_actors", "prompts_per_batch", "batches_in_flight", "reward_batch_size",
                     "max_attempts"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"runtime.{key}: must be >= 1, got {getattr(self, key)}")

@@ -56,10 +56,18 @@ class _Admission:
     """Which generator a batch starts on, and when: one with fewer than ``batches`` batches and (when
     ``rows`` > 0) room for the batch's rows under ``rows`` live rows in flight, or no rows in flight
     at all (a batch larger than the limit runs alone); the least loaded one first. The limit holds:
-    a generator's KV memory is sized by it (runtime.rows_in_flight)."""
+    a generator's KV memory is sized by it (runtime.rows_in_flight).
 
-    def __init__(self, generators: int, batches: int, rows: int):
-        self._batches, self._rows = [0] * generators, [0] * generators
+    ``generators`` is the coordinator's list of handles, read as it is now: a generator added to it
+    (runtime.generator_actors as a range: a node joined) takes batches within POLL_S; one whose
+    slot is being replaced (its handle's ``replacing``) takes none meanwhile, so new batches go to the
+    others instead of waiting on the replacement."""
+
+    POLL_S = 0.5
+
+    def __init__(self, generators: list | int, batches: int, rows: int):
+        self._generators = [None] * generators if isinstance(generators, int) else generators
+        self._batches, self._rows = [0] * len(self._generators), [0] * len(self._generators)
         self._max_batches, self._max_rows = batches, rows
         self._cond = threading.Condition()
         self._retired: dict[int, str] = {}  # generator given up -> why
@@ -69,17 +77,20 @@ class _Admission:
         WorkerFailure (with the reason) once every generator was given up (retire)."""
         with self._cond:
             while True:
+                added = len(self._generators) - len(self._batches)
+                self._batches += [0] * added
+                self._rows += [0] * added
                 if len(self._retired) == len(self._batches):
                     raise WorkerFailure(f"no generator left: {'; '.join(self._retired.values())}")
                 free = [g for g in range(len(self._batches)) if self._batches[g] < self._max_batches
-                        and g not in self._retired
+                        and g not in self._retired and not getattr(self._generators[g], "replacing", False)
                         and (not self._max_rows or not self._rows[g] or self._rows[g] + rows <= self._max_rows)]
                 if free:
                     index = min(free, key=lambda g: (self._rows[g], self._batches[g], g))
                     self._batches[index] += 1
                     self._rows[index] += rows
                     return index
-                self._cond.wait()
+                self._cond.wait(self.POLL_S)
 
     def release(self, index: int) -> None:
         with self._cond:
@@ -217,10 +228,14 @@ class Coordinator:
     def __init__(self, strategy: str, params: Any, sampling: SamplingParams, num_samples: int, seed: int,
                  generators: list[Generator], scorers: list[Scorer], prompts_per_batch: int = 4,
                  batches_in_flight: int = 2, max_attempts: int = 1,
-                 on_retry: Callable[[BatchFailed], None] = lambda failure: None, rows_in_flight: int = 0):
+                 on_retry: Callable[[BatchFailed], None] = lambda failure: None, rows_in_flight: int = 0,
+                 max_generators: int = 0):
         """``generators`` / ``scorers``: handles with ``pinned()`` (actors.factory's chain).
         ``rows_in_flight`` > 0: a generator takes a new batch only while fewer candidate rows than
-        that are live on it (see the module docstring); 0: ``batches_in_flight`` alone decides."""
+        that are live on it (see the module docstring); 0: ``batches_in_flight`` alone decides.
+        ``max_generators``: the most generators ``generators`` may grow to while a run goes on (the
+        list is the factory's, which appends a generator when a node joins); batches are handed out
+        for that many, those beyond the current generators' share waiting for one to be free."""
         if not generators or not scorers:
             raise ValueError("need at least one generator and one scorer")
         self.strategy_name = strategy
@@ -235,6 +250,7 @@ class Coordinator:
         self.batches_in_flight = batches_in_flight
         self.rows_in_flight = rows_in_flight
         self.max_attempts = max_attempts
+        self.max_generators = max_generators
         self.on_retry = on_retry
         self.retries = 0
 
@@ -249,7 +265,7 @@ class Coordinator:
         return cls(config.strategy.name, config.strategy.params, sampling_params(config),
                    config.sampling.num_samples, config.seed, generators, scorers, rt.prompts_per_batch,
                    rt.batches_in_flight, max_attempts=rt.max_attempts, rows_in_flight=rt.rows_in_flight,
-                   on_retry=on_retry or (lambda failure: None))
+                   on_retry=on_retry or (lambda failure: None), max_generators=rt.generator_range[1])
 
     def _run_batch(self, batch: list[PromptInput], admission: _Admission) -> list[PromptResult]:
         prompt_ids = [p.prompt_id for p in batch]
@@ -305,8 +321,8 @@ class Coordinator:
     def run(self, prompts: list[PromptInput]) -> Iterator[PromptResult]:
         """Yields one PromptResult per prompt, in completion order."""
         batches = [prompts[i:i + self.prompts_per_batch] for i in range(0, len(prompts), self.prompts_per_batch)]
-        workers = len(self.generators) * self.batches_in_flight
-        admission = _Admission(len(self.generators), self.batches_in_flight, self.rows_in_flight)
+        workers = max(len(self.generators), self.max_generators) * self.batches_in_flight
+        admission = _Admission(self.generators, self.batches_in_flight, self.rows_in_flight)
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coordinator")
         pending = iter(batches)
         running = {pool.submit(self._run_batch, b, admission) for b in itertools.islice(pending, workers)}

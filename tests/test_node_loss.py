@@ -6,8 +6,9 @@ the reward actor each ask for 2 CPUs, so they land on different workers, in a PA
 a spare worker has room for one replacement. A worker node is killed (its raylet and every process
 on it, ungracefully: a crash, not a drain) once the build has committed its first shard; at
 runtime.max_attempts 2 the build must still exit 0 with the undisturbed build's pairs. Ray's health
-checks are shortened (1 s x 3) so that a node is declared dead within seconds, as the build's
-recovery waits for that verdict. Run by `make test-reliability` (marked reliability).
+checks keep their defaults: the node is declared dead some 15-30 s after it is killed, and a
+replacement started before that (as one was before issue 67) went to the dead node and cost the
+batch its second attempt. Run by `make test-reliability` (marked reliability).
 
 The unplaceable-request tests are fast and run in `make test`: the placement check itself, and the
 build job exiting 2 on README's my.yaml resources on this GPU-less machine.
@@ -27,14 +28,13 @@ from pipeline.preflight import check_placement
 from tests.conftest import GOOD_PROMPTS, write_jsonl
 
 PROMPTS = GOOD_PROMPTS + ["Write a haiku about the kettle.", "Explain the warranty of the drill."]
-FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
-                      "health_check_timeout_ms": 1000, "health_check_initial_delay_ms": 1000}
 
 
-def build_args(tiny_models, prompts, out, *extra) -> list[str]:
-    """A 4-shard sbon build, one batch in flight (shards commit in order), each reward extend slowed
-    so that a node killed at the first commit takes a batch in flight with it."""
-    slow = [{"actor": "reward", "method": "extend", "action": "delay", "seconds": 0.3, "times": None}]
+def build_args(tiny_models, prompts, out, *extra, delay: float = 0.3) -> list[str]:
+    """An sbon build of two-prompt shards, one batch in flight (shards commit in order), each reward
+    extend slowed by ``delay`` seconds so that a node killed at the first commit takes a batch in
+    flight with it."""
+    slow = [{"actor": "reward", "method": "extend", "action": "delay", "seconds": delay, "times": None}]
     return ["--config", "configs/demo.yaml", "--prompts", str(prompts), "--output", str(out),
             "--set", f"models.generator={tiny_models['generator']}", "--set", f"models.reward={tiny_models['reward']}",
             "--num-samples", "4", "--max-new-tokens", "16", "--set", "strategy.decision_token=6",
@@ -100,8 +100,7 @@ def multinode():
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                            "_system_config": FAST_HEALTH_CHECKS})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
         for _ in range(3):
             cluster.add_node(num_cpus=2)
@@ -218,3 +217,57 @@ def test_with_no_room_for_a_replacement_the_build_says_so_and_fails_in_one_line_
     assert lines[-1].startswith("error: shard(s) ") and f"its node {killer.node_id[:8]}" in lines[-1]
     assert "no node has room for its actor (CPU 2) within 15 s; the cluster has" in lines[-1]
     assert took < 150
+
+
+RANGE_PROMPTS = PROMPTS + [f"Write a two-line review of product number {i}." for i in range(16)]
+
+
+def join_a_node_at_the_first_commit(cluster, out: Path, build: threading.Thread) -> tuple[float, float]:
+    """Add a 2-CPU worker node (from the main thread: Ray's Node needs it) once the build running in
+    ``build`` has committed its first shard; then wait until a second generator actor is up (loaded:
+    ALIVE in Ray's actor table). (joined, second generator up), monotonic seconds."""
+    from ray._private import state
+
+    deadline = time.monotonic() + 300
+    while not (out / "_markers" / "part-00000.json").exists():
+        assert build.is_alive() and time.monotonic() < deadline, "the build ended before its first commit"
+        time.sleep(0.05)
+    cluster.add_node(num_cpus=2)
+    joined = time.monotonic()
+    while time.monotonic() < deadline:
+        if sum(a["ActorClassName"] == "GeneratorActor" and a["State"] == "ALIVE" for a in state.actors().values()) >= 2:
+            return joined, time.monotonic()
+        assert build.is_alive(), "the build ended before a second generator was up"
+        time.sleep(0.2)
+    raise AssertionError("no second generator within 300 s")
+
+
+@pytest.mark.integration
+@pytest.mark.reliability
+def test_a_range_of_generators_grows_onto_a_node_that_joins(multinode, tiny_models, tmp_path, capsys):
+    """runtime.generator_actors [1, 2] on two workers (the generator's and the reward's: no room for
+    a second generator); a third worker joins at the first commit: the build starts a second
+    generator there and hands it batches, and the pairs are the undisturbed ones."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in RANGE_PROMPTS])
+    reference = tmp_path / "reference"
+    assert main(build_args(tiny_models, prompts, reference, "--set", "runtime.local=true", delay=0)) == 0
+    for node in sorted(multinode.worker_nodes, key=lambda n: n.node_id)[2:]:
+        multinode.remove_node(node)
+    out = tmp_path / "out"
+    rc = []
+    build = threading.Thread(target=lambda: rc.append(main(build_args(
+        tiny_models, prompts, out, *CLUSTER, "--set", "runtime.generator_actors=[1, 2]", delay=1.0))))
+    build.start()
+    try:
+        joined, second_up = join_a_node_at_the_first_commit(multinode, out, build)
+    finally:
+        build.join()
+    err = capsys.readouterr().err
+    assert rc == [0], err
+    assert "generator 1 added (runtime.generator_actors [1, 2]: a node had room for it); 2 generators" in err
+    report = json.loads((out / "_report.json").read_text())
+    calls = [actor["calls"] for actor in report["actor_time"]["generator"]["per_actor"]]
+    assert len(calls) == 2 and all(calls), calls  # the joined node's generator served batches
+    assert pairs(out) == pairs(reference)
+    print(f"node joined: a second generator up and admitted {second_up - joined:.1f} s later; "
+          f"generator calls {calls}")
