@@ -8,7 +8,7 @@ the pool. Prints milliseconds per call (median of --repeats) and each kernel's r
 SDPA; on CPU also the compiled kernel over rows of mixed lengths with each of inductor's CPU
 templates (the general one the engine keeps, and the decoding one inductor would pick for a static
 row count: ``pipeline.engines.attention_kernel.kernel_options``); then the host bookkeeping of one decoding step (``KVCache.stepping`` without the forward pass)
-at --bookkeeping rows in a pool of --bookkeeping-blocks blocks.
+at --bookkeeping rows in pools of --bookkeeping-blocks blocks, and whether such a step runs the kernel.
 
     python -m benchmarks.paged_attention --rows 128 --length 356 --threads 1 --json out/bench/paged-attention.json
 """
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="blocks in the pool (0: the rows' blocks plus 64); a build's pool is sized by its budget")
     parser.add_argument("--bookkeeping", default="16,256,1024",
                         help="row counts whose per-step host bookkeeping is measured ('' : none)")
-    parser.add_argument("--bookkeeping-blocks", type=int, default=4096, help="the bookkeeping pool's blocks")
+    parser.add_argument("--bookkeeping-blocks", default="4096,16384",
+                        help="the bookkeeping pools' blocks, one pool each (comma-separated)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from pipeline.engines.attention_kernel import AttentionKernel, gather_attention
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         step = kernel.step(slots, lengths, tables)
 
         def paged(keys=keys, values=values, kernel=kernel, step=step):  # as the engine's steps run
-            with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+            with torch.inference_mode():
                 return kernel.attend(query, keys, values, step, d ** -0.5)
 
         error = (paged() - gathered_step()).abs().max().item()
@@ -129,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
               f"in {figures['warm_up_s']} s (kernel: {figures['kernel']}{', ' + figures['reason'] if figures['reason'] else ''})")
     bookkeeping = {}
     if args.bookkeeping:
-        bookkeeping = host_bookkeeping([int(r) for r in args.bookkeeping.split(",")], args.bookkeeping_blocks,
-                                       args.repeats * 10)
+        for pool in [int(b) for b in args.bookkeeping_blocks.split(",")]:
+            bookkeeping[pool] = host_bookkeeping([int(r) for r in args.bookkeeping.split(",")], pool,
+                                                 args.repeats * 10)
     write_json(args.json, {"command": " ".join(sys.argv), "ms": results, "compiles": compiles,
                            "host_bookkeeping_ms": bookkeeping})
     return 0
@@ -161,7 +163,7 @@ def _templates(kernel, query, tables: np.ndarray, length: int, repeats: int) -> 
             step = own.step(slots, lengths, tables)
 
             def paged(own=own, step=step):
-                with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+                with torch.inference_mode():
                     return own.attend(query[:n], own.keys, own.values, step, scale)
 
             error = (paged() - reference).abs().max().item()
@@ -177,7 +179,8 @@ def host_bookkeeping(row_counts: list[int], pool_blocks: int, steps: int) -> dic
     no forward pass: the rows' new blocks, places and positions, the kernel's per-row metadata), per
     step, for ``row_counts`` rows of a 100-token prompt in a pool of ``pool_blocks`` 128-token blocks,
     over ``steps`` steps (across a block edge). A small random Llama: the bookkeeping does not depend on
-    the model's size. Milliseconds per step (median, and the mean with the steps that take blocks)."""
+    the model's size. Milliseconds per step (median, and the mean with the steps that take blocks), and
+    whether the step runs the compiled kernel (its row bucket; 0: it gathers) and the pool's kernel."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipeline.engines.kv_cache import KVCache
@@ -199,16 +202,20 @@ def host_bookkeeping(row_counts: list[int], pool_blocks: int, steps: int) -> dic
             tokens = torch.full((rows,), 7)
             for _ in range(steps):
                 started = time.perf_counter()
-                with kv.stepping(handles, tokens):
+                with kv.stepping(handles, tokens) as inputs:
                     pass
                 times.append(time.perf_counter() - started)
+            bucket = inputs["paged"].step.bucket  # the step's row bucket (0: it gathers)
             kv.release(handles)
             kv.collect()
             out[rows] = {"median": round(statistics.median(times) * 1e3, 3),
-                         "mean": round(statistics.mean(times) * 1e3, 3)}
+                         "mean": round(statistics.mean(times) * 1e3, 3), "bucket": bucket,
+                         "kernel": kv.kernel.kernel, "buckets": kv.kernel.buckets}
             print(f"host bookkeeping per step, {rows} rows, pool of {kv.num_blocks} blocks: "
-                  f"{out[rows]['median']:.3f} ms median, {out[rows]['mean']:.3f} ms mean over {steps} steps "
-                  f"(kernel {kv.kernel.kernel}, {kv.kernel.compiles} compiles for buckets {kv.kernel.buckets})")
+                  f"{out[rows]['median']:.3f} ms median, {out[rows]['mean']:.3f} ms mean over {steps} steps; "
+                  + (f"the step runs the kernel (bucket {bucket})" if bucket else "the step gathers")
+                  + f" (pool's kernel {kv.kernel.kernel}{': ' + kv.kernel.reason if kv.kernel.reason else ''}, "
+                  f"{kv.kernel.compiles} compiles for buckets {kv.kernel.buckets})")
     return out
 
 
