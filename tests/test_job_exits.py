@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -79,6 +78,7 @@ def test_evaluate_reads_a_builds_parquet_with_no_python_file_in_arrows_threads(p
     assert len(rows) == 4 and callers == {threading.current_thread().name}
 
 
+@pytest.mark.slow  # processes that import torch and lm-eval: 72 s for six on two busy cores
 def test_evaluate_without_instruction_columns_exits_2_every_time(plain_build):
     """The command as a user runs it, 4 at once (the abort came in 6 of 20 runs before; the test above is the
     deterministic one)."""
