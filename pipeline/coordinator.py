@@ -106,7 +106,7 @@ class _Admission:
     def live(self) -> int:
         """Generators not given up."""
         with self._cond:
-            return len(self._batches) - len(self._retired)
+            return len(self._generators) - len(self._retired)
 
     def share(self, rows_per_prompt: int, prompts: int) -> int:
         """One batch's share of a generator's ``rows_per_prompt`` (what its whole KV pool holds for

@@ -91,6 +91,79 @@ def test_an_actor_request_the_local_cluster_can_never_place_exits_2_before_any_a
     assert time.monotonic() - started < 120
 
 
+# -- a slot given up: the coordinator goes on without it (fast, no Ray) ----------------------------------
+
+class LostNode:
+    """A generator transport whose actor is lost with its node on the first extend, and whose
+    replacement no node has room for: recover() gives the slot up (``lost``) as RemoteProxy does
+    after ROOM_WAIT_S, and every later call fails with that reason."""
+
+    restarts = 0
+
+    def __init__(self, engine):
+        from actors.factory import InProcess
+
+        self.engine, self.lost, self.calls = InProcess(engine, concurrent=True), None, 0
+
+    def call(self, method: str, *args, **kwargs):
+        from pipeline.errors import WorkerFailure
+
+        if self.lost:
+            raise WorkerFailure(self.lost)
+        if method == "extend":
+            self.calls += 1
+            raise WorkerFailure("generator 0 actor died during extend() on node 1a2b3c4d", self.recover)
+        return self.engine.call(method, *args, **kwargs)
+
+    def pinned(self):
+        return self
+
+    def recover(self):
+        from pipeline.errors import WorkerFailure
+
+        self.lost = "generator 0: its node 1a2b3c4d is gone; no node has room for its actor (CPU 2) within 120 s"
+        raise WorkerFailure(self.lost)
+
+
+def coordinate(generators, scorer, engine, max_attempts=3):
+    from pipeline.coordinator import Coordinator
+    from pipeline.decoding.best_of_n import BestOfNParams
+    from pipeline.decoding.domain import PromptInput
+    from pipeline.decoding.sampling import SamplingParams
+
+    batch = [PromptInput(f"id{i}", t, t, engine.tokenizer(t).input_ids) for i, t in enumerate(GOOD_PROMPTS[:4])]
+    coordinator = Coordinator("best_of_n", BestOfNParams(), SamplingParams(max_new_tokens=6), 2, 0, generators,
+                              [local_scorer_of(scorer)], prompts_per_batch=2, batches_in_flight=1,
+                              max_attempts=max_attempts)
+    return {r.prompt.prompt_id: [c.text for c in r.candidates] for r in coordinator.run(batch)}
+
+
+def local_scorer_of(scorer):
+    from actors.factory import local_scorer
+
+    return local_scorer(scorer, timed=False)
+
+
+def test_a_generator_slot_given_up_leaves_the_pool_and_its_batch_reruns_on_another(engine, scorer):
+    from actors.factory import GeneratorHandle, local_generator
+
+    expected = coordinate([local_generator(engine, timed=False)], scorer, engine)
+    lost = LostNode(engine)
+    assert coordinate([GeneratorHandle(lost), local_generator(engine, timed=False)], scorer, engine) == expected
+    assert lost.calls == 1  # given up after its one failure: no batch was sent to it again
+
+
+def test_with_no_generator_left_the_batch_fails_at_once_naming_the_lost_capacity(engine, scorer):
+    from actors.factory import GeneratorHandle
+    from pipeline.errors import BatchFailed
+
+    lost = LostNode(engine)
+    with pytest.raises(BatchFailed, match=r"failed after 1 attempts: generator 0: its node 1a2b3c4d is gone; no node "
+                                          r"has room for its actor \(CPU 2\) within 120 s"):
+        coordinate([GeneratorHandle(lost)], scorer, engine, max_attempts=3)
+    assert lost.calls == 1
+
+
 # -- node loss on a multi-node cluster: `make test-reliability` ---------------------------------------
 
 @pytest.fixture(scope="module")
@@ -100,7 +173,10 @@ def multinode():
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    # Ray's memory monitor kills workers when the whole machine is short of memory; on a shared test
+    # machine that is other processes' doing, and it would kill these tiny actors as they load.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "_system_config": {"memory_monitor_refresh_ms": 0}})
     try:
         for _ in range(3):
             cluster.add_node(num_cpus=2)
