@@ -202,6 +202,7 @@ class HFEngine:
         with self._lock:
             check_open(self.sessions, session, prompts, num_samples, seeds)
         state = self.loop.between_steps(lambda: self.runner.prefill(prompts, num_samples, seeds, sampling, rewards))
+        state.name = session
         with self._lock:
             check_open(self.sessions, session, prompts, num_samples, seeds)  # a concurrent open of the same id
             self.sessions[session] = state
@@ -215,7 +216,7 @@ class HFEngine:
             state.until = min(until, state.sampling.max_new_tokens)
         try:
             # Between two steps: the loop's driver may preempt this session's blocks meanwhile.
-            reported = self.loop.between_steps(lambda: self.runner.prune(state, keep, session))
+            reported = self.loop.between_steps_of(state, lambda: self.runner.prune(state, keep, session))
             self.loop.extend(state)
         finally:
             with self._lock:
@@ -223,11 +224,15 @@ class HFEngine:
         return self.runner.report(state, reported)
 
     def close(self, session: str) -> dict:
+        """See Generator.close. Safe at any time, from any thread: an extend of the session under way
+        (stepping, preempted or waiting for blocks) raises its own RuntimeError ("closed while its
+        extend was under way", step_loop.closed_error) and the sessions stepping beside it go on with
+        the tokens they would have had; the session holds nothing after, and is never readmitted."""
         with self._lock:
             state = self.sessions.pop(session, None)
         if state is None:
             return {"generated_tokens": 0, "forward_passes": 0}
-        self.loop.between_steps(lambda: self.runner.release(state))  # as prune: never beside a preemption
+        self.loop.close(state)
         return {"generated_tokens": state.generated_tokens, "forward_passes": state.forward_passes}
 
     def capacity(self, prompts: list[list[int]], until: int) -> int:

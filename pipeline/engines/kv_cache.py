@@ -639,6 +639,54 @@ class KVCache:
 
 
 
+class _Cut:
+    """A chunked feed's cut of its rows back to the tokens they keep (``PagedPasses.feeding``), undone
+    unless the feed completes: the blocks past each cut stay held until ``commit``; a kept last block
+    another row shares is copied (copy on write), one the row owns is saved, since the feed writes
+    past the cut in it. ``taken``: the blocks the feed took (its copies, then its new blocks)."""
+
+    def __init__(self, kv: "KVCache", handles: list[int]):
+        self.kv, self.handles = kv, handles
+        self.tables = kv._rows.tables[handles].copy()  # [n, MB]: the rows' tables before
+        self.taken: list[int] = []
+        self.saved: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (places, every layer's keys, values there)
+        self.dropped: list[int] = []  # references the rows give up at the commit
+
+    def back_to(self, starts: np.ndarray, held: np.ndarray) -> None:
+        pool, rows, bs = self.kv.pool, self.kv._rows, self.kv.block_size
+        layers = pool.keys + pool.values
+        for handle, start, length in zip(self.handles, starts, held):
+            if start == length:
+                continue
+            self.dropped += rows.tables[handle, -(-int(start) // bs):-(-int(length) // bs)].tolist()
+            if not start % bs:
+                continue
+            block = int(rows.tables[handle, start // bs])
+            places = pool.places_of([block])
+            if pool.refs[block] > 1:
+                (own,) = pool.take(1)
+                self.taken.append(own)
+                target = pool.places_of([own])
+                for tensor in layers:
+                    tensor[0].index_copy_(1, target, tensor[0].index_select(1, places))
+                rows.tables[handle, start // bs] = own
+                self.dropped.append(block)
+            else:
+                self.saved.append((places, [tensor[0].index_select(1, places) for tensor in layers]))
+
+    def undo(self) -> None:
+        """The rows' blocks, tables and kept keys and values as before; the blocks taken go back."""
+        self.kv.pool.drop(self.taken)
+        self.kv._rows.tables[self.handles] = self.tables
+        for places, tensors in self.saved:
+            for tensor, was in zip(self.kv.pool.keys + self.kv.pool.values, tensors):
+                tensor[0].index_copy_(1, places, was)
+        self.kv._sync(self.handles)
+
+    def commit(self) -> None:
+        self.kv.pool.drop(self.dropped)
+
+
 class PagedPasses:
     """The model inputs of one KV manager's passes over its blocks, in the spirit of vLLM v1's model
     runner input preparation: a decoding step (``stepping``: one token per row, attention by the
@@ -738,31 +786,43 @@ class PagedPasses:
             config._attn_implementation = configured
 
     @contextmanager
-    def feeding(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0) -> Iterator[dict]:
+    def feeding(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0,
+                keep: list[int] | None = None) -> Iterator[dict]:
         """The model inputs of one forward pass appending ``chunks[i]`` (one token or more) to row
         ``handles[i]``, for the caller's forward pass, the chunks left-padded so column -1 is every
-        row's last token (as RowBatch.feed_padded). Each new token's key and value go to its place in
-        the row's blocks (new ones taken as it fills them; ``blocks_to_extend`` says how many must be
-        free), and each token attends its row's places up to its own, gathered per layer (a chunked
-        feed comes at a decision token, not every step). The rows advance when the block exits
-        without an error."""
+        row's last token (as RowBatch.feed_padded). ``keep``: each row first cut back to its first
+        ``keep[i]`` tokens (as ``truncate``, a kept shared block copied first); None: nothing cut.
+        Each new token's key and value go to its place in the row's blocks (new ones taken as it
+        fills them; ``blocks_to_extend`` says how many must be free), and each token attends its
+        row's places up to its own, gathered per layer (a chunked feed comes at a decision token, not
+        every step).
+
+        Atomic, the cut included: the rows are cut and advance only when the block exits without an
+        error. Until then the blocks past each cut stay held and a kept last block the row owns is
+        saved, so when the block raises, every row holds the tokens, blocks and keys it held before
+        (the reward sessions' cached ids stay true, pipeline.engines.rewards)."""
         self.kv.collect()
         rows, bs = self.kv._rows, self.kv.block_size
         counts = np.array([len(c) for c in chunks], dtype=np.int64)
         if len(chunks) != len(handles) or not len(chunks) or counts.min() < 1:
             raise ValueError("KV cache: feed takes one chunk of at least one token per row")
-        starts = rows.length[handles].copy()
-        need = int((-(-(starts + counts) // bs) - -(-starts // bs)).sum())
+        held = rows.length[handles].copy()
+        starts = held.copy() if keep is None else np.asarray(keep, dtype=np.int64)
+        for kept, length in zip(starts, held):
+            if not 0 <= kept <= length:
+                raise ValueError(f"KV cache: cannot keep {kept} tokens of a row that holds {length}")
+        need = self.blocks_to_extend(handles, starts.tolist(), counts.tolist())
         if need > self.kv.free_blocks:
             raise KVBudgetError(f"KV cache: the feed needs {need} new blocks, {self.kv.free_blocks} are free "
                                 "(the caller makes room first; this is a bug)")
         self.kv._check_width(int((starts + counts).max()))
-        taken: list[int] = []
+        cut = _Cut(self.kv, handles)
         try:
+            cut.back_to(starts, held)
             for handle, start, count in zip(handles, starts, counts):
                 first, last = -(-int(start) // bs), -(-int(start + count) // bs)
                 blocks = self.kv.pool.take(last - first)
-                taken += blocks
+                cut.taken += blocks
                 rows.tables[handle, first:last] = blocks
             self.kv._sync(handles)
             width = int(counts.max())
@@ -775,7 +835,8 @@ class PagedPasses:
             input_ids = np.full((len(handles), width), pad_id, dtype=np.int64)
             for i, chunk in enumerate(chunks):
                 input_ids[i, width - len(chunk):] = chunk
-            position = np.where(real, rows.position[handles][:, None] + column - pad, 0)
+            first_position = rows.position[handles] - (held - starts)  # the cut's tokens are not counted
+            position = np.where(real, first_position[:, None] + column - pad, 0)
             call = _FeedCall(tables, starts + counts, logical, bs)
 
             def to(array):
@@ -785,16 +846,18 @@ class PagedPasses:
                               written=to(np.flatnonzero(real))) as inputs:
                 yield inputs
         except BaseException:
-            self.kv.pool.drop(taken)  # the rows did not advance: the blocks the feed took go back
+            cut.undo()  # the rows did not advance and are not cut
             raise
-        rows.length[handles] += counts
-        rows.position[handles] += counts
+        cut.commit()
+        rows.position[handles] += starts - held + counts
+        rows.length[handles] = starts + counts
         self._count()
 
     @torch.inference_mode()
-    def feed(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0, **model_kwargs):
+    def feed(self, handles: list[int], chunks: list[list[int]], pad_id: int = 0, keep: list[int] | None = None,
+             **model_kwargs):
         """``feeding`` with the pool's model: its output, [n, C] aligned with ``handles`` and the padded chunks."""
-        with self.feeding(handles, chunks, pad_id) as inputs, timed_forward(self.kv.device):
+        with self.feeding(handles, chunks, pad_id, keep) as inputs, timed_forward(self.kv.device):
             return self.kv.model(**inputs, **model_kwargs)
 
     def blocks_to_extend(self, handles: list[int], keep: list[int], counts: list[int]) -> int:

@@ -99,6 +99,13 @@ class Session:
     preempted: bool = False
     """The rows' blocks were taken back for others (``ModelRunner.preempt``); their KV is recomputed
     from their tokens when they are admitted again."""
+    name: str = ""
+    """The engine's name for the session (HFEngine.open), for the errors that name it."""
+    closed: bool = False
+    """Closed (``ModelRunner.close``): it holds nothing and is never admitted or stepped again."""
+    fault: BaseException | None = None
+    """An error raised for this session alone in the last pass (its sampler): the step loop ends the
+    session with it and the pass's other sessions go on (ModelRunner._advance)."""
 
     @property
     def cache(self) -> DynamicCache:
@@ -214,7 +221,7 @@ class _Residency:
             state.fan = None
 
     def release(self, state: Session) -> None:
-        """Free whatever the session's rows hold in the KV cache (a closed session), and the heap's
+        """Free whatever the session's rows hold in the KV cache (a failed session), and the heap's
         free pages (kv_cache.trim_heap)."""
         if state.kv:
             self.kv.release(state.kv)
@@ -223,8 +230,69 @@ class _Residency:
         self._evict(state)
         trim_heap()
 
+    def close(self, state: Session) -> None:
+        """End the session for good (HFEngine.close): its blocks, its own batch and its rows go, and
+        it is never admitted again, preempted or not (the step loop takes it out of the step and of
+        the waiting extends first: a member's rows are never freed under a step)."""
+        self.release(state)
+        state.closed, state.rows, state.batch, state.fan, state.preempted = True, [], None, None, False
 
-class ModelRunner(_Residency):
+
+class _Speculation:
+    """A ModelRunner's speculative decoding of a session's rows (see the module docstring): whether an
+    extend speculates, and one draft-and-verify step on the session's own batch. Uses the runner's
+    ``speculative``, ``eos_ids``, ``generated_tokens`` and ``_select``."""
+
+    def speculates(self, state: Session) -> bool:
+        """An extend that starts now decodes speculatively: it runs to the cap, with at most
+        max_rows live rows."""
+        return (self.speculative is not None and state.until == state.sampling.max_new_tokens
+                and 0 < len(state.rows) <= self.speculative.max_rows)
+
+    @torch.inference_mode()
+    def speculative_step(self, state: Session) -> None:
+        """One draft-and-verify step of the session's live rows, on its own batch (see the module
+        docstring): each row gains its accepted draft tokens and one token its sampler drew; rows
+        that hit EOS or the cap finish and leave the batch."""
+        spec, sampling = self.speculative, state.sampling
+        cap = sampling.max_new_tokens
+        pending = state.last_token.tolist()  # sampled, not yet cached: each chain's root
+        trees = []
+        for i, row in enumerate(state.rows):
+            tokens = state.tokens[row]
+            room = min(spec.num_speculative_tokens, cap - len(tokens) - 1)  # the step's last token is a sample
+            draft = prompt_lookup(state.prompts[row // state.num_samples] + tokens, room,
+                                  spec.prompt_lookup_min, spec.prompt_lookup_max)
+            trees.append(TokenTree.chain([pending[i]] + draft))
+        logits = state.batch.verify(trees)  # [B, N, V]
+        state.forward_passes += 1
+        eos = set() if sampling.ignore_eos else self.eos_ids
+        kept, last, done, draws = [], [], [], []
+        uniforms = state.streams.ahead(max(len(tree.tokens) for tree in trees)).to(logits.device)  # chains
+        for i, (row, tree) in enumerate(zip(state.rows, trees)):
+            path, accepted, token = accept_tokens(tree, logits[i], sampling, uniforms[i], eos)
+            draws.append(len(path) if sampling.temperature else 0)
+            tokens = state.tokens[row]
+            tokens.extend(accepted)
+            if token not in eos:
+                tokens.append(token)
+            state.generated_tokens += len(accepted) + 1
+            self.generated_tokens += len(accepted) + 1
+            if token in eos or len(tokens) >= cap:
+                done.append(i)
+            kept.append(len(accepted) + 1)  # the root (the old pending token) and the accepted drafts
+            last.append(token)
+        state.streams.advance(draws)
+        if state.rewards is not None:  # the verification pass reads no channel: no reward is current
+            state.rewards.clear()
+        state.batch.commit_prefixes(kept)
+        state.last_token = torch.tensor(last, dtype=state.last_token.dtype, device=state.last_token.device)
+        if done:
+            state.finished.update(state.rows[i] for i in done)
+            self._select(state, _without(len(state.rows), done))
+
+
+class ModelRunner(_Residency, _Speculation):
     """The model, its tokenizer and the sessions' model work (see the module docstring)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", speculative: SpeculativeDecoding | None = None,
@@ -341,7 +409,12 @@ class ModelRunner(_Residency):
         if len(live) < width:
             logits, rewards = logits[index], None if rewards is None else rewards[index]  # [live, V], [live]
         _keep_rewards(sessions, rewards)
-        return self._advance(sessions, logits)
+        finished = self._advance(sessions, logits)
+        for state in sessions:  # no step loop here to end one session alone: the caller gets it
+            if state.fault is not None:
+                fault, state.fault = state.fault, None
+                raise fault
+        return finished
 
     def _advance(self, sessions: list[Session], logits: torch.Tensor) -> list[list[int]]:
         """Sample the next token of every live row of ``sessions`` from logits [live, V] (the
@@ -350,12 +423,18 @@ class ModelRunner(_Residency):
         sampling = sessions[0].sampling
         shared = all(s.sampling == sampling for s in sessions)
         if shared:  # the usual case: one draw for all rows
-            streams = RowStreams.cat([s.streams for s in sessions])
-            sampled = sample_next(logits, sampling, streams)  # [live]
-            if len(sessions) > 1 and sampling.temperature != 0:  # the draw moved the joined copy's counters
-                for state in sessions:
-                    state.streams.counters.add_(1)
-            listed, is_eos = self._listed(sampled, sampling)
+            try:
+                streams = RowStreams.cat([s.streams for s in sessions])
+                sampled = sample_next(logits, sampling, streams)  # [live]
+            except Exception:  # noqa: BLE001 - whose it is: each session draws alone below
+                if len(sessions) == 1:  # its own, and its streams may have moved: the step's error
+                    raise
+                shared = False  # the joined copy's counters moved, never the sessions' own
+            else:
+                if len(sessions) > 1 and sampling.temperature != 0:  # the draw moved the joined copy's counters
+                    for state in sessions:
+                        state.streams.counters.add_(1)
+                listed, is_eos = self._listed(sampled, sampling)
         finished = []
         offset = 0
         for state in sessions:
@@ -365,7 +444,12 @@ class ModelRunner(_Residency):
             if shared:
                 done = self._record(state, sampled[rows], listed[rows], is_eos[rows])
             else:  # rows sample independently, so a session's slice may sample on its own
-                done = self._sample(state, logits[rows])
+                try:
+                    done = self._sample(state, logits[rows])
+                except Exception as exc:  # noqa: BLE001 - this session's alone: the loop ends it
+                    state.fault = exc
+                    finished.append([])
+                    continue
             if done:
                 keep = _without(len(state.rows), done)
                 if state.kv is not None:
@@ -373,54 +457,6 @@ class ModelRunner(_Residency):
                 self._keep(state, keep, torch.tensor(keep, dtype=torch.long, device=state.last_token.device))
             finished.append(done)
         return finished
-
-    def speculates(self, state: Session) -> bool:
-        """An extend that starts now decodes speculatively: it runs to the cap, with at most
-        max_rows live rows."""
-        return (self.speculative is not None and state.until == state.sampling.max_new_tokens
-                and 0 < len(state.rows) <= self.speculative.max_rows)
-
-    @torch.inference_mode()
-    def speculative_step(self, state: Session) -> None:
-        """One draft-and-verify step of the session's live rows, on its own batch (see the module
-        docstring): each row gains its accepted draft tokens and one token its sampler drew; rows
-        that hit EOS or the cap finish and leave the batch."""
-        spec, sampling = self.speculative, state.sampling
-        cap = sampling.max_new_tokens
-        pending = state.last_token.tolist()  # sampled, not yet cached: each chain's root
-        trees = []
-        for i, row in enumerate(state.rows):
-            tokens = state.tokens[row]
-            room = min(spec.num_speculative_tokens, cap - len(tokens) - 1)  # the step's last token is a sample
-            draft = prompt_lookup(state.prompts[row // state.num_samples] + tokens, room,
-                                  spec.prompt_lookup_min, spec.prompt_lookup_max)
-            trees.append(TokenTree.chain([pending[i]] + draft))
-        logits = state.batch.verify(trees)  # [B, N, V]
-        state.forward_passes += 1
-        eos = set() if sampling.ignore_eos else self.eos_ids
-        kept, last, done, draws = [], [], [], []
-        uniforms = state.streams.ahead(max(len(tree.tokens) for tree in trees)).to(logits.device)  # chains
-        for i, (row, tree) in enumerate(zip(state.rows, trees)):
-            path, accepted, token = accept_tokens(tree, logits[i], sampling, uniforms[i], eos)
-            draws.append(len(path) if sampling.temperature else 0)
-            tokens = state.tokens[row]
-            tokens.extend(accepted)
-            if token not in eos:
-                tokens.append(token)
-            state.generated_tokens += len(accepted) + 1
-            self.generated_tokens += len(accepted) + 1
-            if token in eos or len(tokens) >= cap:
-                done.append(i)
-            kept.append(len(accepted) + 1)  # the root (the old pending token) and the accepted drafts
-            last.append(token)
-        state.streams.advance(draws)
-        if state.rewards is not None:  # the verification pass reads no channel: no reward is current
-            state.rewards.clear()
-        state.batch.commit_prefixes(kept)
-        state.last_token = torch.tensor(last, dtype=state.last_token.dtype, device=state.last_token.device)
-        if done:
-            state.finished.update(state.rows[i] for i in done)
-            self._select(state, _without(len(state.rows), done))
 
     def _sample(self, state: Session, logits: torch.Tensor) -> list[int]:
         """Sample one token per live row from logits [B, V]; the batch positions of the rows that

@@ -20,10 +20,11 @@ Two ways to score:
 
 How a row stays exact: the row's formatted text (template head + response + template tail) is
 tokenized in full at every call; the longest common prefix with the tokens already cached is
-kept, the cached tokens after it are cut off (``KVCache.truncate``: a BPE merge across the old
-boundary, or the template tail of the previous call), and only the rest is fed, at its true position ids. The
-score is read at the last token, as full re-scoring reads it, so the two agree to float
-tolerance (tests/test_rewards.py).
+kept, the cached tokens after it are cut off (a BPE merge across the old boundary, or the template
+tail of the previous call), and only the rest is fed, at its true position ids; the cut and the
+feed are one pass (``KVCache.feeding`` with ``keep``), so a pass that raises leaves the row's blocks
+and its cached ids as they were, and its next call works. The score is read at the last token, as
+full re-scoring reads it, so the two agree to float tolerance (tests/test_rewards.py).
 
 ``FunctionScorer`` serves the same protocol from a Python reward function instead of a model
 (``models.reward: module:function``), with the signature of TRL's GRPOTrainer reward functions.
@@ -142,13 +143,14 @@ class _StreamingSessions:
                 self._release(state, [rows[i] for i in picked])
                 full += picked
                 continue
-            kv.truncate(handles, keep)
-            with kv.feeding(handles, chunks, int(self.tokenizer.pad_token_id)) as inputs, \
-                    timed_forward(self.device):
-                out = self._base_model()(**inputs)
-            logits = self.model.score(out.last_hidden_state[:, -1])  # [B, 1]
+            # The cut, the feed and the score are one (atomic): a pass that raises leaves each row's
+            # blocks holding its cached ids, so the row's next call keeps what they say.
+            with kv.feeding(handles, chunks, int(self.tokenizer.pad_token_id), keep=keep) as inputs:
+                with timed_forward(self.device):
+                    out = self._base_model()(**inputs)
+                values = self.model.score(out.last_hidden_state[:, -1])[:, 0].float().tolist()  # [B]
             self.tokens_read += sum(len(c) for c in chunks)
-            for i, v in zip(picked, logits[:, 0].float().tolist()):
+            for i, v in zip(picked, values):
                 state.ids[rows[i]] = token_ids[i]
                 scores[rows[i]] = float(v) if math.isfinite(v) else math.nan
         if full:

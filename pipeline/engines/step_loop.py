@@ -21,9 +21,16 @@ run between two steps, one at a time.
 
 The loop has no thread of its own: a calling thread that finds no one driving it drives it (runs
 the waiting jobs, then one step, and again) until its own call is done, then hands it to a thread
-still waiting. A model error in a step reaches every call with rows in that step; the loop goes on
-serving the others. An out-of-memory inside a step is not an error of the calls: the step (which
-gave back every block it took) runs again with the newest sessions preempted, down to one.
+still waiting. An out-of-memory inside a step is not an error of the calls: the step (which gave
+back every block it took) runs again with the newest sessions preempted, down to one.
+
+A session's fault is its own (docs/design.md, "Fault containment: row and session"). A close
+(``close``, from any thread, at any time) takes the session's extend out of the step, or out of the
+waiting extends if it is preempted or waiting for blocks, at the next gap between steps, and only
+then frees its rows; the extend raises ``closed_error`` and the session is never admitted again. A
+session whose sampler raises leaves the step alone (``Session.fault``). Any other error in a step is
+attributed by stepping each member alone (``_isolate``): a member whose own step raises gets its
+error, the others take the token they would have had. The loop goes on serving the others.
 
 Rows sample from their own random streams, so with the same seeds the candidates are identical
 whatever else shares the step: the paged attention reads each row's own blocks, so a row's logits
@@ -41,6 +48,13 @@ from typing import Any, Callable
 import torch
 
 from pipeline.engines.model_runner import ModelRunner, Session
+
+
+def closed_error(state: Session) -> RuntimeError:
+    """What a session's extend raises when the session is closed before it is done (HFEngine.close
+    from another thread: a caller that gave up on it, a timeout): its own error, naming it; the
+    sessions beside it go on."""
+    return RuntimeError(f"session {state.name or '(unnamed)'}: closed while its extend was under way")
 
 
 @dataclass(eq=False)
@@ -62,7 +76,72 @@ class _Member:
     error: BaseException | None = None  # why the loop dropped the session's rows
 
 
-class StepLoop:
+class _Containment:
+    """A StepLoop's faults, each kept to the smallest unit that holds it (see the module docstring): a
+    step out of memory shed, a failed step's error attributed, closed sessions taken out of the step,
+    failed members ended. Uses the loop's ``runner``, ``_members``, ``_joining``, ``_closing`` and
+    ``_step``; the loop's driver calls these between two steps."""
+
+    def _shed(self, exc: BaseException) -> list[_Member]:
+        """An out-of-memory inside a step (the step gave back what it took): the step again with fewer
+        rows, the newest member preempted back to the head of the waiting extends each time (as
+        ``_make_room`` does), so the oldest make progress; a lone member's step cannot shrink, so its
+        caller gets the error."""
+        while len(self._members) > 1:
+            victim = self._members.pop()
+            self.runner.preempt(victim.session)
+            self._joining.insert(0, victim)
+            try:
+                return self._step()
+            except (torch.OutOfMemoryError, MemoryError) as again:
+                exc = again
+        failed, self._members = self._members, []
+        return self._fail(failed, exc)
+
+    def _isolate(self, exc: BaseException) -> list[_Member]:
+        """A step that raised (not for want of memory, or a shed step's own error; it gave back what
+        it took): each member steps alone, so an error that one session's rows cause ends that
+        session only, and the others take this step's token as they would have; a member whose own
+        step raises gets its error (an out-of-memory too: a lone step cannot shrink). A lone member
+        gets ``exc``. The solo steps need no block the shared one did not have free."""
+        members, self._members = self._members, []
+        if len(members) <= 1:
+            return self._fail(members, exc)
+        left: list[_Member] = []
+        for member in members:
+            state = member.session
+            try:
+                self.runner.step_kv([state])
+                if state.fault is not None:
+                    raise state.fault
+            except Exception as own:  # noqa: BLE001 - this member's alone
+                left += self._fail([member], own)
+                continue
+            (left if state.extended() else self._members).append(member)
+        return left
+
+    def _take_closed(self) -> list[_Member]:
+        """The extends of the sessions closed since the last turn, out of the step and the waiting
+        extends, each with ``closed_error`` (the lock held: other threads join meanwhile)."""
+        if not self._closing:
+            return []
+        closed, self._closing = {id(s) for s in self._closing}, []
+        ended = [m for m in self._members + self._joining if id(m.session) in closed]
+        if ended:
+            self._members = [m for m in self._members if id(m.session) not in closed]
+            self._joining = [m for m in self._joining if id(m.session) not in closed]
+            for member in ended:
+                member.error = closed_error(member.session)
+        return ended
+
+    def _fail(self, members: list[_Member], exc: BaseException) -> list[_Member]:
+        for member in members:
+            member.error, member.session.rows, member.session.fault = exc, [], None
+            self.runner.release(member.session)
+        return members
+
+
+class StepLoop(_Containment):
     """Continuous batching over one ModelRunner (see the module docstring)."""
 
     def __init__(self, runner: ModelRunner):
@@ -73,22 +152,27 @@ class StepLoop:
         self._joining: list[_Member] = []  # extends waiting to be admitted, first come first served
         self._members: list[_Member] = []  # extends in the step, in admission order
         self._waiters: list[tuple[Callable[[], bool], threading.Condition]] = []  # threads in _serve
+        self._closing: list[Session] = []  # sessions closed since the last turn: out of the step at the next
 
     def extend(self, state: Session) -> None:
         """Decode ``state``'s live rows until ``state.extended()`` (its ``until`` set by the caller).
         An extend the runner speculates (``ModelRunner.speculates``, decided here, at its start) runs
         its draft-and-verify steps between the loop's steps, on its own rows; any other joins the
-        step."""
+        step. Raises ``closed_error`` when the session is closed (``close``) before it is done."""
         if self.runner.speculates(state):
             if state.batch is None or state.fan is not None:
-                self.between_steps(lambda: self.runner.unpool(state))
+                self.between_steps_of(state, lambda: self.runner.unpool(state))
             while not state.extended():
-                self.between_steps(lambda: self.runner.speculative_step(state))
-            return
-        if state.extended():
+                self.between_steps_of(state, lambda: self.runner.speculative_step(state))
+            if state.closed:  # closed between two of its steps: its rows are gone, not done
+                raise closed_error(state)
             return
         member = _Member(state)
         with self._cond:
+            if state.closed:
+                raise closed_error(state)
+            if state.extended():
+                return
             self._joining.append(member)
             self._serve(lambda: member.left)
         if member.error is not None:
@@ -96,8 +180,31 @@ class StepLoop:
 
     def between_steps(self, run: Callable[[], Any]) -> Any:
         """Run ``run`` (model work) in the next gap between two steps of the loop; its result."""
-        job = _Job(run)
+        return self._run(_Job(run))
+
+    def between_steps_of(self, state: Session, run: Callable[[], Any]) -> Any:
+        """``between_steps`` for model work on one session's rows (a prune, a speculative step):
+        ``closed_error``, nothing run, when the session is closed by the time it would run."""
+        def own():
+            if state.closed:
+                raise closed_error(state)
+            return run()
+
+        return self._run(_Job(own))
+
+    def close(self, state: Session) -> None:
+        """End ``state`` for good, at any time (HFEngine.close): at the next gap between two steps,
+        its extend in flight (stepping, preempted or waiting to be admitted) leaves the loop and raises
+        ``closed_error``, then its rows are freed (``ModelRunner.close``); every other session's rows
+        and tokens are what they would be without it. A session is never freed while it is a member
+        of the step, and never admitted after its close."""
+        self._run(_Job(lambda: self.runner.close(state)), closing=state)
+
+    def _run(self, job: _Job, closing: Session | None = None) -> Any:
         with self._cond:
+            if closing is not None:  # with its job, under the lock: an extend that would join sees it
+                closing.closed = True
+                self._closing.append(closing)
             self._jobs.append(job)
             self._serve(lambda: job.done)
         if job.error is not None:
@@ -142,8 +249,8 @@ class StepLoop:
         """One turn of the loop, the lock held on entry and exit but released for the model's work:
         the waiting jobs, then the extends waiting to join, then one step."""
         jobs, self._jobs = self._jobs, []
-        joining = self._joining
-        if not jobs and not joining and not self._members:
+        left = self._take_closed()  # before the jobs: a close's job frees rows no step may read again
+        if not jobs and not self._joining and not self._members and not left:
             raise RuntimeError("step loop: a call waits, but no work is queued")
         self._cond.release()
         try:
@@ -152,14 +259,16 @@ class StepLoop:
                     job.result = job.run()
                 except Exception as exc:  # noqa: BLE001 - it belongs to the job's caller
                     job.error = exc
-            left = self._admit()
+            left += self._admit()
             try:
                 left += self._step()
             except (torch.OutOfMemoryError, MemoryError) as exc:
-                left += self._shed(exc)
-            except Exception as exc:  # noqa: BLE001 - the step's callers each get the error
-                left += self._fail(self._members, exc)
-                self._members = []
+                try:
+                    left += self._shed(exc)
+                except Exception as other:  # noqa: BLE001 - a smaller step's own error
+                    left += self._isolate(other)
+            except Exception as exc:  # noqa: BLE001 - whose it is: each member steps alone
+                left += self._isolate(exc)
         finally:
             self._cond.acquire()
         for job in jobs:
@@ -168,28 +277,6 @@ class StepLoop:
             member.left = True
         if jobs or left:
             self._wake(lambda d: d(), first=False)
-
-    def _shed(self, exc: BaseException) -> list[_Member]:
-        """An out-of-memory inside a step (the step gave back what it took): the step again with fewer
-        rows, the newest member preempted back to the head of the waiting extends each time (as
-        ``_make_room`` does), so the oldest make progress; a lone member's step cannot shrink, so its
-        caller gets the error."""
-        while len(self._members) > 1:
-            victim = self._members.pop()
-            self.runner.preempt(victim.session)
-            self._joining.insert(0, victim)
-            try:
-                return self._step()
-            except (torch.OutOfMemoryError, MemoryError) as again:
-                exc = again
-        failed, self._members = self._members, []
-        return self._fail(failed, exc)
-
-    def _fail(self, members: list[_Member], exc: BaseException) -> list[_Member]:
-        for member in members:
-            member.error, member.session.rows = exc, []
-            self.runner.release(member.session)
-        return members
 
     @torch.inference_mode()
     def _admit(self) -> list[_Member]:
@@ -257,6 +344,11 @@ class StepLoop:
             return []
         self._make_room()
         self.runner.step_kv([m.session for m in self._members])
-        leave = [m for m in self._members if m.session.extended()]
-        self._members = [m for m in self._members if m not in leave]
+        leave, stay = [], []
+        for member in self._members:
+            if member.session.fault is not None:  # its sampler raised: it ends alone
+                leave += self._fail([member], member.session.fault)
+            else:
+                (leave if member.session.extended() else stay).append(member)
+        self._members = stay
         return leave
