@@ -97,7 +97,7 @@ def read_pairs(output: str, allow_partial: bool) -> list[dict]:
     """The build's pair rows, from its committed shards only (OutputReader.read_committed); with
     ``allow_partial``, one line on stderr says what of the build was left out. InputError when
     ``output`` is no build."""
-    from pipeline.data.reader import BUILD_FILES, OutputReader, partial_read_line
+    from pipeline.data.reader import BUILD_FILES, OutputReader, partial_read_line, read_parquet
 
     store = OutputReader.open_build(output)
     if store is None:
@@ -106,28 +106,11 @@ def read_pairs(output: str, allow_partial: bool) -> list[dict]:
     read = store.read_committed(allow_partial=allow_partial)
     rows = []
     for part in read.parts:
-        rows += read_parquet_rows(store.fs, part)
+        rows += read_parquet(store.fs, part).to_pylist()
     line = partial_read_line(output, len(rows), [read])
     if line:
         log.info("%s", line)
     return rows
-
-
-def read_parquet_rows(fs, path: str) -> list[dict]:
-    """The rows of one Parquet file of ``fs``, read with no Python object in Arrow's hands.
-
-    Given a Python file, Arrow reads it on its own IO threads (the footer, and read_table's
-    pre-buffering), which may still hold buffers of that file after the read returns; the last one
-    freed while the interpreter exits (a user error found right after the read) calls into Python
-    from that thread and aborts the process ("terminate called without an active exception", exit
-    134). So the bytes are read here and copied into memory Arrow owns."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    native = pa.BufferOutputStream()
-    with fs.open(path, "rb") as f:
-        native.write(f.read())
-    return pq.read_table(pa.BufferReader(native.getvalue())).to_pylist()
 
 
 def judge_pairs(args) -> dict:

@@ -33,6 +33,20 @@ PAIR_FILE_PREFIXES = ("train-", "part-")
 in builds of the older layout), and by the same convention a user's own pairs directory."""
 
 
+def read_parquet(fs, path: str) -> pa.Table:
+    """One Parquet file of ``fs``, read with no Python object in Arrow's hands.
+
+    Given a Python file, Arrow reads it on its own IO threads (the footer, and read_table's
+    pre-buffering), which may still hold buffers of that file after the read returns; the last one
+    freed while the interpreter exits (a job that ends right after the read, a user error found
+    there) calls into Python from that thread and aborts the process ("terminate called without an
+    active exception", exit 134). So the bytes are read here and copied into memory Arrow owns."""
+    native = pa.BufferOutputStream()
+    with fs.open(path, "rb") as f:
+        native.write(f.read())
+    return pq.read_table(pa.BufferReader(native.getvalue()))
+
+
 def is_pair_file(name: str) -> bool:
     """Whether a top-level file name is a pair file's (PAIR_FILE_PREFIXES, ``.parquet``); a temp
     file (``.tmp-*``) never is."""
@@ -207,13 +221,11 @@ class OutputReader:
             return json.load(f)
 
     def read_shard(self, shard: int) -> tuple[pa.Table, pa.Table]:
-        with self.fs.open(join(self.root, part_name(shard)), "rb") as f:
-            pairs = pq.read_table(f)
+        pairs = read_parquet(self.fs, join(self.root, part_name(shard)))
         reject_path = join(self.root, "_rejects", side_name(shard))
         rejects = REJECT_SCHEMA.empty_table()
         if self.fs.exists(reject_path):
-            with self.fs.open(reject_path, "rb") as f:
-                rejects = pq.read_table(f)
+            rejects = read_parquet(self.fs, reject_path)
         return pairs, rejects
 
     def read_committed(self, allow_partial: bool = False, wanted: Callable[[str], bool] | None = None) -> BuildRead:
