@@ -473,13 +473,19 @@ def frontier(prompts: list[Prompt], sizes: list[int], taus: list[int], alphas: l
     curve_points = [best_of_k(prompts, k, reward_prompt) for k in range(1, n_max + 1)]
     rng = np.random.default_rng(seed)
     samples = [rng.integers(0, len(prompts), len(prompts)) for _ in range(resamples)]
+    # Every point is bootstrapped on the same resamples: the curve is aggregated once per resample, not
+    # once per point and resample (the same figures, 28-60 times fewer aggregations on a grid).
+    curve = [aggregate(p, instructions, costs) for p in curve_points]
+    resampled = None
     points, replayed = [], []
     for n in (s for s in sizes if s <= n_max):
         for tau in taus:
             for alpha in alphas:
                 point = sbon(prompts, n, tau, alpha, subsets, seed, reward_prompt=reward_prompt)
-                value, above = ratio(curve_points, point, instructions, costs, level)
-                spread = sorted(ratio(curve_points, point, instructions, costs, level, s)[0] for s in samples)
+                value, above = _ratio_on(curve, point, instructions, costs, level)
+                if resampled is None:
+                    resampled = [[aggregate(p, instructions, costs, s) for p in curve_points] for s in samples]
+                spread = sorted(_ratio_on(c, point, instructions, costs, level, s)[0] for c, s in zip(resampled, samples))
                 low, high = (spread[int(0.025 * len(spread))], spread[int(0.975 * len(spread)) - 1]) if spread \
                     else (math.nan, math.nan)
                 at = aggregate(point, instructions, costs)
