@@ -79,3 +79,15 @@ class IncompleteBuild(Exception):
 class KVBudgetError(RuntimeError):
     """The KV cache's budget (runtime.kv_cache_memory) cannot hold a session's rows, or cannot be
     allocated: one line; the engine stays usable."""
+
+
+class SessionClosed(RuntimeError):
+    """An engine session was closed (HFEngine.close, from another thread: a caller that gave up on
+    it, a timeout) before its extend was done: that extend's own error, naming the session; the
+    sessions stepping beside it go on."""
+
+
+class UncheckedKernel(RuntimeError):
+    """A KV pool's compiled attention was asked to compile anew outside its check (a guard failed):
+    the call refuses to run code no check has seen, and the step gathers
+    (pipeline.engines.attention_kernel)."""

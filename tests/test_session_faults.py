@@ -19,7 +19,7 @@ import pipeline.engines.kv_cache as kv_cache
 import pipeline.engines.model_runner as model_runner
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engines.hf import HFEngine
-from pipeline.errors import KVBudgetError
+from pipeline.errors import KVBudgetError, SessionClosed
 
 BOUND_S = 60.0
 """No call may wait longer (thread joins); on this shared 2-CPU machine a whole test takes seconds."""
@@ -146,7 +146,7 @@ def test_closing_a_session_during_its_extend_ends_it_alone(base, small_blocks, b
 
     a, b, closed = _threads(lambda: engine.extend("a", until=cap),
                             lambda: _session(engine, "b", prompt, 4, 50, cap, opened=True), close_a)
-    assert isinstance(a, RuntimeError) and str(a) == f"session a: {CLOSED}"
+    assert isinstance(a, SessionClosed) and str(a) == f"session a: {CLOSED}"
     assert b == expected
     assert closed["generated_tokens"] >= 4 * 5
     _empty(engine)
@@ -191,7 +191,7 @@ def test_a_session_closed_while_preempted_or_waiting_is_gone_for_good(base, smal
         return engine.extend("b", until=cap)
 
     b, a, _ = _threads(extend_b, lambda: engine.extend("a", until=cap), close_b)
-    assert isinstance(b, RuntimeError) and CLOSED in str(b)
+    assert isinstance(b, SessionClosed) and CLOSED in str(b)
     assert {r.row: r.token_ids for r in a} == expected
     engine.close("a")
     _empty(engine)

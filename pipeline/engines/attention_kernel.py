@@ -75,6 +75,7 @@ import numpy as np
 import torch
 
 from pipeline.engines.rows import timed_warm_up
+from pipeline.errors import UncheckedKernel
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +191,6 @@ def kernel_options(device: torch.device, block_size: int) -> dict:
     the decoding variant only (for 1-token blocks every size is a multiple). On CUDA inductor's own
     choice stands (its decoding kernel for a static row count)."""
     return {"PARTITION_SIZE": block_size + 1} if device.type == "cpu" else {}
-
-
-class UncheckedKernel(RuntimeError):
-    """A pool's compiled call was asked to compile anew outside its check (a guard failed): the call
-    refuses to run code no check has seen, and the step gathers."""
 
 
 def _refuse(*args):
@@ -430,7 +426,7 @@ class AttentionKernel:
         rng = np.random.default_rng(0)
         kept = self._keep_metadata()
         try:
-            with self._scratch_blocks(rng) as blocks:
+            with scratch_blocks(self.keys, self.values, self.block_size, self.row_blocks, rng) as blocks:
                 for bucket in self.buckets:
                     before = backend.compiles
                     backend.checking = True
@@ -473,72 +469,12 @@ class AttentionKernel:
         for target, saved in zip((self._tables, self._whole, self._partial, self._last, self._filled), kept):
             target.copy_(saved)
 
-    @contextmanager
-    def _scratch_blocks(self, rng):
-        """Blocks the check writes standard normal keys and values into, for the length of the block:
-        ``row_blocks`` + 8 of them (all, in a smaller pool), the pool's first and last among them; what
-        they held (nothing yet, or live rows' keys and values after a thread count change) is put back
-        after. Yields their ids, [k] int32."""
-        count = min(self.num_blocks, self.row_blocks + 8)
-        ends = [0, self.num_blocks - 1]
-        others = rng.choice(np.arange(1, max(self.num_blocks - 1, 1)), max(0, min(count, self.num_blocks) - 2),
-                            replace=False) if self.num_blocks > 2 else np.zeros(0, np.int64)
-        chosen = np.unique(np.concatenate([ends, others])).astype(np.int64)
-        places = torch.from_numpy((chosen[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1))
-        places = places.to(self.device)
-        saved = [tensor[0].index_select(1, places) for tensor in (self.keys, self.values)]
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        try:
-            for tensor in (self.keys, self.values):
-                noise = torch.randn((tensor.shape[1], len(places), tensor.shape[3]), generator=generator)
-                tensor[0].index_copy_(1, places, noise.to(tensor.dtype).to(self.device))
-            yield chosen.astype(np.int32)
-        finally:
-            for tensor, old in zip((self.keys, self.values), saved):
-                tensor[0].index_copy_(1, places, old)
-
-    def _cases(self, bucket: int, blocks: np.ndarray, rng) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """The check's steps for ``bucket``, each (slots, tables [bucket, row_blocks], lengths): the
-        deterministic ones (rows as wide as a block table gets at the bucket's last and first slots,
-        the pool's last block first and its first block last in one, the other way round in the other,
-        ending in a whole block and in a half-filled one; one token in the pool's last block at the
-        last slot, the pool's whole first block at the first), then two
-        random ones (random slots, distinct random blocks, widths up to the table's within
-        CHECK_TOKENS, lengths across block boundaries)."""
-        bs, width, first, last = self.block_size, self.row_blocks, 0, self.num_blocks - 1
-        inner = blocks[(blocks != first) & (blocks != last)]
-        ends = np.unique([bucket - 1, 0])[::-1]  # the last slot, then the first (one slot in a 1-row bucket)
-
-        def tables(rows: list[list[int]]) -> np.ndarray:
-            out = np.zeros((bucket, width), dtype=np.int32)
-            for slot, row in zip(ends, rows):
-                out[slot, :len(row)] = row
-            return out
-
-        def spanning(head: int, tail: int) -> list[int]:  # ``width`` distinct blocks from head to tail
-            row = [head, *inner[:max(0, width - 2)], tail][:width] if width > 1 else [head]
-            return list(dict.fromkeys(row))[:width]
-
-        long_rows = [spanning(last, first), spanning(first, last)]
-        full = [len(long_rows[0]) * bs, len(long_rows[1]) * bs - (bs // 2 if bs > 1 else 0)]
-        cases = [(ends, tables(long_rows), np.array(full[:len(ends)])),
-                 (ends, tables([[last], [first]]), np.array([1, bs][:len(ends)]))]
-        for _ in range(2):
-            n = int(rng.integers(1, bucket + 1))
-            slots = np.sort(rng.choice(bucket, n, replace=False)).astype(np.int64)
-            widest = int(min(width, len(blocks), max(1, CHECK_TOKENS // (n * bs))))
-            widths = rng.integers(1, widest + 1, n)
-            table = np.zeros((bucket, width), dtype=np.int32)
-            for slot, w in zip(slots, widths):
-                table[slot, :w] = rng.choice(blocks, w, replace=False)
-            cases.append((slots, table, np.array([rng.integers((w - 1) * bs + 1, w * bs + 1) for w in widths])))
-        return cases
-
     def _check(self, flex, bucket: int, blocks: np.ndarray, rng) -> float:
         """Compile the bucket (its first call, with ``flex``) and return the kernel's largest difference
         from the gather over ``_cases``."""
         error, dim = 0.0, self.keys.shape[3]
-        for slots, tables, lengths in self._cases(bucket, blocks, rng):
+        for slots, tables, lengths in check_cases(bucket, blocks, self.block_size, self.row_blocks,
+                                                  self.num_blocks, rng):
             self.write_rows(np.arange(bucket), tables)
             step = self._metadata(slots.astype(np.int64), lengths.astype(np.int64), tables, bucket)
             generator = torch.Generator(device="cpu").manual_seed(int(rng.integers(1 << 30)))
@@ -569,6 +505,72 @@ def _describe(key: tuple) -> str:
     if key[0] != "cpu":
         return f"{key[0]}, {key[-1]} threads"
     return f"cpu {key[1]} ({key[2]}), {key[3]} thread{'s' if key[3] != 1 else ''}"
+
+
+@contextmanager
+def scratch_blocks(keys: torch.Tensor, values: torch.Tensor, block_size: int, row_blocks: int, rng):
+    """Blocks of a pool (``keys`` and ``values``: [1, kv heads, pool tokens, head dim]) that a kernel
+    check writes standard normal keys and values into, for the length of the ``with`` block:
+    ``row_blocks`` + 8 of them (all, in a smaller pool), the pool's first and last among them; what
+    they held (nothing yet, or live rows' keys and values after a thread count change) is put back
+    after. Yields their ids, [k] int32."""
+    num_blocks, device = keys.shape[2] // block_size, keys.device
+    count = min(num_blocks, row_blocks + 8)
+    ends = [0, num_blocks - 1]
+    others = rng.choice(np.arange(1, max(num_blocks - 1, 1)), max(0, min(count, num_blocks) - 2),
+                        replace=False) if num_blocks > 2 else np.zeros(0, np.int64)
+    chosen = np.unique(np.concatenate([ends, others])).astype(np.int64)
+    places = torch.from_numpy((chosen[:, None] * block_size + np.arange(block_size)).reshape(-1))
+    places = places.to(device)
+    saved = [tensor[0].index_select(1, places) for tensor in (keys, values)]
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    try:
+        for tensor in (keys, values):
+            noise = torch.randn((tensor.shape[1], len(places), tensor.shape[3]), generator=generator)
+            tensor[0].index_copy_(1, places, noise.to(tensor.dtype).to(device))
+        yield chosen.astype(np.int32)
+    finally:
+        for tensor, old in zip((keys, values), saved):
+            tensor[0].index_copy_(1, places, old)
+
+
+def check_cases(bucket: int, blocks: np.ndarray, block_size: int, row_blocks: int, num_blocks: int,
+                rng) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A kernel check's steps for ``bucket`` in a pool of ``num_blocks`` blocks, over the scratch
+    ``blocks``, each (slots, tables [bucket, row_blocks], lengths): the deterministic ones (rows as
+    wide as a block table gets at the bucket's last and first slots, the pool's last block first and
+    its first block last in one, the other way round in the other, ending in a whole block and in a
+    half-filled one; one token in the pool's last block at the last slot, the pool's whole first
+    block at the first), then two random ones (random slots, distinct random blocks, widths up to
+    the table's within CHECK_TOKENS, lengths across block boundaries)."""
+    bs, width, first, last = block_size, row_blocks, 0, num_blocks - 1
+    inner = blocks[(blocks != first) & (blocks != last)]
+    ends = np.unique([bucket - 1, 0])[::-1]  # the last slot, then the first (one slot in a 1-row bucket)
+
+    def tables(rows: list[list[int]]) -> np.ndarray:
+        out = np.zeros((bucket, width), dtype=np.int32)
+        for slot, row in zip(ends, rows):
+            out[slot, :len(row)] = row
+        return out
+
+    def spanning(head: int, tail: int) -> list[int]:  # ``width`` distinct blocks from head to tail
+        row = [head, *inner[:max(0, width - 2)], tail][:width] if width > 1 else [head]
+        return list(dict.fromkeys(row))[:width]
+
+    long_rows = [spanning(last, first), spanning(first, last)]
+    full = [len(long_rows[0]) * bs, len(long_rows[1]) * bs - (bs // 2 if bs > 1 else 0)]
+    cases = [(ends, tables(long_rows), np.array(full[:len(ends)])),
+             (ends, tables([[last], [first]]), np.array([1, bs][:len(ends)]))]
+    for _ in range(2):
+        n = int(rng.integers(1, bucket + 1))
+        slots = np.sort(rng.choice(bucket, n, replace=False)).astype(np.int64)
+        widest = int(min(width, len(blocks), max(1, CHECK_TOKENS // (n * bs))))
+        widths = rng.integers(1, widest + 1, n)
+        table = np.zeros((bucket, width), dtype=np.int32)
+        for slot, w in zip(slots, widths):
+            table[slot, :w] = rng.choice(blocks, w, replace=False)
+        cases.append((slots, table, np.array([rng.integers((w - 1) * bs + 1, w * bs + 1) for w in widths])))
+    return cases
 
 
 class HostRows:

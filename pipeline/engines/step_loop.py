@@ -48,13 +48,14 @@ from typing import Any, Callable
 import torch
 
 from pipeline.engines.model_runner import ModelRunner, Session
+from pipeline.errors import SessionClosed
 
 
-def closed_error(state: Session) -> RuntimeError:
+def closed_error(state: Session) -> SessionClosed:
     """What a session's extend raises when the session is closed before it is done (HFEngine.close
     from another thread: a caller that gave up on it, a timeout): its own error, naming it; the
     sessions beside it go on."""
-    return RuntimeError(f"session {state.name or '(unnamed)'}: closed while its extend was under way")
+    return SessionClosed(f"session {state.name or '(unnamed)'}: closed while its extend was under way")
 
 
 @dataclass(eq=False)
