@@ -71,7 +71,8 @@ def test_an_actor_request_the_local_cluster_can_never_place_exits_2_before_any_a
     """README's my.yaml resources on this machine (no GPU): the build starts its own local cluster,
     which cannot grow, and says so in one line instead of waiting for ever."""
     ray = pytest.importorskip("ray")
-    assert not ray.is_initialized()
+    if ray.is_initialized():  # a driver another test left attached: this build must start its own cluster
+        ray.shutdown()
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS[:2]])
     started = time.monotonic()
     try:
