@@ -280,8 +280,11 @@ class _BuildRun:
         self.coordinator = Coordinator.from_config(self.config, workers.generators, workers.scorers,
                                                    on_retry=self.on_retry)
         runtime = self.config.runtime
-        self.in_flight = len(workers.generators) * runtime.batches_in_flight * runtime.prompts_per_batch
-        """Prompts the generators hold in flight at once."""
+        generators = max(len(workers.generators), runtime.generator_range[1])
+        self.in_flight = generators * runtime.batches_in_flight * runtime.prompts_per_batch
+        """Prompts the generators hold in flight at once: as many as runtime.generator_actors' largest
+        count (a range's max) may hold, so that generators started on capacity that joins find work
+        before a window ends."""
 
     def run_windows(self) -> None:
         """Every pending shard, a window at a time (see WINDOW_ROUNDS); the next window is read while
