@@ -356,7 +356,6 @@ class RemoteProxy:
                 self.lost = f"{why} within {ROOM_WAIT_S:g} s; the cluster has {cluster_capacity()}"
                 raise WorkerFailure(self.lost)
 
-
     def _has_room(self) -> bool:
         """Whether the actor has room to start in (it is only slow to start: its worker process is
         still coming up): its placement-group bundle is placed on a live node; outside a group, a
