@@ -135,7 +135,7 @@ def plan_build(config: Config, overwrite: bool = False) -> BuildPlan:
     store = None
     try:
         check_location(data.output, data.prompts)  # before the input is read: it may be our own output
-        fingerprints, valid, prompts_in, extra = [], [], 0, ExtraColumns()
+        fingerprints, valid, prompts_in, extra = [], [], 0, ExtraColumns(data.candidate_scores)
         for k, values, columns in source.shard_records(data.shard_size):
             fingerprints.append(_fingerprint(values, columns))
             extra.add(columns)
@@ -328,7 +328,7 @@ class _BuildRun:
         shard, source_row, truncated = self.origin.pop(result.prompt.prompt_id)
         _record(shard, result, source_row)
         pair, reason = select_pair(result, self.config.strategy.name, data.min_margin, data.output_format,
-                                   data.rejected)
+                                   data.rejected, data.candidate_scores)
         if pair is None:
             shard.rejects.append(_reject_row(Reject(source_row, reason, result.prompt.raw_prompt[:1000],
                                                     result.prompt.prompt_id), "pairing",

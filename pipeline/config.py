@@ -260,6 +260,10 @@ class DataConfig:
     strategy; speculative rejection keeps its lowest-ranked candidate running to supply one) or any
     (also a response stopped early, scored by its partial reward: DPO may then learn that finished
     beats truncated)."""
+    candidate_scores: bool = False
+    """Each pair row also lists every candidate of its prompt, by sample index: candidate_scores
+    (final reward; for one stopped early, its partial reward; NaN if failed), candidate_tokens and
+    candidate_stopped_early. Best-of-K for every K up to N is then the best of the first K."""
 
     def __post_init__(self):
         if not self.split:
@@ -271,6 +275,8 @@ class DataConfig:
                                   f"only, not to {self.prompts}")
         if self.extra_columns is not None and not all(isinstance(c, str) and c for c in self.extra_columns):
             raise ConfigError(f"data.extra_columns: expected a list of column names (or null), got {self.extra_columns!r}")
+        if not isinstance(self.candidate_scores, bool):
+            raise ConfigError(f"data.candidate_scores: expected true or false, got {self.candidate_scores!r}")
         if self.rejected not in ("complete", "any"):
             raise ConfigError(f"data.rejected: expected complete or any, got {self.rejected!r}")
         if self.min_margin < 0:

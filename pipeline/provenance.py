@@ -50,6 +50,8 @@ def config_hash(config: Config) -> str:
         content["models"].pop("reward_weights", None)
     for key in ("prompts", "output", "storage_options", "split", "subset", "revision"):
         content["data"].pop(key)
+    if not content["data"].get("candidate_scores"):  # off: builds from before the key hash alike
+        content["data"].pop("candidate_scores", None)
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()
 
 

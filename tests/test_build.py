@@ -274,3 +274,35 @@ def test_summary_says_the_estimate_may_run_high_with_keep_lowest_off(mixed_build
     assert "upper bound" in capsys.readouterr().out
     assert main(build_args(tiny_models, prompts, tmp_path / "on")) == 0
     assert "upper bound" not in capsys.readouterr().out
+
+
+def test_candidate_scores_give_every_best_of_k_of_one_build(tiny_models, tmp_path):
+    """data.candidate_scores: every candidate's score and tokens by sample index; Best-of-K read off
+    a Best-of-N build's first K candidates is the Best-of-K build's own choice (row seeds), which is
+    what benchmarks.equal_reward relies on."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in GOOD_PROMPTS])
+
+    def build(name, n, *extra):
+        args = build_args(tiny_models, prompts, tmp_path / name, "--strategy", "best_of_n", "--set", "seed=7",
+                          "--num-samples", str(n), *extra, tau=None)
+        assert main(args) == 0
+        rows = [r for part in sorted((tmp_path / name).glob("train-*.parquet")) for r in pq.read_table(part).to_pylist()]
+        return {r["prompt_id"]: r for r in rows}
+
+    wide = build("wide", 6, "--set", "data.candidate_scores=true")
+    narrow = build("narrow", 3)
+    assert "candidate_scores" not in next(iter(narrow.values()))
+    assert set(wide) == set(narrow)
+    for pid, row in wide.items():
+        scores, tokens = row["candidate_scores"], row["candidate_tokens"]
+        assert len(scores) == len(tokens) == len(row["candidate_stopped_early"]) == 6
+        assert sum(tokens) == row["generated_tokens"] and not any(row["candidate_stopped_early"])
+        assert scores[row["chosen_sample"]] == row["chosen_score"] == max(scores)
+        assert narrow[pid]["chosen_score"] == pytest.approx(max(scores[:3]), abs=1e-4)
+        assert sum(tokens[:3]) == narrow[pid]["generated_tokens"]
+    manifest = json.loads((tmp_path / "wide" / "_manifest.json").read_text())
+    assert "candidate_scores" in (tmp_path / "wide" / "README.md").read_text()
+    # another output schema: the build is not resumed into it
+    args = build_args(tiny_models, prompts, tmp_path / "wide", "--strategy", "best_of_n", "--set", "seed=7",
+                      "--num-samples", "6", tau=None)
+    assert main(args) == 2 and manifest["pairs"] == len(wide)

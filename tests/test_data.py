@@ -189,3 +189,13 @@ def test_a_jsonl_file_without_the_prompt_column_fails_like_parquet(tmp_path):
     assert [r.prompt for r in rows] == ["b"] and [r.source_row for r in rejects] == [0]
     write_jsonl(tmp_path / "empty.jsonl", [])
     assert read_raw_rows(str(tmp_path / "empty.jsonl"), "prompt") == []
+
+
+def test_pair_lists_every_candidate_by_sample_index_with_candidate_scores():
+    shuffled = (MIXED[2], MIXED[4], MIXED[0], MIXED[3], MIXED[1])
+    pair, _ = select_pair(result(*shuffled), "sbon", candidates=True)
+    scores = pair["candidate_scores"]
+    assert scores[:4] == [0.5, 0.9, 0.7, -0.2] and math.isnan(scores[4])
+    assert pair["candidate_tokens"] == [1] * 5
+    assert pair["candidate_stopped_early"] == [False, True, False, True, False]
+    assert "candidate_scores" not in select_pair(result(*shuffled), "sbon")[0]

@@ -243,3 +243,24 @@ def test_a_build_with_no_pairs_has_a_card_that_says_so(models, tmp_path):
     assert "This build made no pairs" in (out / "README.md").read_text()
     rejects = datasets.load_dataset("parquet", data_files=f"{out}/_rejects/*.parquet", split="train")
     assert sorted(rejects["reason"]) == ["blank prompt", "blank prompt"]
+
+
+def test_candidate_scores_off_hashes_as_builds_from_before_the_key():
+    """data.candidate_scores changes the output's columns, so it is in the config hash when on; off,
+    a build made before the key existed resumes (its hash is the same)."""
+    import hashlib
+
+    from pipeline.config import load_config
+    from pipeline.provenance import config_hash
+
+    config = load_config("configs/demo.yaml")
+    content = config.to_dict()
+    content.pop("runtime")
+    for key in ("device", "vllm", "reward_vllm"):
+        content["models"].pop(key)
+    content["models"].pop("reward_weights", None) if content["models"].get("reward_weights") is None else None
+    for key in ("prompts", "output", "storage_options", "split", "subset", "revision", "candidate_scores"):
+        content["data"].pop(key)
+    before = hashlib.sha256(json.dumps(content, sort_keys=True, default=repr).encode()).hexdigest()
+    assert config_hash(config) == before
+    assert config_hash(load_config("configs/demo.yaml", ["data.candidate_scores=true"])) != before

@@ -65,6 +65,10 @@ COLUMNS = {
     "prompt_token_ids": "token ids of the prompt",
     "chosen_token_ids": "token ids of the chosen completion",
     "rejected_token_ids": "token ids of the rejected completion",
+    "candidate_scores": "every candidate's score by sample index (data.candidate_scores; partial for one "
+                        "stopped early, NaN if failed)",
+    "candidate_tokens": "every candidate's generated tokens by sample index (data.candidate_scores)",
+    "candidate_stopped_early": "whether each candidate was stopped early, by sample index (data.candidate_scores)",
 }
 """The meaning of each pair column (pipeline.data.schema.PAIR_SCHEMA); any other column is one of
 the input's (data.extra_columns)."""

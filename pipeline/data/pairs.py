@@ -23,8 +23,10 @@ from pipeline.decoding.domain import PromptResult
 
 
 def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0, output_format: str = "standard",
-                rejected_from: str = "complete") -> tuple[dict | None, str | None]:
-    """Returns (pair row, None) or (None, reason)."""
+                rejected_from: str = "complete", candidates: bool = False) -> tuple[dict | None, str | None]:
+    """Returns (pair row, None) or (None, reason). ``candidates`` (data.candidate_scores): the row
+    also lists every candidate's score, generated tokens and early stop, by sample index
+    (pipeline.data.schema.CANDIDATE_FIELDS)."""
     usable = [c for c in result.candidates if not c.failed]
     completed = [c for c in usable if c.completed and not c.stopped_early]
     if not completed:
@@ -46,7 +48,7 @@ def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0, ou
         prompt = p.messages if p.messages is not None else [{"role": "user", "content": p.raw_prompt}]
         chosen_text = [{"role": "assistant", "content": chosen.text}]
         rejected_text = [{"role": "assistant", "content": rejected.text}]
-    return {
+    row = {
         "prompt_id": p.prompt_id,
         "prompt": prompt,
         "chosen": chosen_text,
@@ -71,4 +73,10 @@ def select_pair(result: PromptResult, strategy: str, min_margin: float = 0.0, ou
         "prompt_token_ids": list(p.token_ids),
         "chosen_token_ids": list(chosen.token_ids),
         "rejected_token_ids": list(rejected.token_ids),
-    }, None
+    }
+    if candidates:
+        ordered = sorted(result.candidates, key=lambda c: c.sample)
+        row.update(candidate_scores=[float(c.score) for c in ordered],
+                   candidate_tokens=[len(c.token_ids) for c in ordered],
+                   candidate_stopped_early=[bool(c.stopped_early) for c in ordered])
+    return row, None

@@ -42,6 +42,16 @@ CONVERSATIONAL_PAIR_SCHEMA = pa.schema([
     field.with_type(MESSAGES) if field.name in ("prompt", "chosen", "rejected") else field for field in PAIR_SCHEMA])
 PAIR_SCHEMAS = {"standard": PAIR_SCHEMA, "conversational": CONVERSATIONAL_PAIR_SCHEMA}
 
+CANDIDATE_FIELDS = [
+    pa.field("candidate_scores", pa.list_(pa.float64())),
+    pa.field("candidate_tokens", pa.list_(pa.int64())),
+    pa.field("candidate_stopped_early", pa.list_(pa.bool_())),
+]
+"""With data.candidate_scores: every candidate of the prompt, by sample index: its score (final
+reward, the partial reward at the stop for one stopped early, NaN for a failed one), its generated
+tokens and whether speculative rejection stopped it. Best-of-K for any K up to N is then the best of
+the first K (row seeds make them the candidates a Best-of-K build samples)."""
+
 
 
 class ExtraColumns:
@@ -51,16 +61,19 @@ class ExtraColumns:
     one row, a list in another) is written as JSON text; a column whose name the pair schema
     already uses is left out (the build notes it and the manifest lists it)."""
 
-    def __init__(self):
+    def __init__(self, candidates: bool = False):
         self.types: dict[str, pa.DataType] = {}
         self.as_text: set[str] = set()
         self.left_out: set[str] = set()
+        self.candidates = candidates
+        """data.candidate_scores: the pair rows carry CANDIDATE_FIELDS after the pair columns."""
+        self.taken = set(PAIR_SCHEMA.names) | ({f.name for f in CANDIDATE_FIELDS} if candidates else set())
 
     def add(self, rows: list[dict]) -> None:
         """Fold one shard's rows (each a dict of the row's other columns) into the types."""
         names = list(dict.fromkeys(n for row in rows for n in row))
         for name in names:
-            if name in PAIR_SCHEMA.names:
+            if name in self.taken:
                 self.left_out.add(name)
             elif name not in self.as_text:
                 self._fold(name, [row.get(name) for row in rows])
@@ -86,7 +99,8 @@ class ExtraColumns:
                 self.types[name] = pa.string()
 
     def schema(self, base: pa.Schema) -> pa.Schema:
-        return pa.schema([*base, *(pa.field(n, t) for n, t in self.types.items())])
+        return pa.schema([*base, *(CANDIDATE_FIELDS if self.candidates else []),
+                          *(pa.field(n, t) for n, t in self.types.items())])
 
     def values(self, columns: dict) -> dict:
         """A pair row's extra columns, from its prompt's (PromptInput.columns)."""
@@ -94,8 +108,10 @@ class ExtraColumns:
                 else columns.get(n) for n in self.types}
 
     def describe(self) -> dict:
-        """For the manifest: each column's type (``json text`` for the text fallback)."""
-        return {n: "json text" if n in self.as_text else str(t) for n, t in self.types.items()}
+        """For the manifest: each column's type (``json text`` for the text fallback); the candidate
+        columns first where the build writes them."""
+        return {**({f.name: str(f.type) for f in CANDIDATE_FIELDS} if self.candidates else {}),
+                **{n: "json text" if n in self.as_text else str(t) for n, t in self.types.items()}}
 
 
 def _has_empty_struct(found: pa.DataType) -> bool:
