@@ -34,6 +34,29 @@ def test_rows_do_not_depend_on_batch_company(engine):
     assert len({tuple(r.token_ids) for r in alone}) == 3  # different seeds, different samples
 
 
+def test_generate_bounds_each_sessions_padded_prefill(engine, monkeypatch):
+    """Many or long prompts are prefilled a bounded group at a time (one left-padded pass per session,
+    whose memory grows with padded tokens): the rows are the same and in the same order."""
+    import pipeline.engines.hf as hf
+
+    prompts = [ids(engine, f"Write {k} words about the lamp" + " and more" * (k % 4)) for k in range(6)]
+    seeds = list(range(100, 112))
+    whole = engine.generate(prompts, 2, seeds, SAMPLE)
+    opened = []
+    original = engine.open
+    monkeypatch.setattr(engine, "open", lambda name, group, *a, **k: opened.append(group) or original(name, group, *a, **k))
+    longest = max(len(p) for p in prompts)
+    monkeypatch.setattr(hf, "GENERATE_PREFILL_TOKENS", 2 * longest)
+    split = engine.generate(prompts, 2, seeds, SAMPLE)
+    assert len(opened) >= 3 and [p for group in opened for p in group] == prompts
+    assert all(len(group) * max(map(len, group)) <= 2 * longest for group in opened)
+    assert [(r.row, r.token_ids) for r in split] == [(r.row, r.token_ids) for r in whole]
+    monkeypatch.setattr(hf, "GENERATE_PREFILL_TOKENS", 1)  # a prompt over the bound goes alone
+    opened.clear()
+    assert [r.token_ids for r in engine.generate(prompts, 2, seeds, SAMPLE)] == [r.token_ids for r in whole]
+    assert [len(group) for group in opened] == [1] * 6
+
+
 def test_pruned_rows_leave_the_batch_and_kept_rows_continue_unchanged(engine):
     prompt = ids(engine, "Describe how the blender works")
     seeds = [5, 6, 7, 8]

@@ -22,6 +22,7 @@ generator takes concurrent calls at all is its actor's choice (runtime.continuou
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from typing import Any, Callable
@@ -37,6 +38,11 @@ from pipeline.engines.step_loop import StepLoop
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_KEYS = ("revision", "trust_remote_code")
+GENERATE_PREFILL_TOKENS = 16384
+"""``generate``'s bound on one session's prefill: its prompts times the longest one's tokens. A
+session's prompts go through one left-padded forward pass (RowBatch.prefill), whose activations grow
+with the padded tokens and its attention with their square: 60 prompts of IFBench's longest (2,591
+tokens) took 9 GB in one session. A prompt longer than the bound is a session alone."""
 """The loading settings (models.hf, ``HFLoadConfig.load_kwargs``) a tokenizer takes too."""
 
 
@@ -286,14 +292,15 @@ class HFEngine:
         """Sample every row to the end (what Best-of-N needs), ``seeds`` one per row, prompt-major.
         In one session where the KV cache's pool holds every row at full length; else in consecutive
         sessions of as many prompts' rows as it holds (a prompt's own rows split only where even they
-        do not fit), since the loop preempts whole sessions and one that outgrows the pool cannot run.
-        The rows come back in order."""
+        do not fit), since the loop preempts whole sessions and one that outgrows the pool cannot run;
+        and of at most GENERATE_PREFILL_TOKENS padded prompt tokens each. The rows come back in order, each ``row`` its index in the call
+        (prompt-major), whatever session ran it."""
         out = []
         for group, count, first in self._groups(prompts, num_samples, sampling.max_new_tokens):
             session = f"generate-{uuid.uuid4().hex}"
             self.open(session, group, count, seeds[first:first + len(group) * count], sampling)
             try:
-                out += self.extend(session, until=sampling.max_new_tokens)
+                out += [dataclasses.replace(r, row=first + r.row) for r in self.extend(session, until=sampling.max_new_tokens)]
             finally:
                 self.close(session)
         return out
@@ -301,13 +308,15 @@ class HFEngine:
     def _groups(self, prompts: list[list[int]], num_samples: int, until: int):
         """(prompts, rows per prompt, first row's index) of generate's sessions: consecutive prompts while
         the pool holds all their rows; a prompt whose N rows alone do not fit, in runs of what does (at
-        least one row: a row that outgrows the pool fails with KVBudgetError, as in the step)."""
-        if self.capacity(prompts, until) >= num_samples:
+        least one row: a row that outgrows the pool fails with KVBudgetError, as in the step), each
+        group's padded prefill within GENERATE_PREFILL_TOKENS (a longer prompt alone)."""
+        if _padded(prompts) <= GENERATE_PREFILL_TOKENS and self.capacity(prompts, until) >= num_samples:
             yield prompts, num_samples, 0
             return
         group, first = [], 0
         for i, prompt in enumerate(prompts):
-            if group and self.capacity([*group, prompt], until) < num_samples:
+            if group and (_padded([*group, prompt]) > GENERATE_PREFILL_TOKENS
+                          or self.capacity([*group, prompt], until) < num_samples):
                 yield group, num_samples, first
                 group, first = [], i * num_samples
             if group or self.capacity([prompt], until) >= num_samples:
@@ -319,6 +328,11 @@ class HFEngine:
             first = (i + 1) * num_samples
         if group:
             yield group, num_samples, first
+
+
+def _padded(prompts: list[list[int]]) -> int:
+    """Tokens of the left-padded batch that prefills ``prompts`` in one pass."""
+    return len(prompts) * max(len(p) for p in prompts)
 
 
 def _without_inference_mode(run: Callable[[], Any]) -> Any:
