@@ -316,6 +316,14 @@ def make_prompt_sets(seed: int = 0) -> dict[str, list[dict]]:
             "ifeval-eval.jsonl": make_rows(EVAL_TASKS, EVAL_ROWS, EVAL_KEY_OFFSET, rng, seen)}
 
 
+def base_task(prompt: str) -> str | None:
+    """The base task (of TRAIN_TASKS or EVAL_TASKS) that ``prompt`` starts with, the longest one
+    where several do; None for a prompt not written by this job. Prompts on one base task are not
+    independent draws: an interval over them resamples base tasks (pipeline.judge.accuracy_gain's
+    groups)."""
+    return max((t for t in TRAIN_TASKS + EVAL_TASKS if prompt.startswith(t)), key=len, default=None)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:

@@ -381,7 +381,7 @@ def accuracy(judgements: list[list[bool]]) -> dict:
 
 
 def accuracy_gain(before: list[list[list[bool]]], after: list[list[list[bool]]], *, resamples: int = 10000,
-                  seed: int = 0, level: float = 0.95) -> dict:
+                  seed: int = 0, level: float = 0.95, groups: list | None = None) -> dict:
     """The change of IFEval's two strict figures from ``before`` to ``after``, with a paired
     percentile bootstrap interval over prompts. Each argument holds, per prompt (the same prompts in
     the same order), its judged responses (accuracy's format); the responses of one prompt are a
@@ -390,7 +390,12 @@ def accuracy_gain(before: list[list[list[bool]]], after: list[list[list[bool]]],
     ``level`` interval), ``se`` (the resampled gains' standard deviation) and ``prompts_to_clear_zero``:
     about how many prompts, drawn like these, would put the interval above 0 at this gain and this
     spread (``prompts * (z * se / gain)**2``, the normal approximation; None unless the gain is
-    positive), and the number of prompts and resamples."""
+    positive), and the number of prompts and resamples.
+
+    ``groups`` (one label per prompt): prompts that share a label are not independent (two prompts
+    on one base task, say), so a resample draws groups with replacement and keeps all their prompts
+    (a cluster bootstrap); the result then also holds ``groups``, the number of distinct labels.
+    Groups of one prompt each, in prompt order, draw exactly as no groups."""
     import math
     from statistics import NormalDist
 
@@ -409,12 +414,22 @@ def accuracy_gain(before: list[list[list[bool]]], after: list[list[list[bool]]],
     b, a = counts(before), counts(after)
     if (b[:, 1] == 0).any() or (a[:, 1] == 0).any():
         raise ValueError("a prompt with no responses")
+    units_b, units_a = b, a  # what a resample draws: prompts, or with groups each group's summed counts
+    if groups is not None:
+        if len(groups) != len(b):
+            raise ValueError(f"{len(groups)} group labels for {len(b)} prompts: one label per prompt is needed")
+        index = {label: i for i, label in enumerate(dict.fromkeys(groups))}  # in order of first appearance
+        member = np.array([index[label] for label in groups])
+        units_b, units_a = np.zeros((len(index), 4)), np.zeros((len(index), 4))
+        np.add.at(units_b, member, b)
+        np.add.at(units_a, member, a)
     rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(b), size=(resamples, len(b)))
-    sums_b, sums_a = b[draws].sum(axis=1), a[draws].sum(axis=1)  # (resamples, 4)
+    draws = rng.integers(0, len(units_b), size=(resamples, len(units_b)))
+    sums_b, sums_a = units_b[draws].sum(axis=1), units_a[draws].sum(axis=1)  # (resamples, 4)
     tail = (1 - level) / 2
     z = NormalDist().inv_cdf(1 - tail)
-    out = {"prompts": len(b), "resamples": resamples, "level": level}
+    out = {"prompts": len(b), "resamples": resamples, "level": level,
+           **({"groups": len(units_b)} if groups is not None else {})}
     for name, (hit, total) in (("prompt_level_strict", (0, 1)), ("instruction_level_strict", (2, 3))):
         gains = sums_a[:, hit] / sums_a[:, total] - sums_b[:, hit] / sums_b[:, total]
         before_value, after_value = b[:, hit].sum() / b[:, total].sum(), a[:, hit].sum() / a[:, total].sum()

@@ -259,6 +259,31 @@ def test_accuracy_gain_prompts_to_clear_zero():
     assert accuracy_gain(after, before, resamples=500)["prompt_level_strict"]["prompts_to_clear_zero"] is None
 
 
+def test_accuracy_gain_by_groups_draws_whole_groups():
+    """A cluster bootstrap: groups of one prompt each draw as no groups; two identical prompts per
+    group resample as one prompt does (the interval of the undoubled data, wider than resampling the
+    doubled prompts one by one); the point figures do not depend on the groups."""
+    rng = random.Random(5)
+    before = [[[rng.random() < 0.3, rng.random() < 0.5] for _ in range(4)] for _ in range(12)]
+    after = [[[rng.random() < 0.45, rng.random() < 0.6] for _ in range(4)] for _ in range(12)]
+    plain = accuracy_gain(before, after, resamples=3000, seed=4)
+    assert accuracy_gain(before, after, resamples=3000, seed=4, groups=[f"t{i}" for i in range(12)]) == {
+        **plain, "groups": 12}
+    doubled_b = [p for p in before for _ in range(2)]
+    doubled_a = [p for p in after for _ in range(2)]
+    labels = [i for i in range(12) for _ in range(2)]
+    by_prompt = accuracy_gain(doubled_b, doubled_a, resamples=3000, seed=4)
+    by_group = accuracy_gain(doubled_b, doubled_a, resamples=3000, seed=4, groups=labels)
+    assert by_group["groups"] == 12 and by_group["prompts"] == 24 and "groups" not in by_prompt
+    for key in ("prompt_level_strict", "instruction_level_strict"):
+        g, p = by_group[key], by_prompt[key]
+        assert (g["before"], g["after"], g["gain"]) == (p["before"], p["after"], p["gain"])
+        assert (g["low"], g["high"]) == pytest.approx((plain[key]["low"], plain[key]["high"]))
+        assert g["high"] - g["low"] > p["high"] - p["low"]
+    with pytest.raises(ValueError, match="3 group labels for 12 prompts"):
+        accuracy_gain(before, after, groups=["a", "b", "c"])
+
+
 def test_accuracy_gain_refuses_unpaired_input():
     with pytest.raises(ValueError, match="2 prompts before but 1 after"):
         accuracy_gain([[[True]], [[False]]], [[[True]]])
@@ -323,3 +348,17 @@ def test_prompt_sets_columns_counts_and_disjointness():
             used.add(task)
             assert len(ifeval_reward([row["prompt"]], ["Some answer."], [ids], [row["kwargs"]])) == 1
         assert used == set(tasks)  # every base task used, each only in its own set
+
+
+def test_base_task_of_every_held_out_prompt():
+    """Each of the 64 held-out prompts starts with one of the 32 held-out base tasks, two prompts each."""
+    from collections import Counter
+
+    from jobs.make_ifeval_prompts import EVAL_TASKS, TRAIN_TASKS, base_task
+
+    rows = [json.loads(line) for line in (ROOT / "configs" / "prompts" / "ifeval-eval.jsonl").open()]
+    tasks = [base_task(row["prompt"]) for row in rows]
+    assert len(rows) == 64 and all(t in EVAL_TASKS for t in tasks)
+    assert len(set(tasks)) == 32 and set(Counter(tasks).values()) == {2}
+    assert base_task(TRAIN_TASKS[0] + " Answer in lowercase.") == TRAIN_TASKS[0]
+    assert base_task("Write a haiku about the sea.") is None
