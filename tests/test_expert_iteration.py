@@ -274,3 +274,68 @@ def test_cronjob_example_runs_expert_iteration():
     for path in (args.output, args.prompts, config.models.generator, config.models.reward):
         assert any(path.startswith(m + "/") for m in mounts), path
     assert not config.models.draft
+
+
+E1_TRAINING = ["--dpo", "--dpo-steps", "4", "--dpo-learning-rate", "3e-5", "--batch-size", "8", "--epochs", "1"]
+"""The training flags of the committed rounds (docs/benchmarks.md, E1)."""
+
+
+def stubbed_rounds(monkeypatch, tmp_path: Path, out: Path, *extra) -> list[int]:
+    """The job with its models' check, builds and training stubbed (a schedule's bookkeeping only);
+    the seed each round's training got."""
+    import jobs.expert_iteration as ei
+    import pipeline.training.dpo
+    import pipeline.training.reward_channel
+
+    seeds = []
+
+    def fake_train(pairs, generator, output, **kwargs):
+        seeds.append(kwargs["seed"])
+        Path(output).mkdir(parents=True, exist_ok=True)
+        return {"train_loss": 0.5, "pairwise_accuracy": 0.5, "autrc": 0.5, "steps": 1}
+
+    monkeypatch.setattr(ei, "check_models", lambda config, generator=True: None)
+    monkeypatch.setattr(ei, "build", lambda config, progress, overwrite: {
+        "pairs": 1, "prompts_in": 1, "generated_tokens": 10, "wall_seconds": 0.1})
+    monkeypatch.setattr(pipeline.training.dpo, "load_pairs", lambda uri, token_ids=False: [])
+    monkeypatch.setattr(pipeline.training.reward_channel, "train_reward_transformer", fake_train)
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": GOOD_PROMPTS[0]}])
+    assert main(["--config", "configs/real.yaml", "--rounds", "2", "--output", str(out), "--prompts", str(prompts),
+                 "--no-progress", *E1_TRAINING, *extra]) == 0
+    return seeds
+
+
+def test_a_training_seed_reseeds_every_round_and_keys_a_schedule_of_its_own(monkeypatch, tmp_path):
+    """Round r trains with seed r + 1000 * S. S = 0 leaves the key as it was before the flag (the
+    committed schedule c0bc9edb6a5d keeps its id); S = 1 is another schedule."""
+    committed = json.loads(Path("benchmarks/results/ei-rounds/schedule.json").read_text())
+    from jobs.expert_iteration import key_id
+
+    assert key_id(committed["key"]) == committed["schedule"] == "c0bc9edb6a5d"
+    assert stubbed_rounds(monkeypatch, tmp_path, tmp_path / "s0") == [0, 1]
+    _, plain = schedule(tmp_path / "s0")
+    assert plain["key"]["training"] == committed["key"]["training"]
+    assert stubbed_rounds(monkeypatch, tmp_path, tmp_path / "s1", "--training-seed", "1") == [1000, 1001]
+    _, seeded = schedule(tmp_path / "s1")
+    assert seeded["key"]["training"] == {**committed["key"]["training"], "training_seed": 1}
+    assert {k: v for k, v in seeded["key"].items() if k != "training"} == {
+        k: v for k, v in plain["key"].items() if k != "training"}
+    assert key_id(seeded["key"]) != key_id(plain["key"])
+
+
+def test_set_strategy_name_switches_every_round_of_an_sbon_config(capsys):
+    """The control arm's overrides on configs/real.yaml (an sbon config): every round builds with
+    best_of_n and N = 16; sbon's decision_token and rejection_rate are dropped, not an error."""
+    from jobs.expert_iteration import parse_args, round_config
+
+    base = ["--config", "configs/real.yaml", "--rounds", "3", "--output", "out/x", *E1_TRAINING]
+    control = parse_args([*base, "--set", "strategy.name=best_of_n", "--set", "sampling.num_samples=16",
+                          "--set", "strategy.rejection_rate=0.5"])
+    for r in (0, 1, 2):
+        config = round_config(control, r, "g", Path("out/x/pairs"))
+        assert (config.strategy.name, config.sampling.num_samples) == ("best_of_n", 16)
+    sbon = round_config(parse_args(base), 1, "g", Path("out/x/pairs"))
+    assert (sbon.strategy.name, sbon.strategy.params.rejection_rate, sbon.sampling.num_samples) == ("sbon", 0.75, 32)
+    # --strategy-after still wins from round 1 on.
+    later = parse_args([*base, "--set", "strategy.name=best_of_n", "--strategy-after", "sbon"])
+    assert [round_config(later, r, "g", Path("out/x/pairs")).strategy.name for r in (0, 1)] == ["best_of_n", "sbon"]
