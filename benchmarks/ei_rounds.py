@@ -6,8 +6,9 @@ responses (issue 62, item 5).
         [--reward .cache/real-models/reward] [--eval-prompts configs/prompts/ifeval-eval.jsonl]
         [--eval-samples 8] [--eval-max-new-tokens 256] [--data benchmarks/results/ei-rounds]
         [--ifbench-prompts configs/prompts/ifbench-test.jsonl [--ifbench-samples 4]]
-        [--resamples 10000] [--json FILE] [--plot FILE.png]
-    python -m benchmarks.ei_rounds --replay [--data DIR] [--ifbench-prompts FILE] [--json FILE] [--plot FILE.png]
+        [--resamples 10000] [--against DIR2] [--json FILE] [--plot FILE.png]
+    python -m benchmarks.ei_rounds --replay [--data DIR] [--ifbench-prompts FILE] [--against DIR2] [--json FILE]
+        [--plot FILE.png]
 
 OUT is a ``bon-expert-iteration --dpo`` output (its progress.json names the current schedule). The
 policies are the schedule's starting generator and the model after each finished round. Each one
@@ -21,7 +22,9 @@ the prompts and the settings are the same) and the schedule's record in DATA/sch
 The figures, per policy: prompt- and instruction-level accuracy with a 95% bootstrap interval over
 prompts, the same on the instructions a one-word reply fails (benchmarks.dpo_loop.beyond_brevity),
 the mean response length in tokens, the reward model's mean score with its interval; per round, the
-gain over the starting policy (paired bootstrap, pipeline.judge.accuracy_gain), the last round over
+gain over the starting policy (paired bootstrap, pipeline.judge.accuracy_gain), on the IFEval prompts
+also resampled by base task (``gain_over_start_by_base_task``: the 64 held-out prompts are 32 base
+tasks, two prompts each, so resampling prompts gives too narrow an interval), the last round over
 the first, and a flag where the reward model's mean score rises while the judge's prompt level falls
 (over-optimization of the reward model).
 
@@ -30,6 +33,18 @@ jobs.make_ifbench_prompts): with ``--ifbench-prompts``, the same figures under `
 JSON, from ``--ifbench-samples`` responses per prompt (kept in DATA/policy-K-ifbench.json.gz), each
 printed with the subset's size (e.g. "203 of 294 prompts"). ``--replay`` reports them where DATA
 holds them for every policy, judged against ``--ifbench-prompts`` (default IFBENCH_PROMPTS).
+
+Two arms (issue 68: the loop beside its control): ``--against DIR2`` names another arm's DATA (the
+same layout, e.g. benchmarks/results/ei-rounds-bon: the same rounds with Best-of-N pairs at the same
+build compute, or another --training-seed). For each policy both arms hold (start, round 1, ...) and
+each judge both judged it on (IFEval; IFBench where both hold policy-K-ifbench.json.gz): this arm's
+prompt- and instruction-level accuracy minus DIR2's, with a paired bootstrap interval
+(accuracy_gain, DIR2's responses as "before") that resamples base tasks on the IFEval prompts
+(jobs.make_ifeval_prompts.base_task) and prompts on IFBench's; both arms' mean response length; and
+both arms' build compute: the generated tokens of the build whose pairs trained the policy (round k
+trains on round k-1's build, in each schedule.json) and of every build up to it. One line each,
+under ``against`` in the JSON. Arms judged on other prompt files or sample counts (their settings'
+prompts_sha256 and samples) are refused: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -66,6 +81,9 @@ def parse_args(argv: list[str] | None):
                              "python -m jobs.make_ifbench_prompts)")
     parser.add_argument("--ifbench-samples", type=int, default=4, help="responses per IFBench prompt and policy")
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples of the held-out prompts")
+    parser.add_argument("--against", default=None,
+                        help="another arm's --data (e.g. benchmarks/results/ei-rounds-bon): each policy of this arm "
+                             "against the same policy of that one")
     args = parse(parser, argv)
     if bool(args.schedule) == args.replay:
         fail("give --schedule OUT (evaluate its rounds) or --replay (the figures from --data)")
@@ -194,8 +212,21 @@ def reward_gain(before: list, after: list, resamples: int, seed: int) -> dict:
             "high": float(np.quantile(deltas, 0.975))}
 
 
-def figures_of(policies: list[dict], brief: list, resamples: int, seed: int) -> dict:
-    """Every figure of the module docstring from the kept records, in round order."""
+def base_task_groups(prompt_file: str) -> list:
+    """Per held-out prompt, its base task (jobs.make_ifeval_prompts.base_task), the unit a bootstrap
+    resamples: prompts on one base task are not independent. A prompt on none is a group of its own."""
+    from benchmarks.dpo_loop import held_out_rows
+    from jobs.make_ifeval_prompts import base_task
+
+    return [(isinstance(row.prompt, str) and base_task(row.prompt)) or f"prompt {i}"
+            for i, row in enumerate(held_out_rows(prompt_file))]
+
+
+def figures_of(policies: list[dict], brief: list, resamples: int, seed: int, groups: list | None = None) -> dict:
+    """Every figure of the module docstring from the kept records, in round order; with ``groups``
+    (one label per prompt), each round's gain over the start also resampled by group."""
+    from pipeline.judge import accuracy_gain
+
     rows = []
     for p in policies:
         hard, _ = beyond_brevity(p["verdicts"], brief)
@@ -208,6 +239,9 @@ def figures_of(policies: list[dict], brief: list, resamples: int, seed: int) -> 
     start = policies[0]
     for row, p in zip(rows[1:], policies[1:]):
         row["gain_over_start"] = gains(start["verdicts"], p["verdicts"], brief, resamples, seed)
+        if groups is not None:
+            row["gain_over_start_by_base_task"] = accuracy_gain(start["verdicts"], p["verdicts"], resamples=resamples,
+                                                                seed=seed, groups=groups)
         row["reward_gain_over_start"] = reward_gain(start["reward_scores"], p["reward_scores"], resamples, seed)
     for previous, row in zip(rows, rows[1:]):
         up = row["mean_reward"]["value"] - previous["mean_reward"]["value"]
@@ -253,12 +287,109 @@ def print_judge_figures(figures: dict, schedule: dict, judge: str = "") -> None:
                   f"{pairs['mean_rejected_chars']:.0f} characters")
     for row in figures["policies"][1:]:
         print_gains(f"{row['policy']} over start{judge}", row["gain_over_start"])
+        if "gain_over_start_by_base_task" in row:
+            g = row["gain_over_start_by_base_task"]
+            print(f"{row['policy']} over start{judge}, resampling the {g['groups']} base tasks: "
+                  + ", ".join(f"{name} {100 * g[key]['gain']:+.1f} [{100 * g[key]['low']:+.1f}, "
+                              f"{100 * g[key]['high']:+.1f}]" for key, name in (
+                                  ("prompt_level_strict", "prompt-level"),
+                                  ("instruction_level_strict", "instruction-level"))))
         g = row["reward_gain_over_start"]
         print(f"{row['policy']} over start{judge}: reward model's mean score {g['gain']:+.3f} "
               f"[{g['low']:+.3f}, {g['high']:+.3f}]")
     if "last_over_first_round" in figures:
         print_gains(f"{figures['policies'][-1]['policy']} over round 1{judge}", figures["last_over_first_round"])
     print(f"mean length, last policy / start{judge}: {figures['length_ratio_last_to_start']:.2f}")
+
+
+def read_arm(data: Path) -> dict:
+    """Another arm's DATA (--against): its schedule record, a name (its builds' strategy), and its
+    kept records by judge and policy (IFBench's where it holds them); one line and exit 2 when DATA
+    holds no run of this benchmark."""
+    try:
+        schedule = json.loads((data / "schedule.json").read_text())
+        ifeval = {name: read_json_gz(policy_file(data, name)) for name in schedule["policies"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        fail(f"--against {data}: does not hold a run of this benchmark ({type(exc).__name__}: {exc})")
+    bench = {name: read_json_gz(path) for name in schedule["policies"]
+             if (path := policy_file(data, name, "IFBench")).exists()}
+    return {"data": str(data), "schedule": schedule, "name": schedule.get("rounds", {}).get("0", {}).get("strategy"),
+            "records": {"IFEval": ifeval, "IFBench": bench}}
+
+
+def build_tokens(schedule: dict, policy: str) -> tuple[int | None, int | None]:
+    """The generated tokens of the build whose pairs trained ``policy`` ("round k": round k-1's
+    build) and of every build up to it; None for the start policy or a round the record lacks."""
+    if policy == "start":
+        return None, None
+    try:
+        builds = [schedule["rounds"][str(r)]["build"]["generated_tokens"] for r in range(int(policy.split()[-1]))]
+    except (KeyError, TypeError):
+        return None, None
+    return builds[-1], sum(builds)
+
+
+def mean_tokens(record: dict) -> float:
+    """A policy's mean response length in tokens, over every response."""
+    return sum(map(sum, record["tokens"])) / sum(map(len, record["tokens"]))
+
+
+def arms_compared(ours: dict, theirs: dict, groups: list, resamples: int, seed: int) -> dict:
+    """Each policy of ``ours`` against the same policy of ``theirs`` (read_arm's form) on every judge
+    both hold it for: accuracy_gain from theirs to ours, resampled by ``groups`` on IFEval's prompts
+    and by prompt on IFBench's; both mean lengths and both builds' tokens ([ours, theirs] each).
+    One line and exit 2 where the arms' responses were judged on other prompts or sample counts."""
+    from pipeline.judge import accuracy_gain
+
+    names = [ours["name"], theirs["name"]]
+    if None in names or names[0] == names[1]:  # two seeds of one strategy, say: the directories name them
+        names = [ours["data"], theirs["data"]]
+    out = {"data": theirs["data"], "arms": names, "policies": []}
+    for policy in ours["schedule"]["policies"]:
+        if policy not in theirs["records"]["IFEval"]:
+            continue
+        tokens = [build_tokens(arm["schedule"], policy) for arm in (ours, theirs)]
+        row = {"policy": policy, "build_tokens": [t[0] for t in tokens],
+               "cumulative_build_tokens": [t[1] for t in tokens]}
+        for judge in ("IFEval", "IFBench"):
+            mine, other = ours["records"][judge].get(policy), theirs["records"][judge].get(policy)
+            if mine is None or other is None:
+                continue
+            for key, what in (("prompts_sha256", "prompt file"), ("samples", "responses per prompt")):
+                if mine["settings"].get(key) != other["settings"].get(key):
+                    fail(f"--against {theirs['data']}: {policy} judged by {judge} on another {what} "
+                         f"({other['settings'].get(key)} against {ours['data']}'s {mine['settings'].get(key)}): "
+                         "judge both arms on the same prompts with the same samples")
+            labels = groups if judge == "IFEval" else list(range(len(mine["verdicts"])))
+            row[judge] = {**accuracy_gain(other["verdicts"], mine["verdicts"], resamples=resamples, seed=seed,
+                                          groups=labels),
+                          "mean_tokens": [mean_tokens(mine), mean_tokens(other)]}
+        out["policies"].append(row)
+    return out
+
+
+def print_arms(against: dict) -> None:
+    """One line per policy and judge: both arms' accuracy, the paired difference with its interval,
+    both lengths and both builds' tokens."""
+    ours, theirs = against["arms"]
+    print(f"\n{ours} against {theirs} ({against['data']}), paired, the same held-out prompts and seeds:")
+    for row in against["policies"]:
+        tokens, total = row["build_tokens"], row["cumulative_build_tokens"]
+        build = (f"build tokens {tokens[0]:,} / {tokens[1]:,} ({tokens[0] / tokens[1]:.2f}x; every round up to it "
+                 f"{total[0]:,} / {total[1]:,}, {total[0] / total[1]:.2f}x)" if None not in tokens
+                 else "no build before it" if row["policy"] == "start" else "build tokens not recorded")
+        for judge in ("IFEval", "IFBench"):
+            if judge not in row:
+                continue
+            g = row[judge]
+            unit = f"{g['groups']} base tasks" if g["groups"] < g["prompts"] else f"{g['prompts']} prompts"
+            levels = "; ".join(f"{name}: {100 * g[key]['gain']:+.1f} [{100 * g[key]['low']:+.1f}, "
+                               f"{100 * g[key]['high']:+.1f}]" for key, name in (
+                                   ("prompt_level_strict", "prompt level"),
+                                   ("instruction_level_strict", "instruction level")))
+            print(f"{row['policy']} ({judge}): {ours} {100 * g['prompt_level_strict']['after']:.1f} vs {theirs} "
+                  f"{100 * g['prompt_level_strict']['before']:.1f} {levels} ({unit}); lengths "
+                  f"{g['mean_tokens'][0]:.1f} / {g['mean_tokens'][1]:.1f} tokens; {build}")
 
 
 def draw(figures: dict):
@@ -333,8 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         (data / "schedule.json").write_text(json.dumps(schedule, indent=2) + "\n")
     if any(len(r["verdicts"]) != len(brief) for r in records):
         fail(f"{data}: its policies were judged on other prompts than {args.eval_prompts}")
+    groups = base_task_groups(args.eval_prompts)
     figures = {"schedule": schedule, "eval_prompts": args.eval_prompts,
-               **figures_of(records, brief, args.resamples, config.seed)}
+               **figures_of(records, brief, args.resamples, config.seed, groups)}
     if bench:
         from pipeline.judge import ifbench_subset
 
@@ -343,7 +475,14 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"{data}: its policies were judged on other IFBench prompts than {args.ifbench_prompts}")
         figures["ifbench"] = {"subset": ifbench_subset(), "prompts_file": args.ifbench_prompts,
                               "prompts": len(bench_brief), **figures_of(bench, bench_brief, args.resamples, config.seed)}
+    if args.against:
+        ours = {"data": str(data), "schedule": schedule, "name": schedule["rounds"].get("0", {}).get("strategy"),
+                "records": {"IFEval": dict(zip(schedule["policies"], records)),
+                            "IFBench": dict(zip(schedule["policies"], bench or []))}}
+        figures["against"] = arms_compared(ours, read_arm(Path(args.against)), groups, args.resamples, config.seed)
     print_figures(figures, schedule)
+    if args.against:
+        print_arms(figures["against"])
     write_json(args.json, figures, args)
     write_png(args.plot, draw(figures))
     return 0
