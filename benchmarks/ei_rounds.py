@@ -34,7 +34,7 @@ JSON, from ``--ifbench-samples`` responses per prompt (kept in DATA/policy-K-ifb
 printed with the subset's size (e.g. "203 of 294 prompts"). ``--replay`` reports them where DATA
 holds them for every policy, judged against ``--ifbench-prompts`` (default IFBENCH_PROMPTS).
 
-Two arms (issue 68: the loop beside its control): ``--against DIR2`` names another arm's DATA (the
+Two arms (the loop beside its control): ``--against DIR2`` names another arm's DATA (the
 same layout, e.g. benchmarks/results/ei-rounds-bon: the same rounds with Best-of-N pairs at the same
 build compute, or another --training-seed). For each policy both arms hold (start, round 1, ...) and
 each judge both judged it on (IFEval; IFBench where both hold policy-K-ifbench.json.gz): this arm's

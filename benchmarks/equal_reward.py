@@ -1,29 +1,46 @@
-"""Speculative rejection against Best-of-K at equal reward, live through the build job, on seeds no
-collection used (issue 62, item 3): the check that the replay's frontier can fail.
+"""Speculative rejection against Best-of-K at equal reward, live through the build job, on seeds and
+prompts that chose nothing: the check that the replayed frontier can fail.
 
     python -m benchmarks.equal_reward [--config configs/real.yaml] [--reward DIR]
-        [--prompts configs/prompts/ifeval-eval.jsonl] [--skip 0] [--num-prompts 16]
-        [--seeds 101 102] [--sizes 24 32] [--set KEY=VALUE ...] [--sbon-set KEY=VALUE ...]
-        [--output out/bench/equal-reward] [--json FILE]
+        [--prompts configs/prompts/ifbench-test.jsonl] [--skip 0] [--num-prompts 96]
+        [--seeds 301 302 303] [--k-max 32] [--set KEY=VALUE ...] [--sbon-set KEY=VALUE ...]
+        [--bootstrap 2000] [--output out/bench/equal-reward] [--json FILE]
+    python -m benchmarks.equal_reward --replay FILE [--json FILE]
 
-For each seed: Best-of-K through ``jobs.build_dataset`` at each K of ``--sizes``, then speculative
-rejection (sbon) at the point ``--sbon-set`` names (e.g. N 64, decision tokens 16, 32 and 64, alpha
-0.5), all on the same prompts (rows ``--skip`` .. ``--skip + --num-prompts`` of ``--prompts``) with
-``seed`` set to the seed. Every build's row seeds derive from (seed, prompt, sample index)
-(pipeline.decoding.sampling.row_seed), so Best-of-K's candidates are the first K of Best-of-K+1's.
-Per seed, over the prompts every build paired:
+For each seed, two builds through ``jobs.build_dataset`` on the same prompts (rows ``--skip`` ..
+``--skip + --num-prompts`` of ``--prompts``) with ``seed`` set to the seed: speculative rejection
+(sbon) at the point ``--sbon-set`` names (N, decision tokens, alpha: fixed before the run), and
+Best-of-``--k-max`` with ``data.candidate_scores``, which lists every candidate's reward and tokens
+by sample index. Every build's row seeds derive from (seed, prompt, sample index)
+(pipeline.decoding.sampling.row_seed), so Best-of-K's candidates are the first K of Best-of-K_max's:
+Best-of-K for every K up to K_max is read off that one build (tests/test_build.py checks this against
+a Best-of-K build's own choice). Where a row's logits depend on the rows beside it in a step
+(continuous batching), a candidate may differ slightly from a separate Best-of-K build's.
 
-- each build's mean chosen reward, run time (``_report.json``'s run_seconds: first batch to last
-  shard, startup left out) and generated tokens;
-- K*, where Best-of-K's mean chosen reward reaches sbon's: linear in K between the two sizes that
-  bracket it (``match``); outside the sizes no K* is claimed ("below" or "above" them; above, the
-  largest K's cost over sbon's is a lower bound on the ratios);
-- Best-of-K*'s run time and tokens, linear in K between the same two builds, and sbon's ratios:
-  Best-of-K* / sbon.
-Over the seeds: each seed's ratios, their mean and their range (the spread). The prompts used are
-written to OUTPUT/prompts.jsonl; the builds' outputs stay
-under OUTPUT/seed-S/NAME, each with its run report and command line (NAME.run.json); a rerun with
-the same command line reuses a finished build and its report.
+Each prompt paired in both builds of a seed is one record (committed with ``--json``): sbon's chosen
+reward and generated tokens, Best-of-K_max's candidate rewards and tokens, and the prompt's tokens:
+the generator's prefill (the pair's prompt_token_ids, read once per prompt) and what the reward model
+reads of the prompt (pipeline.data.chat.reward_prompt_tokens, read once per prompt by a streaming
+reward session, as benchmarks.frontier counts it). Compute per prompt, in tokens: the generator's
+generated tokens plus its prefill, and the reward model's reads (each generated token once, and the
+prompt's head once); a token of prefill counts as one decoded token, as frontier's defaults do.
+
+Over the prompts (each prompt's mean over the seeds that paired it):
+
+- Best-of-K's curve, K = 1 .. K_max: mean chosen reward (the best of the first K), generated tokens
+  and compute;
+- K*, where the curve reaches sbon's mean chosen reward (linear between the two K around it); above
+  the curve no K* is claimed and Best-of-K_max's cost over sbon's is a lower bound on the ratios;
+  below Best-of-1 it is an upper bound;
+- sbon's ratios at equal reward: Best-of-K*'s generated tokens and compute over sbon's;
+- at equal compute: Best-of-K's reward at sbon's compute (linear between K) less sbon's reward;
+- for each, a percentile bootstrap interval over prompts (``--bootstrap`` resamples of the prompts,
+  each with all its seeds), with the share of resamples whose K* is above the curve.
+Each seed's point figures and each build's run time (``_report.json``'s run_seconds) are beside it.
+Prompts either build left unpaired (a reject) are counted, not compared. The builds' outputs stay
+under OUTPUT/seed-S/NAME with their reports (NAME.run.json, with the command line); a rerun with the
+same command line reuses a finished build, so seeds can be added later. ``--replay FILE`` recomputes
+every figure from a JSON's records, no model.
 """
 
 from __future__ import annotations
@@ -33,44 +50,121 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks import bench_parser, fail, job_argv, parse, read_prompts, run_job, write_json, write_prompts
+
+LEVEL = 0.95
+"""The intervals' coverage."""
+BON_SHARD = 16
+"""Prompts per output shard of the Best-of-K_max build."""
 
 
 def parse_args(argv: list[str] | None):
     parser = bench_parser("benchmarks.equal_reward", __doc__, config="configs/real.yaml",
                           reward=dict(help="models.reward: a model directory or module:function (default: the "
                                            "config's)"),
-                          prompts=dict(default="configs/prompts/ifeval-eval.jsonl", help="JSONL prompts"),
-                          num_prompts=16, set=dict(default=[], help="passed to every build"),
+                          prompts=dict(default="configs/prompts/ifbench-test.jsonl", help="JSONL prompts"),
+                          num_prompts=96, set=dict(default=[], help="passed to every build"),
                           output="out/bench/equal-reward", json=None)
     parser.add_argument("--skip", type=int, default=0, help="prompt rows to skip before the first one used")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[101, 102], help="the builds' seeds, one run each")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[24, 32], help="Best-of-K's K, at least two")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[301, 302, 303], help="the builds' seeds, two builds each")
+    parser.add_argument("--k-max", type=int, default=32, help="Best-of-K's largest K: the Best-of-N build's N")
     parser.add_argument("--sbon-set", dest="sbon_sets", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to the sbon build only (its point: N, decision tokens, alpha)")
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the prompts")
+    parser.add_argument("--replay", metavar="FILE", help="recompute every figure from this JSON's records; no build")
+    parser.add_argument("--allow-partial", action="store_true",
+                        help="read an unfinished build's committed shards instead of running it (figures on the "
+                             "prompts both builds have committed, said so)")
     args = parse(parser, argv)
-    if len(set(args.sizes)) < 2 or min(args.sizes) < 1:
-        fail(f"--sizes: at least two distinct K >= 1, got {args.sizes}")
-    args.sizes = sorted(set(args.sizes))
+    if args.k_max < 2:
+        fail(f"--k-max: at least 2, got {args.k_max}")
+    if args.bootstrap < 100:
+        fail(f"--bootstrap: at least 100 resamples, got {args.bootstrap}")
     return args
 
 
-def match(sizes: list[int], rewards: list[float], target: float) -> tuple[float | None, str]:
-    """K where Best-of-K's mean chosen reward (``rewards`` at ``sizes``, ascending K) reaches
-    ``target``: linear between the first two adjacent sizes whose rewards bracket it. (None,
-    "below"/"above") where no pair brackets it: target under every reward, or over every one."""
-    for (k0, r0), (k1, r1) in zip(zip(sizes, rewards), zip(sizes[1:], rewards[1:])):
-        if min(r0, r1) <= target <= max(r0, r1):
-            return (float(k0) if r1 == r0 else k0 + (target - r0) / (r1 - r0) * (k1 - k0)), "within"
-    return None, "below" if target < min(rewards) else "above"
+# --- figures -----------------------------------------------------------------------------------
 
 
-def at(sizes: list[int], values: list[float], k: float) -> float:
-    """``values`` (at ``sizes``) at K ``k``, linear between the two sizes around it."""
-    for k0, k1, v0, v1 in zip(sizes, sizes[1:], values, values[1:]):
-        if k0 <= k <= k1:
-            return v0 + (k - k0) / (k1 - k0) * (v1 - v0)
-    raise ValueError(f"K {k} outside {sizes}")
+def records_arrays(records: list[dict], k_max: int) -> dict[str, np.ndarray]:
+    """Per prompt (the mean over its seeds' records): Best-of-K's reward, generated tokens and compute
+    at K = 1 .. k_max (columns), sbon's reward, tokens and compute, and the prompt's tokens."""
+    by_prompt: dict[str, list[dict]] = {}
+    for r in records:
+        by_prompt.setdefault(r["prompt_id"], []).append(r)
+    rows = []
+    for pid in sorted(by_prompt):
+        per_seed = []
+        for r in by_prompt[pid]:
+            scores = np.array([s if s is not None and math.isfinite(s) else -np.inf
+                               for s in r["candidate_scores"][:k_max]], dtype=float)
+            tokens = np.cumsum(np.array(r["candidate_tokens"][:k_max], dtype=float))
+            prompt = r["prompt_tokens"] + r["reward_prompt_tokens"]
+            per_seed.append((np.maximum.accumulate(scores), tokens, 2 * tokens + prompt, r["sbon_reward"],
+                             r["sbon_tokens"], 2 * r["sbon_tokens"] + prompt, prompt))
+        rows.append([np.mean(np.array(column), axis=0) for column in zip(*per_seed)])
+    names = ("bon_reward", "bon_tokens", "bon_compute", "sbon_reward", "sbon_tokens", "sbon_compute", "prompt")
+    return {name: np.array(column) for name, column in zip(names, zip(*rows))}
+
+
+def crossing(curve: np.ndarray, target: float) -> tuple[float, str]:
+    """K (1-based, fractional) where the ascending ``curve`` (at K = 1 ..) first reaches ``target``:
+    linear between K-1 and K; (1, "below") under the curve's start, (K_max, "above") over its end."""
+    if target <= curve[0]:
+        return 1.0, "below" if target < curve[0] else "within"
+    for k in range(1, len(curve)):
+        if curve[k] >= target:
+            share = (target - curve[k - 1]) / (curve[k] - curve[k - 1])
+            return k + share, "within"
+    return float(len(curve)), "above"
+
+
+def at(curve: np.ndarray, k: float) -> float:
+    """``curve`` (at K = 1 ..) at the fractional K ``k``, linear between integers."""
+    lo = min(int(math.floor(k)), len(curve))
+    if lo >= len(curve) or k == lo:
+        return float(curve[lo - 1])
+    return float(curve[lo - 1] + (k - lo) * (curve[lo] - curve[lo - 1]))
+
+
+def figures(a: dict[str, np.ndarray], index: np.ndarray | None = None) -> dict:
+    """The point figures over the prompts ``index`` (all without it)."""
+    index = np.arange(len(a["sbon_reward"])) if index is None else index
+    mean = {k: v[index].mean(axis=0) for k, v in a.items()}
+    k_star, where = crossing(mean["bon_reward"], float(mean["sbon_reward"]))
+    compute = mean["bon_compute"]
+    # Best-of-K's reward at sbon's compute: the curves are linear between the same integers
+    k_eq, compute_where = crossing(compute, float(mean["sbon_compute"]))
+    return {"sbon_reward": float(mean["sbon_reward"]), "k_star": k_star, "k_star_is": where,
+            "tokens_ratio": at(mean["bon_tokens"], k_star) / float(mean["sbon_tokens"]),
+            "compute_ratio": at(compute, k_star) / float(mean["sbon_compute"]),
+            "k_at_sbon_compute": k_eq, "k_at_sbon_compute_is": compute_where,
+            "reward_gain_at_equal_compute": float(mean["sbon_reward"]) - at(mean["bon_reward"], k_eq)}
+
+
+def summarize(records: list[dict], k_max: int, resamples: int, seed: int = 0) -> dict:
+    """Every figure over the records' prompts: the curve, the point figures and their bootstrap intervals."""
+    a = records_arrays(records, k_max)
+    n = len(a["sbon_reward"])
+    point = figures(a)
+    rng = np.random.default_rng(seed)
+    draws = [figures(a, rng.integers(0, n, n)) for _ in range(resamples)]
+    lo, hi = 100 * (1 - LEVEL) / 2, 100 * (1 + LEVEL) / 2
+    intervals = {key: [float(np.percentile([d[key] for d in draws], lo)), float(np.percentile([d[key] for d in draws], hi))]
+                 for key in ("sbon_reward", "k_star", "tokens_ratio", "compute_ratio", "reward_gain_at_equal_compute")}
+    curve = {"k": list(range(1, k_max + 1)), **{key: [float(v) for v in a[key].mean(axis=0)]
+                                                 for key in ("bon_reward", "bon_tokens", "bon_compute")}}
+    return {"prompts": n, "records": len(records), "curve": curve, **point,
+            "sbon_tokens": float(a["sbon_tokens"].mean()), "sbon_compute": float(a["sbon_compute"].mean()),
+            "prompt_tokens": float(a["prompt"].mean()), "intervals": intervals, "level": LEVEL,
+            "resamples": resamples,
+            "share_above": sum(d["k_star_is"] == "above" for d in draws) / resamples,
+            "share_below": sum(d["k_star_is"] == "below" for d in draws) / resamples}
+
+
+# --- builds ------------------------------------------------------------------------------------
 
 
 def kept_build(name: str, seed: int, argv: list[str], output: Path) -> dict:
@@ -90,81 +184,115 @@ def kept_build(name: str, seed: int, argv: list[str], output: Path) -> dict:
     return report
 
 
-def one_seed(args, seed: int, prompts: Path) -> dict:
-    """Best-of-K at each size and sbon on ``prompts`` with ``seed``: their reports, rewards and sbon's ratios."""
+def reward_readers(args) -> list:
+    """The tokenizers of the reward models the builds score with (a reward function reads none)."""
+    from benchmarks.frontier import _tokenizer
+    from pipeline.config import load_config
+    from pipeline.engines.rewards import is_reward_function
+
+    specs = [args.reward] if args.reward else load_config(args.config, args.overrides).models.rewards
+    return [_tokenizer(spec) for spec in specs if spec and not is_reward_function(spec)]
+
+
+def one_seed(args, seed: int, prompts: Path, readers: list) -> tuple[dict, list[dict]]:
+    """sbon and Best-of-K_max on ``prompts`` with ``seed``: the builds' figures and one record per
+    prompt both paired."""
     from benchmarks.real_sbon import read_pairs
+    from jobs.expert_iteration import finished
+    from pipeline.data.chat import reward_prompt_tokens
 
     shared = [f"seed={seed}", *([f"models.reward={args.reward}", "models.reward_weights=null"] if args.reward else []),
               *args.overrides]
+    bon = f"best_of_{args.k_max}"
     builds = {}
-    for name, strategy, sets in ([(f"best_of_{k}", "best_of_n", [f"sampling.num_samples={k}"]) for k in args.sizes]
-                                 + [("sbon", "sbon", args.sbon_sets)]):
+    # Best-of-K_max, the longer build, commits every BON_SHARD prompts: a stopped run resumes with little lost
+    for name, strategy, sets in (("sbon", "sbon", args.sbon_sets),
+                                 (bon, "best_of_n", [f"sampling.num_samples={args.k_max}", "data.candidate_scores=true",
+                                                     f"data.shard_size={BON_SHARD}"])):
         output = Path(args.output) / f"seed-{seed}" / name
         argv = job_argv(args.config, strategy, prompts, output, shared + sets, overwrite=False)
-        builds[name] = {"report": kept_build(name, seed, argv, output), "pairs": read_pairs(output)}
-    common = sorted(set.intersection(*(set(b["pairs"]) for b in builds.values())))
-    if not common:
-        fail(f"seed {seed}: no prompt paired in every build")
-    figures = {}
-    for name, b in builds.items():
-        figures[name] = {"mean_chosen_reward": sum(b["pairs"][p]["chosen_score"] for p in common) / len(common),
-                         "run_seconds": b["report"]["run_seconds"], "generated_tokens": b["report"]["generated_tokens"],
-                         "pairs": len(b["pairs"])}
-    bon = [figures[f"best_of_{k}"] for k in args.sizes]
-    k_star, where = match(args.sizes, [b["mean_chosen_reward"] for b in bon], figures["sbon"]["mean_chosen_reward"])
-    result = {"seed": seed, "compared_prompts": len(common), "builds": figures, "k_star": k_star, "k_star_is": where}
-    if k_star is not None:
-        for key in ("run_seconds", "generated_tokens"):
-            equal = at(args.sizes, [b[key] for b in bon], k_star)
-            result[f"best_of_k_star_{key}"] = equal
-            result[f"{key}_ratio"] = equal / figures["sbon"][key]
-    elif where == "above":  # Best-of-K at sbon's reward costs more than the largest K: a lower bound
-        for key in ("run_seconds", "generated_tokens"):
-            result[f"{key}_ratio_at_least"] = bon[-1][key] / figures["sbon"][key]
-    return result
+        if args.allow_partial and not finished(output):
+            pairs = read_pairs(output, allow_partial=True)
+            print(f"== {name}, seed {seed}: unfinished, {len(pairs)} pairs committed so far (--allow-partial)", flush=True)
+            builds[name] = {"report": None, "pairs": pairs}
+        else:
+            builds[name] = {"report": kept_build(name, seed, argv, output), "pairs": read_pairs(output)}
+    sbon, best = builds["sbon"]["pairs"], builds[bon]["pairs"]
+    records = []
+    for pid in sorted(set(sbon) & set(best), key=lambda p: best[p]["source_row"]):
+        s, b = sbon[pid], best[pid]
+        records.append({"seed": seed, "prompt_id": pid, "source_row": b["source_row"],
+                        "prompt_tokens": len(b["prompt_token_ids"]),
+                        "reward_prompt_tokens": sum(reward_prompt_tokens(t, b["raw_prompt"]) for t in readers),
+                        "sbon_reward": s["chosen_score"], "sbon_tokens": s["generated_tokens"],
+                        "sbon_stopped_early": s["stopped_early"],
+                        "candidate_scores": b["candidate_scores"], "candidate_tokens": b["candidate_tokens"]})
+    if not records:
+        fail(f"seed {seed}: no prompt paired in both builds")
+    result = {"seed": seed, "unpaired": {name: len(prompts_in(prompts)) - len(b["pairs"]) for name, b in builds.items()},
+              "builds": {name: ({k: b["report"][k] for k in ("run_seconds", "generated_tokens", "pairs")}
+                                if b["report"] else {"unfinished": True, "pairs": len(b["pairs"])})
+                         for name, b in builds.items()}}
+    return result, records
 
 
-def summary(seeds: list[dict]) -> dict:
-    """Each ratio over the seeds that reached a K*: mean, min and max; and how many did not."""
-    out = {"seeds": len(seeds), "seeds_without_k_star": [s["seed"] for s in seeds if s["k_star"] is None]}
-    for key in ("run_seconds_ratio", "generated_tokens_ratio", "k_star"):
-        values = [s[key] for s in seeds if s.get(key) is not None]
-        out[key] = ({"mean": sum(values) / len(values), "min": min(values), "max": max(values), "values": values}
-                    if values else None)
-    return out
+def prompts_in(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+def report(figures_: dict, per_seed: list[dict]) -> None:
+    """The lines a reader needs: the point figures and their intervals."""
+    f, iv = figures_, figures_["intervals"]
+    level = f"{100 * f['level']:.0f}%"
+    for s in per_seed:
+        b = s["builds"]
+        line = ", ".join(f"{name} unfinished, {v['pairs']} pairs committed" if v.get("unfinished") else
+                         f"{name} {v['run_seconds']:.1f}s run, {v['generated_tokens']} tokens, {v['pairs']} pairs"
+                         for name, v in b.items())
+        print(f"seed {s['seed']}: {line}; K* {s['k_star']:.1f} ({s['k_star_is']}), tokens ratio "
+              f"{s['tokens_ratio']:.2f}x, compute ratio {s['compute_ratio']:.2f}x")
+    print(f"{f['prompts']} prompts, {f['records']} records; sbon's mean chosen reward {f['sbon_reward']:.4f}, "
+          f"{f['sbon_tokens']:.0f} generated tokens and {f['sbon_compute']:.0f} compute per prompt "
+          f"({f['prompt_tokens']:.0f} of it the prompt)")
+    claim = {"within": "", "above": " (above Best-of-K_max: a lower bound)", "below": " (below Best-of-1: an upper bound)"}
+    print(f"equal reward at K* {f['k_star']:.1f}{claim[f['k_star_is']]} [{iv['k_star'][0]:.1f}, {iv['k_star'][1]:.1f}]: "
+          f"Best-of-K* / sbon generated tokens {f['tokens_ratio']:.2f}x [{iv['tokens_ratio'][0]:.2f}, "
+          f"{iv['tokens_ratio'][1]:.2f}], compute {f['compute_ratio']:.2f}x [{iv['compute_ratio'][0]:.2f}, "
+          f"{iv['compute_ratio'][1]:.2f}] ({level}, {f['resamples']} resamples of the prompts; K* above the curve "
+          f"in {100 * f['share_above']:.1f}% of them)")
+    print(f"at sbon's compute (Best-of-{f['k_at_sbon_compute']:.1f}): sbon's reward less Best-of-K's "
+          f"{f['reward_gain_at_equal_compute']:+.4f} [{iv['reward_gain_at_equal_compute'][0]:+.4f}, "
+          f"{iv['reward_gain_at_equal_compute'][1]:+.4f}]")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rows = read_prompts(args.prompts, args.skip + args.num_prompts, exactly=True)[args.skip:]
-    results = []
-    Path(args.output).mkdir(parents=True, exist_ok=True)
-    prompts = write_prompts(rows, Path(args.output) / "prompts.jsonl")
-    for seed in args.seeds:
-        results.append(one_seed(args, seed, prompts))
-        r = results[-1]
-        for name, b in r["builds"].items():
-            print(f"seed {seed} {name:<12} mean chosen reward {b['mean_chosen_reward']:.4f}, run "
-                  f"{b['run_seconds']:.1f}s, {b['generated_tokens']} tokens, {b['pairs']} pairs", flush=True)
-        if r["k_star"] is None:
-            print(f"seed {seed}: sbon's reward is {r['k_star_is']} every Best-of-K's: no K* within {args.sizes}"
-                  + (f"; against Best-of-{args.sizes[-1]}, at least {r['run_seconds_ratio_at_least']:.2f}x run time, "
-                     f"{r['generated_tokens_ratio_at_least']:.2f}x generated tokens" if r["k_star_is"] == "above" else ""))
-        else:
-            print(f"seed {seed}: equal reward at K* {r['k_star']:.1f}: Best-of-K* / sbon run time "
-                  f"{r['run_seconds_ratio']:.2f}x, generated tokens {r['generated_tokens_ratio']:.2f}x", flush=True)
-    total = summary(results)
-    for key, name in (("run_seconds_ratio", "run time"), ("generated_tokens_ratio", "generated tokens"),
-                      ("k_star", "K*")):
-        s = total[key]
-        if s:
-            print(f"{name}: mean {s['mean']:.2f} over {len(s['values'])} seeds, range [{s['min']:.2f}, {s['max']:.2f}]")
-    if total["seeds_without_k_star"]:
-        print(f"no K* within {args.sizes} for seeds {total['seeds_without_k_star']}")
-    write_json(args.json, {"prompts_file": args.prompts, "skip": args.skip, "prompts": len(rows), "sizes": args.sizes,
-                           "sbon_sets": args.sbon_sets, "overrides": args.overrides, "reward": args.reward,
-                           "per_seed": results, "summary": total}, args)
-    return 0 if all(math.isfinite(r["builds"]["sbon"]["mean_chosen_reward"]) for r in results) else 1
+    if args.replay:
+        try:
+            kept = json.loads(Path(args.replay).read_text())
+            records, per_seed_in, settings = kept["records"], kept["per_seed"], kept["settings"]
+        except (OSError, ValueError, KeyError) as exc:
+            fail(f"{args.replay}: not an equal_reward JSON with records ({exc})")
+        k_max = settings["k_max"]
+    else:
+        rows = read_prompts(args.prompts, args.skip + args.num_prompts, exactly=True)[args.skip:]
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+        prompts = write_prompts(rows, Path(args.output) / "prompts.jsonl")
+        readers = reward_readers(args)
+        k_max, records, per_seed_in = args.k_max, [], []
+        for seed in args.seeds:
+            result, found = one_seed(args, seed, prompts, readers)
+            per_seed_in.append(result)
+            records += found
+        settings = {"prompts_file": args.prompts, "skip": args.skip, "prompts": len(rows), "k_max": k_max,
+                    "sbon_sets": args.sbon_sets, "overrides": args.overrides, "reward": args.reward,
+                    "seeds": args.seeds, "bootstrap": args.bootstrap}
+    per_seed = [{**s, **figures(records_arrays([r for r in records if r["seed"] == s["seed"]], k_max))}
+                for s in per_seed_in]
+    total = summarize(records, k_max, settings["bootstrap"])
+    report(total, per_seed)
+    write_json(args.json, {"settings": settings, "summary": total, "per_seed": per_seed, "records": records}, args)
+    return 0
 
 
 if __name__ == "__main__":

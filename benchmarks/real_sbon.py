@@ -133,16 +133,17 @@ def build(strategy: str, args: argparse.Namespace, shared: list[str], prompts: P
     return report
 
 
-def read_pairs(output: Path) -> dict[str, dict]:
+def read_pairs(output: Path, allow_partial: bool = False) -> dict[str, dict]:
     """prompt_id -> pair row of one finished build: its committed part files, through the output
-    store (IncompleteBuild if the build did not finish; a stray part file is never read)."""
+    store (IncompleteBuild if the build did not finish, unless ``allow_partial``: then the shards
+    committed so far; a stray part file is never read)."""
     import pyarrow.parquet as pq
 
     from pipeline.data.store import OutputStore
 
     store = OutputStore(str(output))
     rows = {}
-    for part in store.committed_parts():
+    for part in store.committed_parts(allow_partial):
         with store.fs.open(part, "rb") as f:
             for row in pq.read_table(f).to_pylist():
                 rows[row["prompt_id"]] = row

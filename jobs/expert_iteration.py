@@ -19,7 +19,7 @@ strategy from round 1 on, e.g. `sla` once a trained channel exists. Round r trai
 r + 1000 * S (--training-seed S, default 0): another S is the same rounds under another draw of the
 training's randomness (DPO's run-to-run spread).
 
-The control arm (issue 68): the same rounds with Best-of-N pairs at the same build compute, by
+The control arm: the same rounds with Best-of-N pairs at the same build compute, by
 ``--set strategy.name=best_of_n --set sampling.num_samples=K`` beside the sbon arm's other
 arguments (the config's sbon parameters are dropped with a note). K is the sbon arm's round-0
 generated tokens per prompt over Best-of-N's mean tokens per candidate (about the start policy's

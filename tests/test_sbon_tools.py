@@ -711,62 +711,87 @@ def test_frontier_counts_an_older_collections_prompt_tokens_from_its_prompt_file
         assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_equal_reward_match_interpolates_between_the_bracketing_sizes_and_claims_nothing_outside():
-    from benchmarks.equal_reward import at, match
+def test_equal_reward_crossing_interpolates_between_k_and_claims_nothing_outside():
+    import numpy as np
 
-    assert match([16, 24, 32], [4.0, 4.4, 4.6], 4.5) == (pytest.approx(28.0), "within")
-    assert match([16, 24, 32], [4.0, 4.4, 4.6], 4.0) == (16.0, "within")
-    assert match([24, 32], [4.5, 4.5], 4.5) == (24.0, "within")
-    # Noise can make the curve dip: the first bracketing pair counts.
-    assert match([16, 24, 32], [4.0, 4.6, 4.4], 4.5) == (pytest.approx(16 + 8 * 5 / 6), "within")
-    assert match([24, 32], [4.4, 4.6], 4.7) == (None, "above")
-    assert match([24, 32], [4.4, 4.6], 4.3) == (None, "below")
-    assert at([24, 32], [100.0, 140.0], 28.0) == pytest.approx(120.0)
-    with pytest.raises(ValueError):
-        at([24, 32], [100.0, 140.0], 33.0)
+    from benchmarks.equal_reward import at, crossing
+
+    curve = np.array([4.0, 4.4, 4.6])
+    assert crossing(curve, 4.5) == (pytest.approx(2.5), "within")
+    assert crossing(curve, 4.0) == (1.0, "within")
+    assert crossing(curve, 3.9) == (1.0, "below")
+    assert crossing(curve, 4.7) == (3.0, "above")
+    assert crossing(np.array([4.5, 4.5]), 4.5) == (1.0, "within")
+    assert at(np.array([100.0, 140.0, 150.0]), 1.5) == pytest.approx(120.0)
+    assert at(np.array([100.0, 140.0, 150.0]), 3.0) == 150.0
+
+
+def test_equal_reward_figures_from_records_by_hand():
+    """Two prompts, one seed: Best-of-K's curve is the mean of the running best, K* where it meets
+    sbon's mean reward, and the ratios are Best-of-K*'s interpolated cost over sbon's (compute: twice
+    the generated tokens, the generator's and the reward's reads, plus the prompt's)."""
+    from benchmarks.equal_reward import figures, records_arrays, summarize
+
+    records = [{"seed": 1, "prompt_id": "a", "prompt_tokens": 10, "reward_prompt_tokens": 12, "sbon_reward": 2.0,
+                "sbon_tokens": 30, "candidate_scores": [1.0, 3.0, 2.0], "candidate_tokens": [10, 20, 30]},
+               {"seed": 1, "prompt_id": "b", "prompt_tokens": 4, "reward_prompt_tokens": 6, "sbon_reward": 1.0,
+                "sbon_tokens": 10, "candidate_scores": [0.0, float("nan"), 1.0], "candidate_tokens": [5, 5, 5]}]
+    a = records_arrays(records, 3)
+    assert a["bon_reward"].mean(axis=0).tolist() == [0.5, 1.5, 2.0]
+    f = figures(a)
+    assert f["sbon_reward"] == 1.5 and f["k_star"] == 2.0 and f["k_star_is"] == "within"
+    assert f["tokens_ratio"] == pytest.approx(((10 + 20) + (5 + 5)) / 2 / 20)
+    assert f["compute_ratio"] == pytest.approx((2 * 20 + 16) / (2 * 20 + 16))
+    s = summarize(records, 3, 200)
+    assert s["prompts"] == 2 and s["intervals"]["k_star"][0] <= 2.0 <= s["intervals"]["k_star"][1]
+    # the mean over a prompt's seeds is its record: a second seed of prompt a halves its weight
+    again = summarize(records + [{**records[0], "seed": 2, "sbon_reward": 0.0}], 3, 200)
+    assert again["sbon_reward"] == pytest.approx((1.0 + 1.0) / 2)
 
 
 def test_equal_reward_live_on_the_tiny_models(tiny_models, tmp_path, capsys):
-    """Best-of-K at two K and sbon through the build job, one seed: Best-of-3's candidates are
-    Best-of-2's and one more (row seeds), so its chosen reward is never lower on any prompt; each
-    figure is the builds' own, and sbon's ratios are Best-of-K*'s interpolated run time and tokens."""
-    from benchmarks.equal_reward import at, main
+    """sbon and Best-of-3 with candidate scores through the build job, one seed: each record is the
+    builds' own pair rows, the run times are their reports', a rerun reuses the builds, and --replay
+    reproduces the JSON from its records."""
+    from benchmarks.equal_reward import main
     from benchmarks.real_sbon import read_pairs
 
     out = tmp_path / "eq"
     argv = ["--config", "configs/demo.yaml", "--prompts", "configs/prompts/demo.jsonl", "--skip", "2",
-            "--num-prompts", "3", "--seeds", "7", "--sizes", "3", "2", "--output", str(out),
+            "--num-prompts", "3", "--seeds", "7", "--k-max", "3", "--output", str(out), "--bootstrap", "200",
             "--reward", str(tiny_models["reward"]), "--set", f"models.generator={tiny_models['generator']}",
             "--set", "runtime.local=true", "--set", "sampling.max_new_tokens=12",
             "--sbon-set", "sampling.num_samples=4", "--sbon-set", "strategy.decision_token=4",
             "--sbon-set", "strategy.rejection_rate=0.5", "--json", str(tmp_path / "eq.json")]
     assert main(argv) == 0
     figures = json.loads((tmp_path / "eq.json").read_text())
-    assert figures["sizes"] == [2, 3] and figures["prompts"] == 3
     seed = figures["per_seed"][0]
-    two, three = (read_pairs(out / "seed-7" / f"best_of_{k}") for k in (2, 3))
-    assert all(three[p]["chosen_score"] >= two[p]["chosen_score"] - 1e-6 for p in two if p in three)
-    for name in ("best_of_2", "best_of_3", "sbon"):
+    sbon, bon = (read_pairs(out / "seed-7" / name) for name in ("sbon", "best_of_3"))
+    assert len(figures["records"]) == len(set(sbon) & set(bon)) == figures["summary"]["prompts"]
+    for r in figures["records"]:
+        assert r["sbon_reward"] == sbon[r["prompt_id"]]["chosen_score"]
+        assert max(r["candidate_scores"]) == bon[r["prompt_id"]]["chosen_score"]
+        assert r["prompt_tokens"] == len(bon[r["prompt_id"]]["prompt_token_ids"]) and r["reward_prompt_tokens"] > 0
+    for name in ("best_of_3", "sbon"):
         report = json.loads((out / "seed-7" / name / "_report.json").read_text())
         assert seed["builds"][name]["run_seconds"] == report["run_seconds"]
         assert seed["builds"][name]["generated_tokens"] == report["generated_tokens"]
-    if seed["k_star"] is not None:
-        assert 2 <= seed["k_star"] <= 3
-        b = seed["builds"]
-        assert seed["run_seconds_ratio"] == pytest.approx(
-            at([2, 3], [b["best_of_2"]["run_seconds"], b["best_of_3"]["run_seconds"]], seed["k_star"])
-            / b["sbon"]["run_seconds"])
-    else:
-        assert seed["k_star_is"] in ("below", "above") and figures["summary"]["seeds_without_k_star"] == [7]
-        b = seed["builds"]
-        assert ("generated_tokens_ratio_at_least" in seed) == (seed["k_star_is"] == "above")
-        if seed["k_star_is"] == "above":  # Best-of-K at sbon's reward costs more than Best-of-3
-            assert seed["generated_tokens_ratio_at_least"] == pytest.approx(
-                b["best_of_3"]["generated_tokens"] / b["sbon"]["generated_tokens"])
-    # A rerun reuses the finished builds: the same figures.
+    assert "equal reward at K*" in capsys.readouterr().out
+    # A rerun reuses the finished builds; --replay recomputes the same figures from the records.
     assert main(argv) == 0
     again = json.loads((tmp_path / "eq.json").read_text())
-    assert again["per_seed"] == figures["per_seed"]
+    assert again["per_seed"] == figures["per_seed"] and again["summary"] == figures["summary"]
+    assert main(["--replay", str(tmp_path / "eq.json"), "--json", str(tmp_path / "replay.json")]) == 0
+    replay = json.loads((tmp_path / "replay.json").read_text())
+    assert replay["summary"] == figures["summary"] and replay["per_seed"] == figures["per_seed"]
     with pytest.raises(SystemExit) as stop:
-        main([*argv, "--sizes", "4"])
+        main(["--replay", str(tmp_path / "missing.json")])
     assert stop.value.code == 2
+    # An unfinished build is read, not run, with --allow-partial: its committed shards' prompts only.
+    (out / "seed-7" / "best_of_3" / "_SUCCESS").unlink()
+    capsys.readouterr()
+    assert main([*argv, "--allow-partial"]) == 0
+    assert "best_of_3, seed 7: unfinished" in capsys.readouterr().out
+    partial = json.loads((tmp_path / "eq.json").read_text())
+    assert partial["per_seed"][0]["builds"]["best_of_3"] == {"unfinished": True, "pairs": len(bon)}
+    assert partial["records"] == figures["records"]
