@@ -98,7 +98,9 @@ def records_arrays(records: list[dict], k_max: int) -> dict[str, np.ndarray]:
     for pid in sorted(by_prompt):
         per_seed = []
         for r in by_prompt[pid]:
-            scores = np.array([s if s is not None and math.isfinite(s) else -np.inf
+            finite = [s for s in r["candidate_scores"][:k_max] if s is not None and math.isfinite(s)]
+            # a failed candidate (non-finite reward; never chosen) counts as the prompt's worst one
+            scores = np.array([s if s is not None and math.isfinite(s) else min(finite)
                                for s in r["candidate_scores"][:k_max]], dtype=float)
             tokens = np.cumsum(np.array(r["candidate_tokens"][:k_max], dtype=float))
             prompt = r["prompt_tokens"] + r["reward_prompt_tokens"]

@@ -735,7 +735,7 @@ def test_equal_reward_figures_from_records_by_hand():
     records = [{"seed": 1, "prompt_id": "a", "prompt_tokens": 10, "reward_prompt_tokens": 12, "sbon_reward": 2.0,
                 "sbon_tokens": 30, "candidate_scores": [1.0, 3.0, 2.0], "candidate_tokens": [10, 20, 30]},
                {"seed": 1, "prompt_id": "b", "prompt_tokens": 4, "reward_prompt_tokens": 6, "sbon_reward": 1.0,
-                "sbon_tokens": 10, "candidate_scores": [0.0, float("nan"), 1.0], "candidate_tokens": [5, 5, 5]}]
+                "sbon_tokens": 10, "candidate_scores": [float("nan"), 0.0, 1.0], "candidate_tokens": [5, 5, 5]}]
     a = records_arrays(records, 3)
     assert a["bon_reward"].mean(axis=0).tolist() == [0.5, 1.5, 2.0]
     f = figures(a)

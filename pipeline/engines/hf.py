@@ -38,12 +38,13 @@ from pipeline.engines.step_loop import StepLoop
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_KEYS = ("revision", "trust_remote_code")
+"""The loading settings (models.hf, ``HFLoadConfig.load_kwargs``) a tokenizer takes too."""
 GENERATE_PREFILL_TOKENS = 16384
 """``generate``'s bound on one session's prefill: its prompts times the longest one's tokens. A
 session's prompts go through one left-padded forward pass (RowBatch.prefill), whose activations grow
-with the padded tokens and its attention with their square: 60 prompts of IFBench's longest (2,591
-tokens) took 9 GB in one session. A prompt longer than the bound is a session alone."""
-"""The loading settings (models.hf, ``HFLoadConfig.load_kwargs``) a tokenizer takes too."""
+with the padded tokens and its attention with their square: the last 60 prompts of IFBench's test
+set (the longest 2,591 tokens) passed 9 GB in one session. A prompt longer than the bound is a
+session alone."""
 
 
 def torch_dtype(name: str) -> torch.dtype | str:
@@ -293,14 +294,15 @@ class HFEngine:
         In one session where the KV cache's pool holds every row at full length; else in consecutive
         sessions of as many prompts' rows as it holds (a prompt's own rows split only where even they
         do not fit), since the loop preempts whole sessions and one that outgrows the pool cannot run;
-        and of at most GENERATE_PREFILL_TOKENS padded prompt tokens each. The rows come back in order, each ``row`` its index in the call
-        (prompt-major), whatever session ran it."""
+        and of at most GENERATE_PREFILL_TOKENS padded prompt tokens each. The rows come back in
+        order, each ``row`` its index in the call (prompt-major), whatever session ran it."""
         out = []
         for group, count, first in self._groups(prompts, num_samples, sampling.max_new_tokens):
             session = f"generate-{uuid.uuid4().hex}"
             self.open(session, group, count, seeds[first:first + len(group) * count], sampling)
             try:
-                out += [dataclasses.replace(r, row=first + r.row) for r in self.extend(session, until=sampling.max_new_tokens)]
+                rows = self.extend(session, until=sampling.max_new_tokens)
+                out += [dataclasses.replace(r, row=first + r.row) for r in rows]
             finally:
                 self.close(session)
         return out
@@ -332,7 +334,7 @@ class HFEngine:
 
 def _padded(prompts: list[list[int]]) -> int:
     """Tokens of the left-padded batch that prefills ``prompts`` in one pass."""
-    return len(prompts) * max(len(p) for p in prompts)
+    return len(prompts) * max((len(p) for p in prompts), default=0)
 
 
 def _without_inference_mode(run: Callable[[], Any]) -> Any:
