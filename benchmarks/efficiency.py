@@ -14,8 +14,8 @@ MODELS``, plus every ``--set``). From each run's ``_report.json``:
 
 run_seconds runs from the first batch dispatched to the last shard committed (startup, i.e. cluster,
 actors and model loads, is left out); tokens are the tokens each run generated. 1.0: the wall clock
-falls exactly as far as the tokens do; below 1, part of the saving is lost on the way (issue 15's
-target: >= 0.85). Each run's actor time breakdown (forward passes, sampling and bookkeeping,
+falls exactly as far as the tokens do; below 1, part of the saving is lost on the way (the
+target was >= 0.85). Each run's actor time breakdown (forward passes, sampling and bookkeeping,
 waiting for rewards or for work, Ray calls) says where. With ``--repeats R`` the two builds
 alternate R times and the fastest run of each is kept, as in benchmarks.scaling.
 """

@@ -1,6 +1,6 @@
 """Expert iteration's rounds judged: each round's policy on the held-out IFEval prompts and on
 IFBench's judged subset, beside its length and the build's reward model's score of the same
-responses (issue 62, item 5).
+responses.
 
     python -m benchmarks.ei_rounds --schedule OUT [--config configs/real.yaml]
         [--reward .cache/real-models/reward] [--eval-prompts configs/prompts/ifeval-eval.jsonl]

@@ -1,5 +1,5 @@
 """The equal-compute frontier of speculative rejection against Best-of-K, replayed on collected
-completions (issue 49): the paper's own comparison (reward reached against compute spent), and beside
+completions: the paper's own comparison (reward reached against compute spent), and beside
 it the same-N one, whose saving one cut at tau caps near L / (tau + (1 - alpha)(L - tau)).
 
     python -m benchmarks.frontier --counterfactual DIR/counterfactual.json [DIR2/counterfactual.json ...] [--sizes 8,16,32] \
@@ -28,7 +28,7 @@ N_max 64 costs a second N-32 collection, not a new one):
   responses once) and its reads of the prompt (below), weighted by --generator-cost and --reward-cost
   (seconds per token, measured on your models; the defaults count tokens, a prefill token as a
   decoded one).
-- The prompt's tokens (issue 62): the generator's are its prefill, the prompt through its chat
+- The prompt's tokens: the generator's are its prefill, the prompt through its chat
   template (pipeline.data.chat.PromptFormatter); the reward model's are the head of its text before
   the response (pipeline.data.chat.reward_prompt_tokens; summed over the collection's reward models,
   a reward function reads none). jobs.counterfactual records both per prompt (``prompt_tokens``,
@@ -49,20 +49,20 @@ N_max 64 costs a second N-32 collection, not a new one):
   (pipeline.engines.vllm_reward) scores whole texts but its prefix cache serves a prompt's shared
   blocks after the first read: about ``per-prompt``. The Reward Transformer (SLA) reads the reward in
   the generator's own pass and does not apply here. --leave-out-prompt counts no prompt token, as
-  figures before issue 62 did.
+  the earliest figures (docs/history.md) did.
 - Quality: the judge's prompt- and instruction-level accuracy of the chosen completion, and the
   mean final reward.
 - For each sbon point: the compute ratio at equal quality, Best-of-K's compute interpolated at
   sbon's quality (--level) over sbon's compute, with a percentile bootstrap interval over prompts
   (--bootstrap resamples). Where sbon's quality is above Best-of-N_max's, the ratio is a lower
   bound (``above_curve``).
-- For each sbon point, the same-N comparison as well (``bon-build``'s, and issue 49's "same N" target):
+- For each sbon point, the same-N comparison as well (``bon-build``'s own comparison):
   its normalized score (Eq. 5: 100 for Best-of-N's choice among the same N candidates, 0 for their
   worst; prompts whose N rewards all tie left out) and Best-of-N's compute over its own
   (``same_n_ratio``).
 - The headline: the point with the largest ratio. Its bootstrap interval is for that point fixed, and
   ignores that it was the best of the grid on the same prompts it is scored on. --held-out-splits K
-  (issue 62) measures the choice instead: K times, the prompts are split at random into two halves
+  measures the choice instead: K times, the prompts are split at random into two halves
   (the splits drawn from --seed), the point with the largest ratio on the first half is chosen (the
   Best-of-K curve also from that half alone) and its ratio is taken on the other half; the median and
   the 2.5-97.5% range over the splits are printed and written (``held_out``) beside the headline.
@@ -417,7 +417,7 @@ def _ratio_on(curve: list[dict], point: Point, instructions, costs, level: str, 
 
 def held_out(curve_points: list[Point], points: list[Point], instructions: np.ndarray, costs: tuple[float, float],
              level: str, splits: int, seed: int) -> dict:
-    """Held-out selection (issue 62): ``splits`` times, the prompts in two random halves, the first
+    """Held-out selection: ``splits`` times, the prompts in two random halves, the first
     (half of them, rounded down) to choose the point on, the other to measure it on (``choose_on``).
     Returns the held-out ratios' median and 2.5-97.5% range over splits, the chosen points' ratios
     on their own half (the median: what selection adds), how often each point was chosen (by index
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__name__, __doc__, json=None, plot=None, seed=0, prompts=dict(
         nargs="+", metavar="FILE", help="the prompt file(s) a collection was made from (jobs.counterfactual's "
         "--prompts), one for all --counterfactual or one per --counterfactual in order: its prompt tokens counted "
-        "where it does not record them (collections before issue 62)"))
+        "where it does not record them (the earliest collections)"))
     parser.add_argument("--counterfactual", required=True, nargs="+",
                         help="jobs.counterfactual's counterfactual.json; several: their prompts replayed as one set "
                              "(collections of the same generator, rewards, taus and cap, e.g. a prompt file's two halves)")
@@ -609,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
                              "session), or once per candidate (whole-text scoring); default: per-prompt where the "
                              "collection's reward streamed (streaming_reward), per-candidate where it did not")
     parser.add_argument("--leave-out-prompt", action="store_true",
-                        help="count no prompt token on either side (the figures before issue 62)")
+                        help="count no prompt token on either side (as the earliest figures did)")
     args = parse(parser, argv)
     if args.held_out_splits < 0:
         fail(f"--held-out-splits {args.held_out_splits}: a count of splits, 0 or more")

@@ -1,4 +1,4 @@
-"""Peak memory of in-process speculative rejection on the real models as prompts grow (issue 48):
+"""Peak memory of in-process speculative rejection on the real models as prompts grow:
 16 short prompts; the same 16 plus one prompt of about 1,700 tokens; eight prompts of about 580
 tokens. Each is one build (`python -m jobs.build_dataset ... --set runtime.local=true`) under
 `/usr/bin/time -v`, one after the other, N 16, T 64, rows_in_flight 64, the reward model alone. It

@@ -5,7 +5,7 @@
         [--rejection-rate ALPHA] [--seed 0] [--repeats 1] [--set KEY=VALUE ...] [--sbon-set KEY=VALUE ...]
         [--prompts FILE] [--output out/bench/real-sbon] [--no-judge] [--json FILE]
 
-    # issue 13 item 5, on a GPU:
+    # on a GPU:
     python -m benchmarks.real_sbon --device cuda --num-prompts 64 --json out/bench/real-sbon-cuda.json
 
 Runs ``jobs.build_dataset.main`` twice, Best-of-N then speculative rejection (sbon), on
@@ -43,11 +43,11 @@ From each run's ``_report.json`` and pair Parquet it prints:
   builds' sampling settings and the seed of candidate 0 (pipeline.decoding.sampling.row_seed), so
   it is one of the builds' own candidates, judged the same way, on all prompts and on the compared ones.
 
-Targets (issue 37, on configs/real.yaml's composite reward, 64 held-out prompts, N 32, T 256):
+Targets (on configs/real.yaml's composite reward, 64 held-out prompts, N 32, T 256):
 sbon >= 2.5x less run time than Best-of-N at normalized (combined) score >= 98; sbon's chosen
 IFEval accuracy within 1 point of Best-of-N's; Best-of-N's chosen >= 20 instruction-level points
 above a random sample; the judge tells apart >= 75% of the pairs and ranks chosen above rejected in
->= 90% of those. Earlier (issue 28): 15 points, 2 points, 85%.
+>= 90% of those. Earlier targets: 15 points, 2 points, 85%.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ over prompts), token rate (generated tokens / Best-of-N's) and reward-model toke
 same seeds every method samples the same candidates as Best-of-N, so the score is at most 100.
 The headline SR row is also run with full re-scoring instead of streaming reward sessions: the
 ratio of reward-model tokens read is printed, and the scores must agree.
-Targets (issue 6): >= 3x wall-clock speedup at score >= 98, and SR above Best-of-M's score.
+Targets: >= 3x wall-clock speedup at score >= 98, and SR above Best-of-M's score.
 Writes JSON to --json (default sbon.json) and a speedup-score scatter PNG to --plot.
 """
 

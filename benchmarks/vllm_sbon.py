@@ -1,5 +1,5 @@
 """Speculative rejection on vLLM (rounds and continuous batching) against Best-of-N on vLLM and on
-our HF engine, end to end through the build job on the real models (issue 14 item 5).
+our HF engine, end to end through the build job on the real models.
 
     .venv-vllm/bin/python -m benchmarks.vllm_sbon [--config configs/real.yaml] [--num-prompts 8]
         [--runs bon_vllm,sbon_rounds,sbon_continuous,bon_hf] [--set KEY=VALUE ...] [--no-judge]
@@ -26,7 +26,7 @@ Ray actors as the config places them; only these differ:
 - ``sbon_continuous_spec``: ``sbon_continuous`` with vLLM's ngram speculative decoding
   (models.speculative: k = ``--spec-tokens`` draft tokens while at most ``--spec-rows`` requests
   decode, pipeline.decoding.speculative.SpeculativeDecoding): the survivors finish speculatively
-  once the batch has thinned (issue 14 item 7);
+  once the batch has thinned;
 - ``sbon_hf`` / ``sbon_hf_spec``: speculative rejection on the HF engine (continuous batching), without
   and with the same speculative decoding of each batch's finish (prompt lookup verified with
   ADED's exact acceptance: the same candidates as ``sbon_hf``, up to float rounding).
@@ -34,7 +34,7 @@ Ray actors as the config places them; only these differ:
   the reward model on vLLM's pooling runner too (models.reward_backend vllm,
   pipeline.engines.vllm_reward.VLLMRewardScorer: prefix caching instead of our reward-side KV
   cache; its KV cache ``--reward-kv-fraction`` of the node's memory, weights included), against
-  the same run with the reward model on our HF scorer (issue 30 item 2).
+  the same run with the reward model on our HF scorer.
 
 Each ``X_vllm_reward`` run next to its ``X`` also gets ``X_vllm_reward_over_X`` (X's run seconds over
 its own: above 1, the reward model on vLLM is faster), both runs' reward-actor seconds (inside
@@ -54,10 +54,9 @@ and its pair accuracy (benchmarks.real_sbon.ifeval; the prompts need IFEval's co
 ``--throughput`` also times raw decoding at 128 rows x 128 tokens (EOS ignored, both cores): vLLM's
 LLM.generate in this process, then our HFEngine (benchmarks.hf_throughput) in a process of its own
 on ``--hf-python`` (default .venv/bin/python: the HF engine as users run it; in .venv-vllm, whose
-transformers is pinned below 5.20, the same engine measured 2.3x slower), tokens/s and their ratio
-(issue 14 item 6).
+transformers is pinned below 5.20, the same engine measured 2.3x slower), tokens/s and their ratio.
 
-Targets (issue 14): sbon on vLLM >= 2.5x faster than Best-of-N on vLLM at normalized score >= 98;
+Targets: sbon on vLLM >= 2.5x faster than Best-of-N on vLLM at normalized score >= 98;
 continuous >= 1.2x over rounds; HFEngine >= 0.9x vLLM's tokens/s at 128 x 128.
 """
 
