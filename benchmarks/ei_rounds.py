@@ -313,6 +313,12 @@ def read_arm(data: Path) -> dict:
         fail(f"--against {data}: does not hold a run of this benchmark ({type(exc).__name__}: {exc})")
     bench = {name: read_json_gz(path) for name in schedule["policies"]
              if (path := policy_file(data, name, "IFBench")).exists()}
+    return arm(data, schedule, ifeval, bench)
+
+
+def arm(data: Path, schedule: dict, ifeval: dict, bench: dict) -> dict:
+    """An arm as arms_compared takes it: its DATA, schedule record, name (its builds' strategy) and
+    records by judge and policy."""
     return {"data": str(data), "schedule": schedule, "name": schedule.get("rounds", {}).get("0", {}).get("strategy"),
             "records": {"IFEval": ifeval, "IFBench": bench}}
 
@@ -476,9 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         figures["ifbench"] = {"subset": ifbench_subset(), "prompts_file": args.ifbench_prompts,
                               "prompts": len(bench_brief), **figures_of(bench, bench_brief, args.resamples, config.seed)}
     if args.against:
-        ours = {"data": str(data), "schedule": schedule, "name": schedule["rounds"].get("0", {}).get("strategy"),
-                "records": {"IFEval": dict(zip(schedule["policies"], records)),
-                            "IFBench": dict(zip(schedule["policies"], bench or []))}}
+        ours = arm(data, schedule, dict(zip(schedule["policies"], records)), dict(zip(schedule["policies"], bench or [])))
         figures["against"] = arms_compared(ours, read_arm(Path(args.against)), groups, args.resamples, config.seed)
     print_figures(figures, schedule)
     if args.against:
