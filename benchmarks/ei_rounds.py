@@ -81,13 +81,32 @@ def parse_args(argv: list[str] | None):
                              "python -m jobs.make_ifbench_prompts)")
     parser.add_argument("--ifbench-samples", type=int, default=4, help="responses per IFBench prompt and policy")
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples of the held-out prompts")
+    parser.add_argument("--policies", nargs="+", default=None, metavar="NAME",
+                        help="with --schedule: judge only these of its policies (start, round-1, round-2, ...; "
+                             "start is always judged, since every gain is over it), e.g. the last round first "
+                             "when judging time is short; the default is every finished round")
     parser.add_argument("--against", default=None,
                         help="another arm's --data (e.g. benchmarks/results/ei-rounds-bon): each policy of this arm "
                              "against the same policy of that one")
     args = parse(parser, argv)
     if bool(args.schedule) == args.replay:
         fail("give --schedule OUT (evaluate its rounds) or --replay (the figures from --data)")
+    if args.policies and args.replay:
+        fail("--policies: with --schedule only (--replay reads the policies --data holds)")
     return args
+
+
+def chosen_policies(policies: list[tuple[str, str]], names: list[str] | None, out: str) -> list[tuple[str, str]]:
+    """The schedule's policies that --policies names (start always), in round order; one line and exit
+    2 for a name the schedule has no finished policy for."""
+    if not names:
+        return policies
+    wanted = {name.replace("-", " ") for name in names} | {"start"}
+    unknown = wanted - {name for name, _ in policies}
+    if unknown:
+        fail(f"--policies: {out} has no finished policy {', '.join(sorted(unknown))} (it has: "
+             f"{', '.join(name.replace(' ', '-') for name, _ in policies)})")
+    return [(name, model) for name, model in policies if name in wanted]
 
 
 def policy_file(data: Path, name: str, judge: str = "IFEval") -> Path:
@@ -460,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.dpo_loop import held_out_rows
 
         policies, schedule = schedule_policies(Path(args.schedule))
+        policies = chosen_policies(policies, args.policies, args.schedule)
         schedule["policies"] = [name for name, _ in policies]
         rows = held_out_rows(args.eval_prompts)
         records = [evaluate(name, model, args, config, rows) for name, model in policies]

@@ -163,6 +163,19 @@ def judge_the_rounds(tiny_models, out: Path, tmp_path: Path, capsys):
     # A rerun reuses every policy's responses; --replay gives the same figures with no model at all.
     assert ei_rounds([*argv, "--json", str(tmp_path / "again.json")]) == 0
     assert capsys.readouterr().out.count("reused") == 3
+    # --policies: only the named policies (the start always), the same figures for those.
+    assert ei_rounds([*argv, "--policies", "round-2", "--json", str(tmp_path / "some.json")]) == 0
+    some = json.loads((tmp_path / "some.json").read_text())
+    assert [r["policy"] for r in some["policies"]] == ["start", "round 2"]
+    assert some["policies"][1]["gain_over_start"] == figures["policies"][2]["gain_over_start"]
+    assert capsys.readouterr().out.count("reused") == 2
+    for bad in (["--policies", "round-3"], ["--policies", "round-1", "--replay"]):
+        with pytest.raises(SystemExit) as stop:
+            ei_rounds([*(common if "--replay" in bad else argv), *bad])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.startswith("error: --policies:")
+    assert ei_rounds([*argv, "--json", str(tmp_path / "again.json")]) == 0  # schedule.json lists every policy again
+    capsys.readouterr()
     assert ei_rounds([*common, "--replay", "--json", str(tmp_path / "replay.json")]) == 0
     replayed = json.loads((tmp_path / "replay.json").read_text())
     assert {k: v for k, v in replayed.items() if k != "environment"} == {
