@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--policies", nargs="+", default=None, metavar="NAME",
                         help="with --schedule: judge only these of its policies (start, round-1, round-2, ...; "
                              "start is always judged, since every gain is over it), e.g. the last round first "
-                             "when judging time is short; the default is every finished round")
+                             "when judging time is short (DATA's schedule.json then lists only these for --replay, until a "
+                             "run without --policies); the default is every finished round")
     parser.add_argument("--against", default=None,
                         help="another arm's --data (e.g. benchmarks/results/ei-rounds-bon): each policy of this arm "
                              "against the same policy of that one")
